@@ -1,0 +1,168 @@
+//! Writes the code.
+//!
+//! Input:
+//!
+//! ```ignore
+//! #[idempotent(key = "order_<order_id>_pay", ttl = "24h", biz = "pay")]
+//! async fn pay(idem: &Idem<MySql>, tx: &mut Transaction<'_, MySql>, order_id: u64) -> Result<Receipt, PayError> {
+//!     body
+//! }
+//! ```
+//!
+//! Output:
+//!
+//! ```ignore
+//! async fn pay(idem: &Idem<MySql>, order_id: u64) -> Result<Receipt, PayError> {
+//!     const __IDEM_SPEC: ::idem::__private::Spec = ::idem::__private::Spec { biz: "pay", ttl: .., lease: .. };
+//!     let __idem_key = ::std::format!("order_{}_pay", order_id);
+//!     let __idem_biz_no = ::core::option::Option::None;
+//!     let __idem_fingerprint = ::idem::__private::Fingerprint::new().arg("order_id", &order_id);
+//!     let __idem_engine = ::core::clone::Clone::clone(&(idem));
+//!     ::idem::__private::run(::core::convert::AsRef::<::idem::Idem<_>>::as_ref(&__idem_engine), &__IDEM_SPEC, __idem_key, __idem_fingerprint, __idem_biz_no,
+//!         move |mut __idem_tx| async move {
+//!             let __idem_out: Result<Receipt, PayError> = {
+//!                 let tx: &mut Transaction<'_, MySql> = &mut __idem_tx;
+//!                 async move { body }.await
+//!             };
+//!             (__idem_tx, __idem_out)
+//!         }).await
+//! }
+//! ```
+//!
+//! The `let __idem_out: <declared return type>` keeps the user's signature in
+//! charge of inference, so type errors in the body land on the body.
+
+use proc_macro2::TokenStream;
+use quote::{quote, quote_spanned};
+use syn::ItemFn;
+
+use crate::attr::{self, Args};
+use crate::key::{Piece, Template};
+use crate::sig::{self, Checked};
+
+pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
+    let mut func: ItemFn = match syn::parse2(item.clone()) {
+        Ok(f) => f,
+        Err(e) => {
+            // Not a fn at all: keep the item as written for the IDE's sake.
+            let mut out = item;
+            out.extend(syn::Error::new(e.span(), "#[idempotent] applies to an `async fn`").into_compile_error());
+            return out;
+        }
+    };
+    let checked = attr::parse(args).and_then(|args| sig::check(&mut func, &args).map(|c| (args, c)));
+    match checked {
+        Ok((args, checked)) => rewrite(func, &args, checked),
+        Err(e) => {
+            // Emit the fn as written (minus `#[idem(..)]`, which `check`
+            // strips) beside the error, so callers still type-check.
+            let mut out = e.into_compile_error();
+            if let Ok(args_free) = strip_param_attrs(func) {
+                out.extend(quote!(#args_free));
+            }
+            out
+        }
+    }
+}
+
+fn strip_param_attrs(mut func: ItemFn) -> syn::Result<ItemFn> {
+    for input in &mut func.sig.inputs {
+        if let syn::FnArg::Typed(p) = input {
+            p.attrs.retain(|a| !a.path().is_ident("idem"));
+        }
+    }
+    Ok(func)
+}
+
+fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
+    let Checked {
+        engine,
+        tx,
+        tx_index,
+        fingerprinted,
+        ret,
+    } = checked;
+    if let Some(index) = tx_index {
+        func.sig.inputs = std::mem::take(&mut func.sig.inputs)
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| *i != index)
+            .map(|(_, input)| input)
+            .collect();
+    }
+
+    let biz = &args.biz;
+    let ttl = args.ttl_ms;
+    let lease = args.lease_ms;
+    let key = render(&args.key.1);
+    let biz_no = match &args.biz_no {
+        Some((_, template)) => {
+            let rendered = render(&template);
+            quote!(::core::option::Option::Some(#rendered))
+        }
+        None => quote!(::core::option::Option::None),
+    };
+    let fingerprint_args = fingerprinted.iter().map(|(name, span)| {
+        let label = name.to_string();
+        quote_spanned!(*span=> .arg(#label, &#name))
+    });
+    let bind_tx = tx.map(|(pat, ty)| quote!(let #pat: #ty = &mut __idem_tx;));
+    let block = &func.block;
+    let run = quote_spanned!(syn::spanned::Spanned::span(&ret)=> ::idem::__private::run);
+
+    let body = quote!({
+        const __IDEM_SPEC: ::idem::__private::Spec = ::idem::__private::Spec {
+            biz: #biz,
+            ttl: ::core::time::Duration::from_millis(#ttl),
+            lease: ::core::time::Duration::from_millis(#lease),
+        };
+        let __idem_key = #key;
+        let __idem_biz_no = #biz_no;
+        let __idem_fingerprint = ::idem::__private::Fingerprint::new() #(#fingerprint_args)*;
+        let __idem_engine = ::core::clone::Clone::clone(&(#engine));
+        #run(
+            ::core::convert::AsRef::<::idem::Idem<_>>::as_ref(&__idem_engine),
+            &__IDEM_SPEC,
+            __idem_key,
+            __idem_fingerprint,
+            __idem_biz_no,
+            move |mut __idem_tx| async move {
+                let __idem_out: #ret = {
+                    #bind_tx
+                    async move #block.await
+                };
+                (__idem_tx, __idem_out)
+            },
+        )
+        .await
+    });
+    func.block = syn::parse2(body).expect("generated block parses");
+    quote!(#func)
+}
+
+/// `::std::format!("order_{}_pay", order_id)` for `order_<order_id>_pay`.
+fn render(template: &Template) -> TokenStream {
+    let mut format = String::new();
+    let mut values = Vec::new();
+    for piece in &template.pieces {
+        match piece {
+            // Literal text holds only key characters, so no braces to escape.
+            Piece::Text(text) => format.push_str(text),
+            Piece::Param(path) => {
+                format.push_str("{}");
+                let mut expr: TokenStream = if path[0] == "self" {
+                    quote!(self)
+                } else {
+                    let root = syn::Ident::new(&path[0], proc_macro2::Span::call_site());
+                    quote!(#root)
+                };
+                for field in &path[1..] {
+                    let member: syn::Member = syn::parse_str(field).expect("template checked fields");
+                    expr = quote!(#expr.#member);
+                }
+                values.push(quote!(&#expr));
+            }
+        }
+    }
+    quote!(::std::format!(#format #(, #values)*))
+}

@@ -1,0 +1,323 @@
+//! Layer 2: the Redis claim. Fast rejection of concurrent duplicates and fast
+//! replay of finished calls; never the final truth (Redis can lose keys).
+//!
+//! One Redis key per idempotency key, `idem:<biz>:<key>`, holding either
+//! `p:<token>:<fingerprint>` (a call is running; expires with its lease) or
+//! `d:<fingerprint>:<response>` (finished; expires with the record).
+//! Every script touches exactly that one key, so Redis Cluster routes it.
+//!
+//! Redis failing in any way (refused, timed out, erroring) degrades to the
+//! database alone: the operation reports [`Claim::Unavailable`], a warning is
+//! logged once, and Redis is left alone for [`BACKOFF`] before being tried again.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{FromRedisValue, Script, ScriptInvocation};
+use tokio::sync::OnceCell;
+
+use crate::clock;
+
+/// How long Redis is skipped after it failed.
+pub const BACKOFF: Duration = Duration::from_secs(1);
+
+// GET and SET NX in one step; the reply is the value found, or nil when
+// the claim was taken.
+const CLAIM: &str = r"
+local v = redis.call('GET', KEYS[1])
+if v then return v end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return false";
+
+// Compare-and-delete: only the owner of the claim may drop it.
+const RELEASE: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0";
+
+// Compare-and-set: turn our own claim into the finished result.
+const FINISH: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+return 0";
+
+/// What the claim step found.
+#[derive(Debug)]
+pub enum Claim {
+    /// We hold the key until the lease runs out.
+    Acquired(Held),
+    /// A finished call left its result.
+    Done {
+        /// Fingerprint of that call's arguments.
+        fingerprint: String,
+        /// Its serialized result.
+        response: String,
+    },
+    /// Another call holds the key.
+    Running,
+    /// Redis is absent or failing: carry on with the database alone.
+    Unavailable,
+}
+
+/// A claim we own: the Redis key and the exact value we set.
+#[derive(Debug, Clone)]
+pub struct Held {
+    key: String,
+    value: String,
+}
+
+enum Target {
+    Single(redis::Client),
+    Cluster(ClusterClient),
+}
+
+#[derive(Clone)]
+enum Connection {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+/// The Redis side of an engine: one node or a cluster.
+pub struct Claims {
+    target: Target,
+    connection: OnceCell<Connection>,
+    timeout: Duration,
+    /// `clock::now_ms()` before which Redis is not tried; 0 when healthy.
+    down_until_ms: AtomicU64,
+    claim: Script,
+    release: Script,
+    finish: Script,
+}
+
+impl std::fmt::Debug for Claims {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.target {
+            Target::Single(_) => "single",
+            Target::Cluster(_) => "cluster",
+        };
+        f.debug_struct("Claims")
+            .field("target", &kind)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl Claims {
+    pub(crate) fn single(client: redis::Client, timeout: Duration) -> Self {
+        Self::new(Target::Single(client), timeout)
+    }
+
+    pub(crate) fn cluster(client: ClusterClient, timeout: Duration) -> Self {
+        Self::new(Target::Cluster(client), timeout)
+    }
+
+    fn new(target: Target, timeout: Duration) -> Self {
+        Self {
+            target,
+            connection: OnceCell::new(),
+            timeout,
+            down_until_ms: AtomicU64::new(0),
+            claim: Script::new(CLAIM),
+            release: Script::new(RELEASE),
+            finish: Script::new(FINISH),
+        }
+    }
+
+    /// Claims `key` for `lease`, or reports what holds it.
+    pub async fn claim(&self, biz: &str, key: &str, fingerprint: &str, lease: Duration) -> Claim {
+        let held = Held {
+            key: redis_key(biz, key),
+            value: format!("p:{}:{fingerprint}", token()),
+        };
+        let mut call = self.claim.key(&held.key);
+        call.arg(&held.value).arg(millis(lease));
+        match self.run::<Option<String>>(&call).await {
+            None => Claim::Unavailable,
+            Some(None) => Claim::Acquired(held),
+            Some(Some(found)) => parse(&found),
+        }
+    }
+
+    /// Drops our claim so the next call may execute (after a failed body).
+    pub async fn release(&self, held: &Held) {
+        let mut call = self.release.key(&held.key);
+        call.arg(&held.value);
+        self.run::<i64>(&call).await;
+    }
+
+    /// Replaces our claim by the finished result, kept for `ttl`.
+    pub async fn finish(&self, held: &Held, fingerprint: &str, response: &str, ttl: Duration) {
+        let mut call = self.finish.key(&held.key);
+        call.arg(&held.value)
+            .arg(format!("d:{fingerprint}:{response}"))
+            .arg(millis(ttl));
+        self.run::<i64>(&call).await;
+    }
+
+    /// Reads what Redis holds for `key`, for status queries.
+    pub async fn peek(&self, biz: &str, key: &str) -> Claim {
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(redis_key(biz, key));
+        let got: Option<Option<String>> = self.guarded(|mut c| async move { cmd.query_async(&mut c).await }).await;
+        match got {
+            None => Claim::Unavailable,
+            Some(None) => Claim::Unavailable,
+            Some(Some(found)) => parse(&found),
+        }
+    }
+
+    async fn run<T: FromRedisValue>(&self, call: &ScriptInvocation<'_>) -> Option<T> {
+        self.guarded(|mut c| async move { call.invoke_async(&mut c).await })
+            .await
+    }
+
+    /// Runs one Redis operation under the timeout and the back-off;
+    /// `None` when Redis is skipped or failed.
+    async fn guarded<T, F, Fut>(&self, op: F) -> Option<T>
+    where
+        F: FnOnce(ConnectionHandle) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        if clock::now_ms() < self.down_until_ms.load(Ordering::Relaxed) {
+            return None;
+        }
+        let attempt = async {
+            let conn = self.connection().await?;
+            op(ConnectionHandle(conn)).await
+        };
+        let failure = match tokio::time::timeout(self.timeout, attempt).await {
+            Ok(Ok(value)) => {
+                if self.down_until_ms.swap(0, Ordering::Relaxed) != 0 {
+                    tracing::info!("redis answers again; idempotency claims resume");
+                }
+                return Some(value);
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {:?}", self.timeout),
+        };
+        let until = clock::now_ms() + millis(BACKOFF);
+        if self.down_until_ms.swap(until, Ordering::Relaxed) == 0 {
+            tracing::warn!(error = %failure, "redis unavailable; idempotency continues on the database alone");
+        }
+        None
+    }
+
+    async fn connection(&self) -> redis::RedisResult<Connection> {
+        let conn = self
+            .connection
+            .get_or_try_init(|| async {
+                match &self.target {
+                    Target::Single(client) => {
+                        // Lazy: connects on first use and reconnects by itself.
+                        let config = ConnectionManagerConfig::new()
+                            .set_connection_timeout(Some(self.timeout))
+                            .set_response_timeout(Some(self.timeout))
+                            .set_number_of_retries(1);
+                        ConnectionManager::new_lazy_with_config(client.clone(), config).map(Connection::Single)
+                    }
+                    Target::Cluster(client) => client.get_async_connection().await.map(Connection::Cluster),
+                }
+            })
+            .await?;
+        Ok(conn.clone())
+    }
+}
+
+/// A cloned connection, usable as `redis::aio::ConnectionLike`.
+struct ConnectionHandle(Connection);
+
+impl redis::aio::ConnectionLike for ConnectionHandle {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
+        match &mut self.0 {
+            Connection::Single(c) => c.req_packed_command(cmd),
+            Connection::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match &mut self.0 {
+            Connection::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Connection::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match &self.0 {
+            Connection::Single(c) => c.get_db(),
+            Connection::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+fn parse(found: &str) -> Claim {
+    if let Some(rest) = found.strip_prefix("d:") {
+        if let Some((fingerprint, response)) = rest.split_once(':') {
+            return Claim::Done {
+                fingerprint: fingerprint.to_owned(),
+                response: response.to_owned(),
+            };
+        }
+    }
+    // `p:...`, or a value we did not write: either way someone else's.
+    Claim::Running
+}
+
+fn redis_key(biz: &str, key: &str) -> String {
+    format!("idem:{biz}:{key}")
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+/// 128 bits that no other claim holds: a per-process random seed (from the
+/// OS, through std's `RandomState`), the time and a counter.
+fn token() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::OnceLock;
+    static SEED: OnceLock<std::collections::hash_map::RandomState> = OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let seed = SEED.get_or_init(Default::default);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mut a = seed.build_hasher();
+    a.write_u64(n);
+    a.write_u128(clock::now_nanos());
+    let mut b = seed.build_hasher();
+    b.write_u64(!n);
+    b.write_u64(a.finish());
+    format!("{:016x}{:016x}", a.finish(), b.finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_values() {
+        match parse("d:abc:{\"x\":\"a:b\"}") {
+            Claim::Done { fingerprint, response } => {
+                assert_eq!(fingerprint, "abc");
+                assert_eq!(response, "{\"x\":\"a:b\"}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(parse("p:t:f"), Claim::Running));
+        assert!(matches!(parse("garbage"), Claim::Running));
+    }
+
+    #[test]
+    fn tokens_do_not_repeat() {
+        let set: std::collections::HashSet<_> = (0..10_000).map(|_| token()).collect();
+        assert_eq!(set.len(), 10_000);
+        assert!(set.iter().all(|t| t.len() == 32));
+    }
+}

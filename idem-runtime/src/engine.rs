@@ -1,0 +1,682 @@
+//! The engine: one [`Idem`] per database, shared by every annotated fn, and
+//! [`run`], the single entry point the `#[idempotent]` attribute calls.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sqlx::{Pool, Transaction};
+use tracing::Instrument;
+
+#[cfg(feature = "redis")]
+use crate::claim::{Claim, Claims, Held};
+use crate::clock;
+use crate::error::{Error, KeyError};
+use crate::fingerprint::Fingerprint;
+use crate::key::validate_key;
+use crate::status::Status;
+use crate::store::{Backend, Failure, NewRecord, PROCESSING, SUCCEEDED, StoredRecord};
+
+/// Longest `biz_no`: the column is `VARCHAR(64)`.
+pub const MAX_BIZ_NO_LEN: usize = 64;
+/// How many times a deadlock or serialization failure before the body runs
+/// is retried.
+const CONFLICT_RETRIES: u32 = 3;
+
+/// What one annotated fn declares; built by the attribute at compile time.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Spec {
+    /// The business action, `[a-z0-9_]{1,32}`.
+    pub biz: &'static str,
+    /// How long the record protects the key.
+    pub ttl: Duration,
+    /// How long a Redis claim lives while the body runs.
+    pub lease: Duration,
+}
+
+/// The idempotency engine for one database (and optionally one Redis).
+/// Cheap to clone; clones share the pool and the Redis connection.
+pub struct Idem<DB: Backend> {
+    inner: Arc<Inner<DB>>,
+}
+
+struct Inner<DB: Backend> {
+    pool: Pool<DB>,
+    #[cfg(feature = "redis")]
+    claims: Option<Arc<Claims>>,
+    lock_wait: Duration,
+}
+
+impl<DB: Backend> Clone for Idem<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+/// Lets the attribute take the engine as `Idem`, `&Idem` or `Arc<Idem>`.
+impl<DB: Backend> AsRef<Idem<DB>> for Idem<DB> {
+    fn as_ref(&self) -> &Idem<DB> {
+        self
+    }
+}
+
+impl<DB: Backend> std::fmt::Debug for Idem<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("Idem");
+        #[cfg(feature = "redis")]
+        d.field("redis", &self.inner.claims);
+        d.field("lock_wait", &self.inner.lock_wait).finish_non_exhaustive()
+    }
+}
+
+/// Configures an [`Idem`]; see [`Idem::builder`].
+#[must_use]
+pub struct Builder<DB: Backend> {
+    pool: Pool<DB>,
+    #[cfg(feature = "redis")]
+    redis: Option<RedisTarget>,
+    redis_timeout: Duration,
+    lock_wait: Duration,
+}
+
+#[cfg(feature = "redis")]
+enum RedisTarget {
+    Single(redis::Client),
+    Cluster(redis::cluster::ClusterClient),
+}
+
+impl<DB: Backend> Builder<DB> {
+    /// Claims keys in this Redis before touching the database: concurrent
+    /// duplicates are turned away and finished calls replayed without a
+    /// query. Optional: without it every guarantee still holds.
+    #[cfg(feature = "redis")]
+    pub fn redis(mut self, client: redis::Client) -> Self {
+        self.redis = Some(RedisTarget::Single(client));
+        self
+    }
+
+    /// Like [`Builder::redis`], for a Redis Cluster. Every operation touches
+    /// one key, so no hash tags are needed.
+    #[cfg(feature = "redis")]
+    pub fn redis_cluster(mut self, client: redis::cluster::ClusterClient) -> Self {
+        self.redis = Some(RedisTarget::Cluster(client));
+        self
+    }
+
+    /// How long one Redis operation may take before the call carries on with
+    /// the database alone. Default 500 ms.
+    pub fn redis_timeout(mut self, timeout: Duration) -> Self {
+        self.redis_timeout = timeout;
+        self
+    }
+
+    /// Without a Redis claim, how long a call waits for a duplicate still
+    /// running in another transaction before answering `InProgress`.
+    /// Default 5 s. (SQLite uses the pool's busy timeout instead.)
+    pub fn lock_wait(mut self, wait: Duration) -> Self {
+        self.lock_wait = wait;
+        self
+    }
+
+    /// Builds the engine. Connects to nothing yet.
+    pub fn build(self) -> Idem<DB> {
+        #[cfg(feature = "redis")]
+        let claims = self.redis.map(|target| {
+            Arc::new(match target {
+                RedisTarget::Single(c) => Claims::single(c, self.redis_timeout),
+                RedisTarget::Cluster(c) => Claims::cluster(c, self.redis_timeout),
+            })
+        });
+        Idem {
+            inner: Arc::new(Inner {
+                pool: self.pool,
+                #[cfg(feature = "redis")]
+                claims,
+                lock_wait: self.lock_wait,
+            }),
+        }
+    }
+}
+
+impl<DB: Backend> Idem<DB> {
+    /// Starts configuring an engine over `pool`.
+    pub fn builder(pool: Pool<DB>) -> Builder<DB> {
+        Builder {
+            pool,
+            #[cfg(feature = "redis")]
+            redis: None,
+            redis_timeout: Duration::from_millis(500),
+            lock_wait: Duration::from_secs(5),
+        }
+    }
+
+    /// An engine over `pool` with no Redis.
+    pub fn new(pool: Pool<DB>) -> Self {
+        Self::builder(pool).build()
+    }
+
+    /// The pool the records (and bodies) use.
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.inner.pool
+    }
+
+    /// Creates the `idem_record` table and its indexes if absent.
+    pub async fn migrate(&self) -> Result<(), Error> {
+        DB::migrate(&self.inner.pool).await.map_err(Error::Storage)
+    }
+
+    /// Deletes up to `limit` expired records; returns how many. Run it
+    /// periodically to keep the table bounded.
+    pub async fn purge_expired(&self, limit: u32) -> Result<u64, Error> {
+        DB::purge_expired(&self.inner.pool, now_ms(), i64::from(limit))
+            .await
+            .map_err(Error::Storage)
+    }
+
+    /// Where the call `(biz, key)` stands: the query behind "in progress,
+    /// ask again later". The database answers first (it is the truth);
+    /// a running call is seen through its Redis claim.
+    pub async fn status(&self, biz: &str, key: &str) -> Result<Status, Error> {
+        validate_key(key)?;
+        let mut conn = self.inner.pool.acquire().await?;
+        let row = DB::find(&mut conn, biz, key).await?;
+        drop(conn);
+        match row {
+            Some(row) if row.expires_ms > now_ms() && row.status == SUCCEEDED => {
+                return Ok(Status::Completed {
+                    response: row.response.unwrap_or_default(),
+                });
+            }
+            Some(_) if self.is_claimed(biz, key).await => return Ok(Status::InProgress),
+            Some(_) => return Ok(Status::Expired),
+            None => {}
+        }
+        Ok(if self.is_claimed(biz, key).await {
+            Status::InProgress
+        } else {
+            Status::Absent
+        })
+    }
+
+    #[cfg(feature = "redis")]
+    async fn is_claimed(&self, biz: &str, key: &str) -> bool {
+        match &self.inner.claims {
+            Some(claims) => matches!(claims.peek(biz, key).await, Claim::Running),
+            None => false,
+        }
+    }
+
+    #[cfg(not(feature = "redis"))]
+    async fn is_claimed(&self, _biz: &str, _key: &str) -> bool {
+        false
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl Idem<sqlx::Sqlite> {
+    /// An engine over a private in-memory SQLite database, migrated: the
+    /// embedded default for examples and tests. One connection, so the
+    /// database lives as long as the engine.
+    pub async fn sqlite_memory() -> Result<Self, Error> {
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect("sqlite::memory:")
+            .await?;
+        let idem = Self::new(pool);
+        idem.migrate().await?;
+        Ok(idem)
+    }
+}
+
+/// How a call ended, as recorded in its span.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Executed,
+    Replayed,
+    InProgress,
+    KeyReused,
+    Failed,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Executed => "executed",
+            Outcome::Replayed => "replayed",
+            Outcome::InProgress => "in_progress",
+            Outcome::KeyReused => "key_reused",
+            Outcome::Failed => "failed",
+        }
+    }
+}
+
+/// Why a call did not return a value.
+enum Failed<E> {
+    Idem(Error),
+    Body(E),
+}
+
+impl<E> From<Error> for Failed<E> {
+    fn from(e: Error) -> Self {
+        Failed::Idem(e)
+    }
+}
+
+impl<E> From<sqlx::Error> for Failed<E> {
+    fn from(e: sqlx::Error) -> Self {
+        Failed::Idem(Error::Storage(e))
+    }
+}
+
+/// A finished call: its value and whether it ran now or was replayed.
+struct Done<T> {
+    value: T,
+    outcome: Outcome,
+}
+
+/// Runs `body` once per `(spec.biz, key)`; the code the attribute writes
+/// calls this. `body` gets the transaction the record is written in and
+/// hands it back with its result.
+#[doc(hidden)]
+pub async fn run<DB, T, E, F, Fut>(
+    engine: &Idem<DB>,
+    spec: &'static Spec,
+    key: String,
+    fingerprint: Fingerprint,
+    biz_no: Option<String>,
+    body: F,
+) -> Result<T, E>
+where
+    DB: Backend,
+    T: Serialize + DeserializeOwned,
+    E: From<Error>,
+    F: FnOnce(Transaction<'static, DB>) -> Fut,
+    Fut: Future<Output = (Transaction<'static, DB>, Result<T, E>)>,
+{
+    // A rejected key is not logged: it may hold anything the caller sent.
+    let shown_key = if validate_key(&key).is_ok() {
+        key.as_str()
+    } else {
+        "<invalid>"
+    };
+    let span = tracing::info_span!("idem", biz = spec.biz, key = shown_key, outcome = tracing::field::Empty);
+    let result = call(engine, spec, &key, fingerprint, biz_no.as_deref(), body)
+        .instrument(span.clone())
+        .await;
+    let outcome = match &result {
+        Ok(done) => done.outcome,
+        Err(Failed::Idem(Error::InProgress { .. })) => Outcome::InProgress,
+        Err(Failed::Idem(Error::KeyReused { .. })) => Outcome::KeyReused,
+        Err(_) => Outcome::Failed,
+    };
+    span.record("outcome", outcome.as_str());
+    match result {
+        Ok(done) => Ok(done.value),
+        Err(Failed::Idem(e)) => Err(E::from(e)),
+        Err(Failed::Body(e)) => Err(e),
+    }
+}
+
+async fn call<DB, T, E, F, Fut>(
+    engine: &Idem<DB>,
+    spec: &'static Spec,
+    key: &str,
+    fingerprint: Fingerprint,
+    biz_no: Option<&str>,
+    body: F,
+) -> Result<Done<T>, Failed<E>>
+where
+    DB: Backend,
+    T: Serialize + DeserializeOwned,
+    F: FnOnce(Transaction<'static, DB>) -> Fut,
+    Fut: Future<Output = (Transaction<'static, DB>, Result<T, E>)>,
+{
+    validate_key(key)?;
+    if let Some(no) = biz_no {
+        if no.len() > MAX_BIZ_NO_LEN {
+            return Err(Error::InvalidKey(KeyError::TooLong {
+                len: no.len(),
+                max: MAX_BIZ_NO_LEN,
+            })
+            .into());
+        }
+    }
+    let fingerprint = fingerprint.finish()?;
+    let call = Call {
+        spec,
+        key,
+        fingerprint: &fingerprint,
+        biz_no,
+    };
+
+    #[cfg(feature = "redis")]
+    let claim = match &engine.inner.claims {
+        None => None,
+        Some(claims) => match claims.claim(spec.biz, key, &fingerprint, spec.lease).await {
+            Claim::Acquired(held) => Some(ClaimGuard {
+                claims: Arc::clone(claims),
+                held: Some(held),
+            }),
+            Claim::Done {
+                fingerprint: stored,
+                response,
+            } => {
+                let value = call.replay(&stored, &response)?;
+                return Ok(Done {
+                    value,
+                    outcome: Outcome::Replayed,
+                });
+            }
+            Claim::Running => return Err(call.in_progress().into()),
+            Claim::Unavailable => None,
+        },
+    };
+    #[cfg(not(feature = "redis"))]
+    let claim: Option<ClaimGuard> = None;
+
+    let result = transact(&engine.inner, &call, claim.is_some(), body).await;
+
+    if let Some(mut guard) = claim {
+        match &result {
+            Ok(Recorded {
+                response, expires_ms, ..
+            }) => {
+                guard.finish(&fingerprint, response, remaining(*expires_ms)).await;
+            }
+            Err(_) => guard.release().await,
+        }
+    }
+    let recorded = result?;
+    Ok(Done {
+        value: recorded.value,
+        outcome: recorded.outcome,
+    })
+}
+
+/// One call's identity, borrowed for the length of the call.
+struct Call<'a> {
+    spec: &'static Spec,
+    key: &'a str,
+    fingerprint: &'a str,
+    biz_no: Option<&'a str>,
+}
+
+impl Call<'_> {
+    fn record<'r>(&'r self, status: i16, response: Option<&'r str>) -> NewRecord<'r> {
+        let now = now_ms();
+        NewRecord {
+            biz: self.spec.biz,
+            key: self.key,
+            biz_no: self.biz_no,
+            params_hash: self.fingerprint,
+            status,
+            response,
+            now_ms: now,
+            expires_ms: now.saturating_add(i64::try_from(self.spec.ttl.as_millis()).unwrap_or(i64::MAX)),
+        }
+    }
+
+    fn replay<T: DeserializeOwned>(&self, stored_fingerprint: &str, response: &str) -> Result<T, Error> {
+        if stored_fingerprint != self.fingerprint {
+            return Err(Error::KeyReused {
+                biz: self.spec.biz,
+                key: self.key.to_owned(),
+            });
+        }
+        serde_json::from_str(response).map_err(|source| Error::Replay {
+            biz: self.spec.biz,
+            key: self.key.to_owned(),
+            source,
+        })
+    }
+
+    fn in_progress(&self) -> Error {
+        Error::InProgress {
+            biz: self.spec.biz,
+            key: self.key.to_owned(),
+        }
+    }
+}
+
+/// The database part of a call, done: the value, its stored form, and when
+/// the record expires.
+struct Recorded<T> {
+    value: T,
+    response: String,
+    expires_ms: i64,
+    outcome: Outcome,
+}
+
+/// Layer 3: the record and the body in one transaction.
+///
+/// Without a claim the record goes in first, so a duplicate blocks on the
+/// unique index before its body runs. With a claim, duplicates are already
+/// kept out, so the record goes in last, response included, in one statement;
+/// the unique index still arbitrates if the lease ran out meanwhile.
+async fn transact<DB, T, E, F, Fut>(
+    inner: &Inner<DB>,
+    call: &Call<'_>,
+    claimed: bool,
+    body: F,
+) -> Result<Recorded<T>, Failed<E>>
+where
+    DB: Backend,
+    T: Serialize + DeserializeOwned,
+    F: FnOnce(Transaction<'static, DB>) -> Fut,
+    Fut: Future<Output = (Transaction<'static, DB>, Result<T, E>)>,
+{
+    let mut attempt = 0;
+    let tx = loop {
+        attempt += 1;
+        let mut tx = DB::begin(&inner.pool).await?;
+        if claimed {
+            break tx;
+        }
+        let record = call.record(PROCESSING, None);
+        match insert_record(&mut tx, call, &record, Some(inner.lock_wait)).await {
+            Ok(Taken::No) => break tx,
+            Ok(Taken::By(row)) => {
+                rollback(tx).await;
+                return replay_row(call, row);
+            }
+            Err(e) => {
+                rollback(tx).await;
+                match DB::classify(&e) {
+                    Failure::LockTimeout => return Err(call.in_progress().into()),
+                    Failure::Conflict if attempt < CONFLICT_RETRIES => continue,
+                    _ => return Err(e.into()),
+                }
+            }
+        }
+    };
+
+    let (mut tx, result) = body(tx).await;
+    let value = match result {
+        Ok(value) => value,
+        Err(e) => {
+            rollback(tx).await;
+            return Err(Failed::Body(e));
+        }
+    };
+    let response = match serde_json::to_string(&value) {
+        Ok(r) => r,
+        Err(e) => {
+            rollback(tx).await;
+            return Err(Error::Serialize(e).into());
+        }
+    };
+
+    let record = call.record(SUCCEEDED, Some(&response));
+    let written = if claimed {
+        insert_record(&mut tx, call, &record, None).await
+    } else {
+        DB::mark_succeeded(&mut tx, call.spec.biz, call.key, &response, record.now_ms)
+            .await
+            .map(|()| Taken::No)
+    };
+    let failure = match written {
+        Ok(Taken::No) => match tx.commit().await {
+            Ok(()) => {
+                let expires_ms = record.expires_ms;
+                return Ok(Recorded {
+                    value,
+                    response,
+                    expires_ms,
+                    outcome: Outcome::Executed,
+                });
+            }
+            Err(e) => e,
+        },
+        Ok(Taken::By(row)) => {
+            // The lease ran out and a duplicate finished first: ours is undone.
+            rollback(tx).await;
+            return replay_row(call, row);
+        }
+        Err(e) => {
+            rollback(tx).await;
+            e
+        }
+    };
+    // Our transaction is gone. If a duplicate won the conflict, its result
+    // is the answer; otherwise nothing was written and the call may be retried.
+    match DB::classify(&failure) {
+        Failure::LockTimeout => Err(call.in_progress().into()),
+        Failure::Conflict => match find_live(inner, call).await? {
+            Some(row) => replay_row(call, row),
+            None => Err(Error::Storage(failure).into()),
+        },
+        _ => Err(Error::Storage(failure).into()),
+    }
+}
+
+/// Whether the record insert found the key already taken.
+enum Taken {
+    No,
+    By(StoredRecord),
+}
+
+/// Inserts the record: ours, or taken by a live committed row. An expired
+/// row is replaced inside the same transaction. `wait` bounds the wait on a
+/// duplicate still in flight.
+async fn insert_record<DB: Backend>(
+    tx: &mut Transaction<'static, DB>,
+    call: &Call<'_>,
+    record: &NewRecord<'_>,
+    wait: Option<Duration>,
+) -> Result<Taken, sqlx::Error> {
+    // Each round either inserts, finds the live row, or clears an expired
+    // one; a row that vanishes three times in a row is not worth chasing.
+    for _ in 0..3 {
+        let inserted = match wait {
+            Some(wait) => DB::insert_bounded(tx, record, wait).await?,
+            None => DB::insert(tx, record).await?,
+        };
+        if inserted {
+            return Ok(Taken::No);
+        }
+        let now = now_ms();
+        match DB::find(&mut **tx, call.spec.biz, call.key).await? {
+            Some(row) if row.expires_ms > now => return Ok(Taken::By(row)),
+            Some(_) => {
+                DB::delete_expired(&mut **tx, call.spec.biz, call.key, now).await?;
+            }
+            None => {}
+        }
+    }
+    Err(sqlx::Error::Protocol(
+        "idem_record row of the key keeps changing".into(),
+    ))
+}
+
+/// The answer a committed row gives a duplicate.
+fn replay_row<T: DeserializeOwned, E>(call: &Call<'_>, row: StoredRecord) -> Result<Recorded<T>, Failed<E>> {
+    let Some(response) = row.response.filter(|_| row.status == SUCCEEDED) else {
+        return Err(call.in_progress().into());
+    };
+    let value = call.replay(&row.params_hash, &response)?;
+    Ok(Recorded {
+        value,
+        response,
+        expires_ms: row.expires_ms,
+        outcome: Outcome::Replayed,
+    })
+}
+
+async fn find_live<DB: Backend>(inner: &Inner<DB>, call: &Call<'_>) -> Result<Option<StoredRecord>, Error> {
+    let mut conn = inner.pool.acquire().await?;
+    let row = DB::find(&mut conn, call.spec.biz, call.key).await?;
+    Ok(row.filter(|r| r.expires_ms > now_ms() && r.status == SUCCEEDED))
+}
+
+async fn rollback<DB: Backend>(tx: Transaction<'static, DB>) {
+    // A failed rollback leaves nothing to undo: the server rolls back when
+    // the connection goes, and sqlx discards a connection in a broken state.
+    if let Err(e) = tx.rollback().await {
+        tracing::debug!(error = %e, "rollback failed");
+    }
+}
+
+fn now_ms() -> i64 {
+    i64::try_from(clock::now_ms()).unwrap_or(i64::MAX)
+}
+
+fn remaining(expires_ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(expires_ms - now_ms()).unwrap_or(0))
+}
+
+/// Our Redis claim while the call runs. Dropped without being settled (a
+/// panic in the body, or the call's future dropped), it releases the claim
+/// from a spawned task so a retry need not wait out the lease.
+#[cfg(feature = "redis")]
+struct ClaimGuard {
+    claims: Arc<Claims>,
+    held: Option<Held>,
+}
+
+#[cfg(feature = "redis")]
+impl ClaimGuard {
+    async fn finish(&mut self, fingerprint: &str, response: &str, ttl: Duration) {
+        if let Some(held) = self.held.take() {
+            self.claims.finish(&held, fingerprint, response, ttl).await;
+        }
+    }
+
+    async fn release(&mut self) {
+        if let Some(held) = self.held.take() {
+            self.claims.release(&held).await;
+        }
+    }
+}
+
+#[cfg(feature = "redis")]
+impl Drop for ClaimGuard {
+    fn drop(&mut self) {
+        let Some(held) = self.held.take() else { return };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let claims = Arc::clone(&self.claims);
+            runtime.spawn(async move { claims.release(&held).await });
+        }
+    }
+}
+
+/// Without the `redis` feature no claim is ever held.
+#[cfg(not(feature = "redis"))]
+enum ClaimGuard {}
+
+#[cfg(not(feature = "redis"))]
+impl ClaimGuard {
+    async fn finish(&mut self, _: &str, _: &str, _: Duration) {
+        match *self {}
+    }
+
+    async fn release(&mut self) {
+        match *self {}
+    }
+}

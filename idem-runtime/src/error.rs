@@ -1,0 +1,114 @@
+//! What can go wrong, as callers see it.
+
+use std::fmt;
+
+/// The error an `#[idempotent]` fn reports through its own error type
+/// (which must implement `From<idem::Error>`).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The rendered key (or an `Idempotency-Key` header) breaks the key rule:
+    /// characters `[A-Za-z0-9_.:-]`, length 1..=255. Nothing was written.
+    #[error("invalid idempotency key: {0}")]
+    InvalidKey(KeyError),
+
+    /// Another call with the same key is running right now. Ask again later;
+    /// once it finishes, the same call replays its result.
+    #[error("idempotency key `{key}` of `{biz}` is in progress")]
+    InProgress {
+        /// The business action.
+        biz: &'static str,
+        /// The rendered key.
+        key: String,
+    },
+
+    /// The key was already used by a call with other arguments.
+    #[error("idempotency key `{key}` of `{biz}` was already used with other arguments")]
+    KeyReused {
+        /// The business action.
+        biz: &'static str,
+        /// The rendered key.
+        key: String,
+    },
+
+    /// The database failed or could not be reached. The body's writes, if any,
+    /// were rolled back, so the call may be retried.
+    #[error("idempotency storage failed: {0}")]
+    Storage(#[source] sqlx::Error),
+
+    /// The stored result no longer deserializes into the fn's return type
+    /// (the type changed since it was stored, or the row was edited).
+    #[error("stored response of `{biz}` key `{key}` cannot be replayed: {source}")]
+    Replay {
+        /// The business action.
+        biz: &'static str,
+        /// The rendered key.
+        key: String,
+        /// Why deserialization failed.
+        #[source]
+        source: serde_json::Error,
+    },
+
+    /// An argument or the result could not be serialized to JSON.
+    #[error("cannot serialize for idempotency: {0}")]
+    Serialize(#[source] serde_json::Error),
+}
+
+impl Error {
+    /// `true` when the same call may succeed if simply tried again later
+    /// (`InProgress`, `Storage`).
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::InProgress { .. } | Error::Storage(_))
+    }
+}
+
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Self {
+        Error::Storage(e)
+    }
+}
+
+/// Why a key was rejected. Carries no copy of the key: it may hold anything
+/// the caller sent, including control characters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// No key at all (missing header, or a template rendered to nothing).
+    Missing,
+    /// Shorter than the minimum length.
+    TooShort {
+        /// Length in bytes.
+        len: usize,
+        /// Minimum allowed.
+        min: usize,
+    },
+    /// Longer than the maximum length.
+    TooLong {
+        /// Length in bytes.
+        len: usize,
+        /// Maximum allowed.
+        max: usize,
+    },
+    /// A character outside `[A-Za-z0-9_.:-]`.
+    BadChar {
+        /// The offending character.
+        ch: char,
+        /// Its byte offset.
+        at: usize,
+    },
+}
+
+impl fmt::Display for KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyError::Missing => f.write_str("no key given"),
+            KeyError::TooShort { len, min } => {
+                write!(f, "{len} characters, at least {min} required")
+            }
+            KeyError::TooLong { len, max } => write!(f, "{len} bytes, at most {max} allowed"),
+            KeyError::BadChar { ch, at } => {
+                write!(f, "character {ch:?} at byte {at}; only A-Z a-z 0-9 _ . : - are allowed")
+            }
+        }
+    }
+}

@@ -1,0 +1,20 @@
+//! The engine behind [`idem`](https://docs.rs/idem): key rule, fingerprints,
+//! the Redis claim, the `idem_record` store, and the single entry point the
+//! `#[idempotent]` attribute calls. Use it through the `idem` crate.
+#![warn(missing_docs)]
+
+#[cfg(feature = "redis")]
+pub mod claim;
+mod clock;
+mod engine;
+mod error;
+pub mod fingerprint;
+pub mod key;
+mod status;
+pub mod store;
+
+pub use engine::{Builder, Idem, MAX_BIZ_NO_LEN, Spec, run};
+pub use error::{Error, KeyError};
+pub use fingerprint::Fingerprint;
+pub use status::Status;
+pub use store::Backend;

@@ -1,0 +1,244 @@
+//! The `idem_record` table: the final truth. One committed row per
+//! `(biz_type, idem_key)`, inserted in the same transaction as the body.
+//!
+//! Each backend has its own file with its DDL, its SQL and the way it reports
+//! conflicts; the queries they share in shape are written once by
+//! [`record_queries!`].
+
+use std::future::Future;
+use std::time::Duration;
+
+use sqlx::{Pool, Transaction};
+
+#[cfg(feature = "mysql")]
+mod mysql;
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+
+#[doc(hidden)]
+/// `status` of a row inserted before the body ran; it turns `SUCCEEDED` in the
+/// same transaction, so a committed row never holds it.
+pub const PROCESSING: i16 = 0;
+#[doc(hidden)]
+/// `status` of a row whose response is stored.
+pub const SUCCEEDED: i16 = 1;
+
+#[doc(hidden)]
+/// A row about to be inserted. Times are Unix epoch milliseconds.
+#[derive(Debug, Clone, Copy)]
+pub struct NewRecord<'a> {
+    pub biz: &'a str,
+    pub key: &'a str,
+    pub biz_no: Option<&'a str>,
+    pub params_hash: &'a str,
+    pub status: i16,
+    pub response: Option<&'a str>,
+    pub now_ms: i64,
+    pub expires_ms: i64,
+}
+
+#[doc(hidden)]
+/// A committed row, as read back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredRecord {
+    pub params_hash: String,
+    pub status: i16,
+    pub response: Option<String>,
+    pub created_ms: i64,
+    pub expires_ms: i64,
+}
+
+#[doc(hidden)]
+/// How a database error matters to the engine. Decided by error kind and
+/// code, never by message text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The unique index on `(biz_type, idem_key)` refused the row.
+    Duplicate,
+    /// A lock wait ran past its bound: someone else holds the key.
+    LockTimeout,
+    /// Deadlock or serialization failure: the transaction may be retried.
+    Conflict,
+    /// Anything else.
+    Other,
+}
+
+/// A database `idem` can keep its records in: SQLite, MySQL/MariaDB or
+/// PostgreSQL, each behind its cargo feature.
+pub trait Backend: sqlx::Database + Sized {
+    /// Creates `idem_record` and its indexes if absent.
+    #[doc(hidden)]
+    fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Opens the transaction the record and the body share.
+    #[doc(hidden)]
+    fn begin(pool: &Pool<Self>) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
+
+    /// Inserts `rec` while bounding how long it may wait on a duplicate
+    /// still inside its transaction (used when no Redis claim is held).
+    /// `Ok(false)`: a committed row holds the key; the transaction stays usable.
+    #[doc(hidden)]
+    fn insert_bounded(
+        tx: &mut Transaction<'static, Self>,
+        rec: &NewRecord<'_>,
+        wait: Duration,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Inserts `rec`. `Ok(false)`: a committed row holds the key; the
+    /// transaction stays usable.
+    #[doc(hidden)]
+    fn insert(
+        tx: &mut Transaction<'static, Self>,
+        rec: &NewRecord<'_>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Stores the response in the row this transaction inserted.
+    #[doc(hidden)]
+    fn mark_succeeded(
+        tx: &mut Transaction<'static, Self>,
+        biz: &str,
+        key: &str,
+        response: &str,
+        now_ms: i64,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Reads the latest committed row of a key (a locking read where the
+    /// isolation level would otherwise show an older snapshot).
+    #[doc(hidden)]
+    fn find(
+        conn: &mut Self::Connection,
+        biz: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<StoredRecord>, sqlx::Error>> + Send;
+
+    /// Deletes the row of a key if it expired at or before `now_ms`.
+    #[doc(hidden)]
+    fn delete_expired(
+        conn: &mut Self::Connection,
+        biz: &str,
+        key: &str,
+        now_ms: i64,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// Deletes up to `limit` expired rows (any key).
+    #[doc(hidden)]
+    fn purge_expired(
+        pool: &Pool<Self>,
+        now_ms: i64,
+        limit: i64,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// How an error of this backend matters to the engine.
+    #[doc(hidden)]
+    fn classify(error: &sqlx::Error) -> Failure;
+}
+
+/// SQL of the statements every backend runs in the same shape.
+pub(crate) struct Queries {
+    pub insert: &'static str,
+    pub mark_succeeded: &'static str,
+    pub find: &'static str,
+    pub delete_expired: &'static str,
+    pub purge_expired: &'static str,
+}
+
+/// Writes the [`Backend`] methods that differ only in SQL text.
+macro_rules! record_queries {
+    ($q:expr) => {
+        async fn insert(
+            tx: &mut ::sqlx::Transaction<'static, Self>,
+            rec: &$crate::store::NewRecord<'_>,
+        ) -> Result<bool, ::sqlx::Error> {
+            let done = ::sqlx::query($q.insert)
+                .bind(rec.biz)
+                .bind(rec.key)
+                .bind(rec.biz_no)
+                .bind(rec.params_hash)
+                .bind(rec.status)
+                .bind(rec.response)
+                .bind(rec.now_ms)
+                .bind(rec.now_ms)
+                .bind(rec.expires_ms)
+                .execute(&mut **tx)
+                .await;
+            match done {
+                Ok(done) => Ok(done.rows_affected() == 1),
+                Err(e) if $crate::store::is_unique_violation(&e) => Ok(false),
+                Err(e) => Err(e),
+            }
+        }
+
+        async fn mark_succeeded(
+            tx: &mut ::sqlx::Transaction<'static, Self>,
+            biz: &str,
+            key: &str,
+            response: &str,
+            now_ms: i64,
+        ) -> Result<(), ::sqlx::Error> {
+            ::sqlx::query($q.mark_succeeded)
+                .bind($crate::store::SUCCEEDED)
+                .bind(response)
+                .bind(now_ms)
+                .bind(biz)
+                .bind(key)
+                .execute(&mut **tx)
+                .await
+                .map(drop)
+        }
+
+        async fn find(
+            conn: &mut Self::Connection,
+            biz: &str,
+            key: &str,
+        ) -> Result<Option<$crate::store::StoredRecord>, ::sqlx::Error> {
+            let row: Option<(String, i16, Option<String>, i64, i64)> = ::sqlx::query_as($q.find)
+                .bind(biz)
+                .bind(key)
+                .fetch_optional(&mut *conn)
+                .await?;
+            Ok(row.map(
+                |(params_hash, status, response, created_ms, expires_ms)| $crate::store::StoredRecord {
+                    params_hash,
+                    status,
+                    response,
+                    created_ms,
+                    expires_ms,
+                },
+            ))
+        }
+
+        async fn delete_expired(
+            conn: &mut Self::Connection,
+            biz: &str,
+            key: &str,
+            now_ms: i64,
+        ) -> Result<u64, ::sqlx::Error> {
+            let done = ::sqlx::query($q.delete_expired)
+                .bind(biz)
+                .bind(key)
+                .bind(now_ms)
+                .execute(&mut *conn)
+                .await?;
+            Ok(done.rows_affected())
+        }
+
+        async fn purge_expired(pool: &::sqlx::Pool<Self>, now_ms: i64, limit: i64) -> Result<u64, ::sqlx::Error> {
+            let done = ::sqlx::query($q.purge_expired)
+                .bind(now_ms)
+                .bind(limit)
+                .execute(pool)
+                .await?;
+            Ok(done.rows_affected())
+        }
+    };
+}
+pub(crate) use record_queries;
+
+/// The part of [`Backend::classify`] all backends share.
+pub(crate) fn is_unique_violation(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .is_some_and(|e| e.kind() == sqlx::error::ErrorKind::UniqueViolation)
+}

@@ -1,0 +1,85 @@
+//! PostgreSQL.
+
+use std::time::Duration;
+
+use sqlx::postgres::Postgres;
+use sqlx::{AssertSqlSafe, Pool, Transaction};
+
+use super::{Backend, Failure, NewRecord, Queries, is_unique_violation, record_queries};
+
+// Concurrent `CREATE TABLE IF NOT EXISTS` can still collide in the catalog,
+// so migrations take a transaction-scoped advisory lock first.
+const MIGRATE_LOCK: &str = "SELECT pg_advisory_xact_lock(7306232718293611)";
+const DDL: [&str; 3] = [
+    "CREATE TABLE IF NOT EXISTS idem_record (
+        id BIGSERIAL PRIMARY KEY,
+        biz_type VARCHAR(32) NOT NULL,
+        idem_key VARCHAR(255) NOT NULL,
+        biz_no VARCHAR(64) NULL,
+        params_hash CHAR(64) NOT NULL,
+        status SMALLINT NOT NULL,
+        response TEXT NULL,
+        created_at BIGINT NOT NULL,
+        updated_at BIGINT NOT NULL,
+        expires_at BIGINT NOT NULL,
+        CONSTRAINT uk_idem_record_biz_key UNIQUE (biz_type, idem_key)
+    )",
+    "CREATE INDEX IF NOT EXISTS idx_idem_record_biz_no ON idem_record (biz_type, biz_no)",
+    "CREATE INDEX IF NOT EXISTS idx_idem_record_expires_at ON idem_record (expires_at)",
+];
+
+// `ON CONFLICT DO NOTHING`: a unique violation would abort the whole
+// transaction, body included; this way a taken key reports 0 rows and the
+// transaction can still replace an expired row.
+const Q: Queries = Queries {
+    insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (biz_type, idem_key) DO NOTHING",
+    mark_succeeded: "UPDATE idem_record SET status = $1, response = $2, updated_at = $3 WHERE biz_type = $4 AND idem_key = $5",
+    find: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
+    delete_expired: "DELETE FROM idem_record WHERE biz_type = $1 AND idem_key = $2 AND expires_at <= $3",
+    purge_expired: "DELETE FROM idem_record WHERE id IN (SELECT id FROM idem_record WHERE expires_at <= $1 LIMIT $2)",
+};
+
+const LOCK_NOT_AVAILABLE: &str = "55P03";
+const DEADLOCK_DETECTED: &str = "40P01";
+const SERIALIZATION_FAILURE: &str = "40001";
+
+impl Backend for Postgres {
+    async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+        let mut tx = pool.begin().await?;
+        sqlx::query(MIGRATE_LOCK).execute(&mut *tx).await?;
+        for ddl in DDL {
+            sqlx::raw_sql(ddl).execute(&mut *tx).await?;
+        }
+        tx.commit().await
+    }
+
+    async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        pool.begin().await
+    }
+
+    async fn insert_bounded(
+        tx: &mut Transaction<'static, Self>,
+        rec: &NewRecord<'_>,
+        wait: Duration,
+    ) -> Result<bool, sqlx::Error> {
+        // `SET LOCAL` ends with the transaction: nothing to put back.
+        let ms = wait.as_millis().max(1);
+        sqlx::query(AssertSqlSafe(format!("SET LOCAL lock_timeout = {ms}")))
+            .execute(&mut **tx)
+            .await?;
+        Self::insert(tx, rec).await
+    }
+
+    record_queries!(Q);
+
+    fn classify(error: &sqlx::Error) -> Failure {
+        if is_unique_violation(error) {
+            return Failure::Duplicate;
+        }
+        match error.as_database_error().and_then(|e| e.code()).as_deref() {
+            Some(LOCK_NOT_AVAILABLE) => Failure::LockTimeout,
+            Some(DEADLOCK_DETECTED | SERIALIZATION_FAILURE) => Failure::Conflict,
+            _ => Failure::Other,
+        }
+    }
+}

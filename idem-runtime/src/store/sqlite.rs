@@ -1,0 +1,75 @@
+//! SQLite, embedded.
+
+use std::time::Duration;
+
+use sqlx::sqlite::Sqlite;
+use sqlx::{Pool, Transaction};
+
+use super::{Backend, Failure, NewRecord, Queries, is_unique_violation, record_queries};
+
+const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
+        id INTEGER PRIMARY KEY,
+        biz_type TEXT NOT NULL,
+        idem_key TEXT NOT NULL,
+        biz_no TEXT NULL,
+        params_hash TEXT NOT NULL,
+        status INTEGER NOT NULL,
+        response TEXT NULL,
+        created_at INTEGER NOT NULL,
+        updated_at INTEGER NOT NULL,
+        expires_at INTEGER NOT NULL,
+        UNIQUE (biz_type, idem_key)
+    );
+    CREATE INDEX IF NOT EXISTS idx_idem_record_biz_no ON idem_record (biz_type, biz_no);
+    CREATE INDEX IF NOT EXISTS idx_idem_record_expires_at ON idem_record (expires_at);";
+
+const Q: Queries = Queries {
+    insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ? WHERE biz_type = ? AND idem_key = ?",
+    find: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
+    delete_expired: "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ? AND expires_at <= ?",
+    purge_expired: "DELETE FROM idem_record WHERE id IN (SELECT id FROM idem_record WHERE expires_at <= ? LIMIT ?)",
+};
+
+// Primary result codes; extended codes keep them in the low byte.
+const SQLITE_BUSY: u32 = 5;
+const SQLITE_LOCKED: u32 = 6;
+
+impl Backend for Sqlite {
+    async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(DDL).execute(pool).await.map(drop)
+    }
+
+    async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        // Take the write lock up front: a deferred transaction that reads
+        // first and writes later can fail with SQLITE_BUSY mid-body instead
+        // of waiting its turn under the busy timeout.
+        pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    async fn insert_bounded(
+        tx: &mut Transaction<'static, Self>,
+        rec: &NewRecord<'_>,
+        _wait: Duration,
+    ) -> Result<bool, sqlx::Error> {
+        // `BEGIN IMMEDIATE` already serialized us behind any duplicate, and
+        // the pool's busy timeout bounded that wait.
+        Self::insert(tx, rec).await
+    }
+
+    record_queries!(Q);
+
+    fn classify(error: &sqlx::Error) -> Failure {
+        if is_unique_violation(error) {
+            return Failure::Duplicate;
+        }
+        let code = error
+            .as_database_error()
+            .and_then(|e| e.code())
+            .and_then(|c| c.parse::<u32>().ok());
+        match code.map(|c| c & 0xff) {
+            Some(SQLITE_BUSY | SQLITE_LOCKED) => Failure::LockTimeout,
+            _ => Failure::Other,
+        }
+    }
+}

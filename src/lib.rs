@@ -1,0 +1,67 @@
+//! Run a write operation **once per business action**, however many times it
+//! is delivered: double clicks, gateway retries, message redelivery, cron
+//! jobs firing on several instances, webhooks called again.
+//!
+//! ```no_run
+//! use idem::{Idem, idempotent};
+//! use sqlx::{Sqlite, Transaction};
+//!
+//! #[derive(serde::Serialize, serde::Deserialize)]
+//! struct Receipt { order_id: u64, amount: i64 }
+//!
+//! #[derive(Debug)]
+//! enum PayError { Idem(idem::Error), Db(sqlx::Error) }
+//! impl From<idem::Error> for PayError { fn from(e: idem::Error) -> Self { PayError::Idem(e) } }
+//! impl From<sqlx::Error> for PayError { fn from(e: sqlx::Error) -> Self { PayError::Db(e) } }
+//!
+//! #[idempotent(key = "order_<order_id>_pay", ttl = "24h", biz = "pay")]
+//! async fn pay(idem: &Idem<Sqlite>, tx: &mut Transaction<'_, Sqlite>, order_id: u64, amount: i64)
+//!     -> Result<Receipt, PayError>
+//! {
+//!     sqlx::query("UPDATE orders SET status = 'PAID' WHERE id = ? AND status = 'PENDING'")
+//!         .bind(order_id as i64)
+//!         .execute(&mut **tx)
+//!         .await?;
+//!     Ok(Receipt { order_id, amount })
+//! }
+//!
+//! # async fn demo() -> Result<(), PayError> {
+//! let idem = Idem::sqlite_memory().await?;
+//! let first = pay(&idem, 42, 1999).await?;   // runs the body
+//! let again = pay(&idem, 42, 1999).await?;   // replays the stored result
+//! # Ok(()) }
+//! ```
+//!
+//! How one call goes, and what each layer decides:
+//!
+//! 1. The key is rendered from the template and checked
+//!    (`[A-Za-z0-9_.:-]{1,255}`, else [`Error::InvalidKey`]); the arguments
+//!    are fingerprinted (SHA-256 of a canonical JSON).
+//! 2. With Redis ([`Builder::redis`], feature `redis`), the key is claimed
+//!    with a random owner token. A finished call with the same fingerprint is
+//!    replayed from Redis without a query; a running one answers
+//!    [`Error::InProgress`]; another fingerprint, [`Error::KeyReused`].
+//! 3. A transaction opens; the body runs in it, and a row goes into
+//!    `idem_record` — unique on `(biz_type, idem_key)`, the final truth —
+//!    with the serialized result. Commit, then the result is cached in Redis.
+//! 4. A body that returns `Err`, panics or is dropped rolls back: nothing is
+//!    recorded, and the next call with the key executes.
+//!
+//! Redis is an accelerator: down, slow or flushed, every guarantee holds
+//! through the database; only speed is lost.
+#![warn(missing_docs)]
+
+pub use idem_macros::idempotent;
+pub use idem_runtime::{Backend, Builder, Error, Idem, KeyError, Status};
+
+/// Key rules, shared with entry points that take keys from outside
+/// (e.g. an `Idempotency-Key` header).
+pub mod key {
+    pub use idem_runtime::key::{MAX_KEY_LEN, MIN_HEADER_KEY_LEN, validate_header_key, validate_key};
+}
+
+/// Not a stable API: what the code written by `#[idempotent]` calls.
+#[doc(hidden)]
+pub mod __private {
+    pub use idem_runtime::{Fingerprint, Spec, run};
+}
