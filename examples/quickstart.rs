@@ -57,11 +57,7 @@ async fn pay(
         .bind(amount)
         .execute(&mut **tx)
         .await?;
-    Ok(Receipt {
-        order_id,
-        amount,
-        paid_rows: paid.rows_affected(),
-    })
+    Ok(Receipt { order_id, amount, paid_rows: paid.rows_affected() })
 }
 
 #[tokio::main]
@@ -90,14 +86,9 @@ async fn main() -> Result<(), PayError> {
         Status::Completed { response } => println!("status       -> completed, stored response {response}"),
         other => println!("status       -> {other:?}"),
     }
-    println!(
-        "status of an unused key -> {:?}",
-        idem.status("pay", "order_7_pay").await?
-    );
+    println!("status of an unused key -> {:?}", idem.status("pay", "order_7_pay").await?);
 
-    let payments: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM payments")
-        .fetch_one(idem.pool())
-        .await?;
+    let payments: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM payments").fetch_one(idem.pool()).await?;
     println!("payments rows: {payments} (the body ran once)");
     Ok(())
 }

@@ -63,5 +63,5 @@ pub mod key {
 /// Not a stable API: what the code written by `#[idempotent]` calls.
 #[doc(hidden)]
 pub mod __private {
-    pub use idem_runtime::{Fingerprint, Spec, run};
+    pub use idem_runtime::{Fingerprint, Spec, assert_replayable, run};
 }

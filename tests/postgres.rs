@@ -1,1 +1,38 @@
+//! Behaviour of `#[idempotent]` on PostgreSQL (`IDEM_PG_URL`), with and
+//! without Redis (`IDEM_REDIS_URL`).
 
+mod common;
+
+use sqlx::postgres::PgPoolOptions;
+
+type Db = sqlx::Postgres;
+
+const LEDGER_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_test_ledger (
+    id BIGSERIAL PRIMARY KEY, k VARCHAR(300) NOT NULL, amount BIGINT NOT NULL)";
+const INSERT_LEDGER: &str = "INSERT INTO idem_test_ledger (k, amount) VALUES ($1, $2)";
+const COUNT_LEDGER: &str = "SELECT COUNT(*) FROM idem_test_ledger WHERE k = $1";
+const COUNT_RECORDS: &str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = $1";
+const COUNT_RECORDS_KEY: &str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = $1 AND idem_key = $2";
+const CORRUPT: &str = "UPDATE idem_record SET response = $1 WHERE biz_type = $2 AND idem_key = $3";
+
+async fn open(_name: &str, max_connections: u32) -> Option<sqlx::Pool<Db>> {
+    common::reach("postgres", || async {
+        PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(std::time::Duration::from_secs(60))
+            .connect(&common::pg_url())
+            .await
+            .ok()
+    })
+    .await
+}
+
+async fn prepare(pool: &sqlx::Pool<Db>) {
+    // Concurrent CREATE TABLE IF NOT EXISTS can collide in the catalog.
+    let mut tx = pool.begin().await.expect("begin");
+    sqlx::query("SELECT pg_advisory_xact_lock(7306232718293612)").execute(&mut *tx).await.expect("lock");
+    sqlx::raw_sql(LEDGER_DDL).execute(&mut *tx).await.expect("ledger table");
+    tx.commit().await.expect("commit");
+}
+
+include!("suite/mod.rs");

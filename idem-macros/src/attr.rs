@@ -89,9 +89,8 @@ fn duration(lit: LitStr, what: &str) -> syn::Result<u64> {
 
 fn biz_name(lit: LitStr) -> syn::Result<LitStr> {
     let v = lit.value();
-    let ok = (1..=32).contains(&v.len())
-        && v.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    let ok =
+        (1..=32).contains(&v.len()) && v.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
     if !ok {
         return Err(syn::Error::new_spanned(
             &lit,

@@ -56,9 +56,10 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         Err(e) => {
             // Emit the fn as written (minus `#[idem(..)]`, which `check`
             // strips) beside the error, so callers still type-check.
+            // `allow`: the engine parameter goes unused in the fn as written.
             let mut out = e.into_compile_error();
             if let Ok(args_free) = strip_param_attrs(func) {
-                out.extend(quote!(#args_free));
+                out.extend(quote!(#[allow(unused_variables)] #args_free));
             }
             out
         }
@@ -75,13 +76,7 @@ fn strip_param_attrs(mut func: ItemFn) -> syn::Result<ItemFn> {
 }
 
 fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
-    let Checked {
-        engine,
-        tx,
-        tx_index,
-        fingerprinted,
-        ret,
-    } = checked;
+    let Checked { engine, tx, tx_index, fingerprinted, ret } = checked;
     if let Some(index) = tx_index {
         func.sig.inputs = std::mem::take(&mut func.sig.inputs)
             .into_iter()
@@ -97,7 +92,7 @@ fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
     let key = render(&args.key.1);
     let biz_no = match &args.biz_no {
         Some((_, template)) => {
-            let rendered = render(&template);
+            let rendered = render(template);
             quote!(::core::option::Option::Some(#rendered))
         }
         None => quote!(::core::option::Option::None),
@@ -108,19 +103,23 @@ fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
     });
     let bind_tx = tx.map(|(pat, ty)| quote!(let #pat: #ty = &mut __idem_tx;));
     let block = &func.block;
-    let run = quote_spanned!(syn::spanned::Spanned::span(&ret)=> ::idem::__private::run);
+    let ret_span = syn::spanned::Spanned::span(&ret);
 
+    // Spanned on the return type, so "`T: Serialize` is not satisfied" points there.
+    let awaited = quote_spanned!(ret_span=> __idem_call.await);
+    let assert_replayable = quote_spanned!(ret_span=> ::idem::__private::assert_replayable::<#ret>(););
     let body = quote!({
         const __IDEM_SPEC: ::idem::__private::Spec = ::idem::__private::Spec {
             biz: #biz,
             ttl: ::core::time::Duration::from_millis(#ttl),
             lease: ::core::time::Duration::from_millis(#lease),
         };
+        #assert_replayable
         let __idem_key = #key;
         let __idem_biz_no = #biz_no;
         let __idem_fingerprint = ::idem::__private::Fingerprint::new() #(#fingerprint_args)*;
         let __idem_engine = ::core::clone::Clone::clone(&(#engine));
-        #run(
+        let __idem_call = ::idem::__private::run(
             ::core::convert::AsRef::<::idem::Idem<_>>::as_ref(&__idem_engine),
             &__IDEM_SPEC,
             __idem_key,
@@ -133,8 +132,8 @@ fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
                 };
                 (__idem_tx, __idem_out)
             },
-        )
-        .await
+        );
+        #awaited
     });
     func.block = syn::parse2(body).expect("generated block parses");
     quote!(#func)

@@ -37,9 +37,7 @@ pub fn parse_template(text: &str) -> Result<Template, String> {
     let mut rest = text;
     while !rest.is_empty() {
         if let Some(after) = rest.strip_prefix('<') {
-            let close = after
-                .find('>')
-                .ok_or_else(|| format!("unclosed placeholder in `{text}`: `<` without `>`"))?;
+            let close = after.find('>').ok_or_else(|| format!("unclosed placeholder in `{text}`: `<` without `>`"))?;
             let inner = &after[..close];
             if inner.is_empty() {
                 return Err("empty placeholder `<>`; write `<param>` or `<param.field>`".into());
@@ -56,14 +54,8 @@ pub fn parse_template(text: &str) -> Result<Template, String> {
             let end = rest.find('<').unwrap_or(rest.len());
             let literal = &rest[..end];
             if let Some(c) = literal.chars().find(|&c| !is_key_char(c)) {
-                let hint = if c == '>' {
-                    "; placeholders are written `<param>`"
-                } else {
-                    ""
-                };
-                return Err(format!(
-                    "character {c:?} cannot appear in a key; keys use A-Z a-z 0-9 _ . : -{hint}"
-                ));
+                let hint = if c == '>' { "; placeholders are written `<param>`" } else { "" };
+                return Err(format!("character {c:?} cannot appear in a key; keys use A-Z a-z 0-9 _ . : -{hint}"));
             }
             pieces.push(Piece::Text(literal.to_owned()));
             rest = &rest[end..];
@@ -98,23 +90,9 @@ mod tests {
     #[test]
     fn parses_text_and_placeholders() {
         let t = parse_template("order_<order_id>_pay").unwrap();
-        assert_eq!(
-            t.pieces,
-            vec![
-                Piece::Text("order_".into()),
-                param(&["order_id"]),
-                Piece::Text("_pay".into())
-            ]
-        );
+        assert_eq!(t.pieces, vec![Piece::Text("order_".into()), param(&["order_id"]), Piece::Text("_pay".into())]);
         let t = parse_template("<user>:<req.order.id>").unwrap();
-        assert_eq!(
-            t.pieces,
-            vec![
-                param(&["user"]),
-                Piece::Text(":".into()),
-                param(&["req", "order", "id"])
-            ]
-        );
+        assert_eq!(t.pieces, vec![param(&["user"]), Piece::Text(":".into()), param(&["req", "order", "id"])]);
         assert_eq!(parse_template("<p.0>").unwrap().pieces, vec![param(&["p", "0"])]);
         assert_eq!(parse_template("fixed").unwrap().roots().count(), 0);
     }

@@ -33,25 +33,16 @@ pub fn check(func: &mut ItemFn, args: &Args) -> syn::Result<Checked> {
     let mut errors = Vec::new();
     let sig = &func.sig;
     if sig.asyncness.is_none() {
-        errors.push(syn::Error::new_spanned(
-            sig.fn_token,
-            "#[idempotent] requires an `async fn`",
-        ));
+        errors.push(syn::Error::new_spanned(sig.fn_token, "#[idempotent] requires an `async fn`"));
     }
     let ret = match &sig.output {
         ReturnType::Type(_, ty) if is_result(ty) => Some((**ty).clone()),
         ReturnType::Type(_, ty) => {
-            errors.push(syn::Error::new_spanned(
-                ty,
-                "#[idempotent] fn must return `Result<T, E>`",
-            ));
+            errors.push(syn::Error::new_spanned(ty, "#[idempotent] fn must return `Result<T, E>`"));
             None
         }
         ReturnType::Default => {
-            errors.push(syn::Error::new_spanned(
-                &sig.ident,
-                "#[idempotent] fn must return `Result<T, E>`",
-            ));
+            errors.push(syn::Error::new_spanned(&sig.ident, "#[idempotent] fn must return `Result<T, E>`"));
             None
         }
     };
@@ -73,10 +64,7 @@ pub fn check(func: &mut ItemFn, args: &Args) -> syn::Result<Checked> {
         };
         if is_ref_to(&param.ty, "Transaction", true) {
             if tx.is_some() {
-                errors.push(syn::Error::new_spanned(
-                    &param.ty,
-                    "more than one transaction parameter",
-                ));
+                errors.push(syn::Error::new_spanned(&param.ty, "more than one transaction parameter"));
             } else if let Pat::Ident(_) = &*param.pat {
                 tx = Some(((*param.pat).clone(), elide_lifetimes((*param.ty).clone())));
                 tx_index = Some(index);
@@ -88,11 +76,13 @@ pub fn check(func: &mut ItemFn, args: &Args) -> syn::Result<Checked> {
             }
             continue;
         }
-        if engine_param.is_none() && args.engine.is_none() && is_ref_to(&param.ty, "Idem", false) {
-            if let Pat::Ident(p) = &*param.pat {
-                engine_param = Some(p.ident.clone());
-                continue;
-            }
+        if engine_param.is_none()
+            && args.engine.is_none()
+            && is_ref_to(&param.ty, "Idem", false)
+            && let Pat::Ident(p) = &*param.pat
+        {
+            engine_param = Some(p.ident.clone());
+            continue;
         }
         let ty_span = param.ty.span();
         let mut names = Vec::new();
@@ -165,10 +155,7 @@ fn check_placeholders(
             let listed = if bound.is_empty() {
                 "it has none that can be rendered".to_owned()
             } else {
-                format!(
-                    "its parameters are {}",
-                    bound.iter().map(|b| format!("`{b}`")).collect::<Vec<_>>().join(", ")
-                )
+                format!("its parameters are {}", bound.iter().map(|b| format!("`{b}`")).collect::<Vec<_>>().join(", "))
             };
             errors.push(syn::Error::new_spanned(
                 lit,
@@ -219,14 +206,9 @@ fn is_ref_to(ty: &Type, name: &str, mutable: bool) -> bool {
     match ty {
         Type::Reference(r) if r.mutability.is_some() == mutable => match &*r.elem {
             Type::Path(p) => p.path.segments.last().is_some_and(|s| s.ident == name),
-            Type::Group(g) => is_ref_to(
-                &Type::Reference(syn::TypeReference {
-                    elem: g.elem.clone(),
-                    ..r.clone()
-                }),
-                name,
-                mutable,
-            ),
+            Type::Group(g) => {
+                is_ref_to(&Type::Reference(syn::TypeReference { elem: g.elem.clone(), ..r.clone() }), name, mutable)
+            }
             _ => false,
         },
         Type::Group(g) => is_ref_to(&g.elem, name, mutable),

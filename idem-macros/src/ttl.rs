@@ -14,9 +14,7 @@ pub fn parse_duration(text: &str) -> Result<u64, String> {
         if digits == 0 {
             return Err(format!("`{text}` is not a duration; {EXPECTED}"));
         }
-        let number: u64 = rest[..digits]
-            .parse()
-            .map_err(|_| format!("`{text}` is too long a duration"))?;
+        let number: u64 = rest[..digits].parse().map_err(|_| format!("`{text}` is too long a duration"))?;
         rest = &rest[digits..];
         let unit_len = rest.find(|c: char| c.is_ascii_digit()).unwrap_or(rest.len());
         let per_unit: u64 = match &rest[..unit_len] {
@@ -57,18 +55,7 @@ mod tests {
 
     #[test]
     fn rejects_with_a_reason() {
-        for bad in [
-            "",
-            "0s",
-            "0h0m",
-            "10",
-            "h",
-            "5 s",
-            "5x",
-            "-5s",
-            "1.5h",
-            "99999999999999999999d",
-        ] {
+        for bad in ["", "0s", "0h0m", "10", "h", "5 s", "5x", "-5s", "1.5h", "99999999999999999999d"] {
             assert!(parse_duration(bad).is_err(), "{bad:?} accepted");
         }
         assert!(parse_duration("5x").unwrap_err().contains("unknown unit `x`"));

@@ -70,9 +70,10 @@ pub struct Held {
     value: String,
 }
 
-enum Target {
+/// Where the claims live.
+pub(crate) enum Target {
     Single(redis::Client),
-    Cluster(ClusterClient),
+    Cluster(Box<ClusterClient>),
 }
 
 #[derive(Clone)]
@@ -99,23 +100,12 @@ impl std::fmt::Debug for Claims {
             Target::Single(_) => "single",
             Target::Cluster(_) => "cluster",
         };
-        f.debug_struct("Claims")
-            .field("target", &kind)
-            .field("timeout", &self.timeout)
-            .finish()
+        f.debug_struct("Claims").field("target", &kind).field("timeout", &self.timeout).finish()
     }
 }
 
 impl Claims {
-    pub(crate) fn single(client: redis::Client, timeout: Duration) -> Self {
-        Self::new(Target::Single(client), timeout)
-    }
-
-    pub(crate) fn cluster(client: ClusterClient, timeout: Duration) -> Self {
-        Self::new(Target::Cluster(client), timeout)
-    }
-
-    fn new(target: Target, timeout: Duration) -> Self {
+    pub(crate) fn new(target: Target, timeout: Duration) -> Self {
         Self {
             target,
             connection: OnceCell::new(),
@@ -129,10 +119,7 @@ impl Claims {
 
     /// Claims `key` for `lease`, or reports what holds it.
     pub async fn claim(&self, biz: &str, key: &str, fingerprint: &str, lease: Duration) -> Claim {
-        let held = Held {
-            key: redis_key(biz, key),
-            value: format!("p:{}:{fingerprint}", token()),
-        };
+        let held = Held { key: redis_key(biz, key), value: format!("p:{}:{fingerprint}", token()) };
         let mut call = self.claim.key(&held.key);
         call.arg(&held.value).arg(millis(lease));
         match self.run::<Option<String>>(&call).await {
@@ -152,9 +139,7 @@ impl Claims {
     /// Replaces our claim by the finished result, kept for `ttl`.
     pub async fn finish(&self, held: &Held, fingerprint: &str, response: &str, ttl: Duration) {
         let mut call = self.finish.key(&held.key);
-        call.arg(&held.value)
-            .arg(format!("d:{fingerprint}:{response}"))
-            .arg(millis(ttl));
+        call.arg(&held.value).arg(format!("d:{fingerprint}:{response}")).arg(millis(ttl));
         self.run::<i64>(&call).await;
     }
 
@@ -171,8 +156,7 @@ impl Claims {
     }
 
     async fn run<T: FromRedisValue>(&self, call: &ScriptInvocation<'_>) -> Option<T> {
-        self.guarded(|mut c| async move { call.invoke_async(&mut c).await })
-            .await
+        self.guarded(|mut c| async move { call.invoke_async(&mut c).await }).await
     }
 
     /// Runs one Redis operation under the timeout and the back-off;
@@ -259,13 +243,8 @@ impl redis::aio::ConnectionLike for ConnectionHandle {
 }
 
 fn parse(found: &str) -> Claim {
-    if let Some(rest) = found.strip_prefix("d:") {
-        if let Some((fingerprint, response)) = rest.split_once(':') {
-            return Claim::Done {
-                fingerprint: fingerprint.to_owned(),
-                response: response.to_owned(),
-            };
-        }
+    if let Some((fingerprint, response)) = found.strip_prefix("d:").and_then(|rest| rest.split_once(':')) {
+        return Claim::Done { fingerprint: fingerprint.to_owned(), response: response.to_owned() };
     }
     // `p:...`, or a value we did not write: either way someone else's.
     Claim::Running

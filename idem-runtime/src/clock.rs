@@ -9,8 +9,5 @@ pub fn now_ms() -> u64 {
 
 /// Nanoseconds since the Unix epoch (0 if the clock is set before it).
 pub fn now_nanos() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0)
 }

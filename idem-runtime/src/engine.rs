@@ -11,7 +11,7 @@ use sqlx::{Pool, Transaction};
 use tracing::Instrument;
 
 #[cfg(feature = "redis")]
-use crate::claim::{Claim, Claims, Held};
+use crate::claim::{Claim, Claims, Held, Target};
 use crate::clock;
 use crate::error::{Error, KeyError};
 use crate::fingerprint::Fingerprint;
@@ -52,9 +52,7 @@ struct Inner<DB: Backend> {
 
 impl<DB: Backend> Clone for Idem<DB> {
     fn clone(&self) -> Self {
-        Self {
-            inner: Arc::clone(&self.inner),
-        }
+        Self { inner: Arc::clone(&self.inner) }
     }
 }
 
@@ -79,15 +77,9 @@ impl<DB: Backend> std::fmt::Debug for Idem<DB> {
 pub struct Builder<DB: Backend> {
     pool: Pool<DB>,
     #[cfg(feature = "redis")]
-    redis: Option<RedisTarget>,
+    redis: Option<Target>,
     redis_timeout: Duration,
     lock_wait: Duration,
-}
-
-#[cfg(feature = "redis")]
-enum RedisTarget {
-    Single(redis::Client),
-    Cluster(redis::cluster::ClusterClient),
 }
 
 impl<DB: Backend> Builder<DB> {
@@ -96,7 +88,7 @@ impl<DB: Backend> Builder<DB> {
     /// query. Optional: without it every guarantee still holds.
     #[cfg(feature = "redis")]
     pub fn redis(mut self, client: redis::Client) -> Self {
-        self.redis = Some(RedisTarget::Single(client));
+        self.redis = Some(Target::Single(client));
         self
     }
 
@@ -104,7 +96,7 @@ impl<DB: Backend> Builder<DB> {
     /// one key, so no hash tags are needed.
     #[cfg(feature = "redis")]
     pub fn redis_cluster(mut self, client: redis::cluster::ClusterClient) -> Self {
-        self.redis = Some(RedisTarget::Cluster(client));
+        self.redis = Some(Target::Cluster(Box::new(client)));
         self
     }
 
@@ -126,12 +118,7 @@ impl<DB: Backend> Builder<DB> {
     /// Builds the engine. Connects to nothing yet.
     pub fn build(self) -> Idem<DB> {
         #[cfg(feature = "redis")]
-        let claims = self.redis.map(|target| {
-            Arc::new(match target {
-                RedisTarget::Single(c) => Claims::single(c, self.redis_timeout),
-                RedisTarget::Cluster(c) => Claims::cluster(c, self.redis_timeout),
-            })
-        });
+        let claims = self.redis.map(|target| Arc::new(Claims::new(target, self.redis_timeout)));
         Idem {
             inner: Arc::new(Inner {
                 pool: self.pool,
@@ -173,34 +160,27 @@ impl<DB: Backend> Idem<DB> {
     /// Deletes up to `limit` expired records; returns how many. Run it
     /// periodically to keep the table bounded.
     pub async fn purge_expired(&self, limit: u32) -> Result<u64, Error> {
-        DB::purge_expired(&self.inner.pool, now_ms(), i64::from(limit))
-            .await
-            .map_err(Error::Storage)
+        DB::purge_expired(&self.inner.pool, now_ms(), i64::from(limit)).await.map_err(Error::Storage)
     }
 
     /// Where the call `(biz, key)` stands: the query behind "in progress,
     /// ask again later". The database answers first (it is the truth);
     /// a running call is seen through its Redis claim.
     pub async fn status(&self, biz: &str, key: &str) -> Result<Status, Error> {
+        validate_key(biz)?;
         validate_key(key)?;
         let mut conn = self.inner.pool.acquire().await?;
         let row = DB::find(&mut conn, biz, key).await?;
         drop(conn);
         match row {
             Some(row) if row.expires_ms > now_ms() && row.status == SUCCEEDED => {
-                return Ok(Status::Completed {
-                    response: row.response.unwrap_or_default(),
-                });
+                return Ok(Status::Completed { response: row.response.unwrap_or_default() });
             }
             Some(_) if self.is_claimed(biz, key).await => return Ok(Status::InProgress),
             Some(_) => return Ok(Status::Expired),
             None => {}
         }
-        Ok(if self.is_claimed(biz, key).await {
-            Status::InProgress
-        } else {
-            Status::Absent
-        })
+        Ok(if self.is_claimed(biz, key).await { Status::InProgress } else { Status::Absent })
     }
 
     #[cfg(feature = "redis")]
@@ -281,6 +261,20 @@ struct Done<T> {
     outcome: Outcome,
 }
 
+/// What an `#[idempotent]` fn must return: its value is stored and replayed.
+#[doc(hidden)]
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be stored and replayed by #[idempotent]",
+    label = "the return type must be `Result<T, E>` with `T: Serialize + DeserializeOwned` and `E: From<idem::Error>`"
+)]
+pub trait Replayable {}
+
+impl<T: Serialize + DeserializeOwned, E: From<Error>> Replayable for Result<T, E> {}
+
+/// Puts the requirements on the return type where the user wrote it.
+#[doc(hidden)]
+pub fn assert_replayable<R: Replayable>() {}
+
 /// Runs `body` once per `(spec.biz, key)`; the code the attribute writes
 /// calls this. `body` gets the transaction the record is written in and
 /// hands it back with its result.
@@ -301,15 +295,9 @@ where
     Fut: Future<Output = (Transaction<'static, DB>, Result<T, E>)>,
 {
     // A rejected key is not logged: it may hold anything the caller sent.
-    let shown_key = if validate_key(&key).is_ok() {
-        key.as_str()
-    } else {
-        "<invalid>"
-    };
+    let shown_key = if validate_key(&key).is_ok() { key.as_str() } else { "<invalid>" };
     let span = tracing::info_span!("idem", biz = spec.biz, key = shown_key, outcome = tracing::field::Empty);
-    let result = call(engine, spec, &key, fingerprint, biz_no.as_deref(), body)
-        .instrument(span.clone())
-        .await;
+    let result = call(engine, spec, &key, fingerprint, biz_no.as_deref(), body).instrument(span.clone()).await;
     let outcome = match &result {
         Ok(done) => done.outcome,
         Err(Failed::Idem(Error::InProgress { .. })) => Outcome::InProgress,
@@ -339,40 +327,22 @@ where
     Fut: Future<Output = (Transaction<'static, DB>, Result<T, E>)>,
 {
     validate_key(key)?;
-    if let Some(no) = biz_no {
-        if no.len() > MAX_BIZ_NO_LEN {
-            return Err(Error::InvalidKey(KeyError::TooLong {
-                len: no.len(),
-                max: MAX_BIZ_NO_LEN,
-            })
-            .into());
-        }
+    if let Some(no) = biz_no
+        && no.len() > MAX_BIZ_NO_LEN
+    {
+        return Err(Error::InvalidKey(KeyError::TooLong { len: no.len(), max: MAX_BIZ_NO_LEN }).into());
     }
     let fingerprint = fingerprint.finish()?;
-    let call = Call {
-        spec,
-        key,
-        fingerprint: &fingerprint,
-        biz_no,
-    };
+    let call = Call { spec, key, fingerprint: &fingerprint, biz_no };
 
     #[cfg(feature = "redis")]
     let claim = match &engine.inner.claims {
         None => None,
         Some(claims) => match claims.claim(spec.biz, key, &fingerprint, spec.lease).await {
-            Claim::Acquired(held) => Some(ClaimGuard {
-                claims: Arc::clone(claims),
-                held: Some(held),
-            }),
-            Claim::Done {
-                fingerprint: stored,
-                response,
-            } => {
+            Claim::Acquired(held) => Some(ClaimGuard { claims: Arc::clone(claims), held: Some(held) }),
+            Claim::Done { fingerprint: stored, response } => {
                 let value = call.replay(&stored, &response)?;
-                return Ok(Done {
-                    value,
-                    outcome: Outcome::Replayed,
-                });
+                return Ok(Done { value, outcome: Outcome::Replayed });
             }
             Claim::Running => return Err(call.in_progress().into()),
             Claim::Unavailable => None,
@@ -385,19 +355,14 @@ where
 
     if let Some(mut guard) = claim {
         match &result {
-            Ok(Recorded {
-                response, expires_ms, ..
-            }) => {
+            Ok(Recorded { response, expires_ms, .. }) => {
                 guard.finish(&fingerprint, response, remaining(*expires_ms)).await;
             }
             Err(_) => guard.release().await,
         }
     }
     let recorded = result?;
-    Ok(Done {
-        value: recorded.value,
-        outcome: recorded.outcome,
-    })
+    Ok(Done { value: recorded.value, outcome: recorded.outcome })
 }
 
 /// One call's identity, borrowed for the length of the call.
@@ -425,10 +390,7 @@ impl Call<'_> {
 
     fn replay<T: DeserializeOwned>(&self, stored_fingerprint: &str, response: &str) -> Result<T, Error> {
         if stored_fingerprint != self.fingerprint {
-            return Err(Error::KeyReused {
-                biz: self.spec.biz,
-                key: self.key.to_owned(),
-            });
+            return Err(Error::KeyReused { biz: self.spec.biz, key: self.key.to_owned() });
         }
         serde_json::from_str(response).map_err(|source| Error::Replay {
             biz: self.spec.biz,
@@ -438,10 +400,7 @@ impl Call<'_> {
     }
 
     fn in_progress(&self) -> Error {
-        Error::InProgress {
-            biz: self.spec.biz,
-            key: self.key.to_owned(),
-        }
+        Error::InProgress { biz: self.spec.biz, key: self.key.to_owned() }
     }
 }
 
@@ -517,20 +476,13 @@ where
     let written = if claimed {
         insert_record(&mut tx, call, &record, None).await
     } else {
-        DB::mark_succeeded(&mut tx, call.spec.biz, call.key, &response, record.now_ms)
-            .await
-            .map(|()| Taken::No)
+        DB::mark_succeeded(&mut tx, call.spec.biz, call.key, &response, record.now_ms).await.map(|()| Taken::No)
     };
     let failure = match written {
         Ok(Taken::No) => match tx.commit().await {
             Ok(()) => {
                 let expires_ms = record.expires_ms;
-                return Ok(Recorded {
-                    value,
-                    response,
-                    expires_ms,
-                    outcome: Outcome::Executed,
-                });
+                return Ok(Recorded { value, response, expires_ms, outcome: Outcome::Executed });
             }
             Err(e) => e,
         },
@@ -590,9 +542,7 @@ async fn insert_record<DB: Backend>(
             None => {}
         }
     }
-    Err(sqlx::Error::Protocol(
-        "idem_record row of the key keeps changing".into(),
-    ))
+    Err(sqlx::Error::Protocol("idem_record row of the key keeps changing".into()))
 }
 
 /// The answer a committed row gives a duplicate.
@@ -601,12 +551,7 @@ fn replay_row<T: DeserializeOwned, E>(call: &Call<'_>, row: StoredRecord) -> Res
         return Err(call.in_progress().into());
     };
     let value = call.replay(&row.params_hash, &response)?;
-    Ok(Recorded {
-        value,
-        response,
-        expires_ms: row.expires_ms,
-        outcome: Outcome::Replayed,
-    })
+    Ok(Recorded { value, response, expires_ms: row.expires_ms, outcome: Outcome::Replayed })
 }
 
 async fn find_live<DB: Backend>(inner: &Inner<DB>, call: &Call<'_>) -> Result<Option<StoredRecord>, Error> {

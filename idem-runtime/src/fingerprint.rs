@@ -132,9 +132,6 @@ mod tests {
     fn unserializable_argument_is_an_error() {
         let mut m = HashMap::new();
         m.insert(vec![1u8], 1); // non-string map keys have no JSON form
-        assert!(matches!(
-            Fingerprint::new().arg("m", &m).finish(),
-            Err(Error::Serialize(_))
-        ));
+        assert!(matches!(Fingerprint::new().arg("m", &m).finish(), Err(Error::Serialize(_))));
     }
 }

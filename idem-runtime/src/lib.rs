@@ -13,7 +13,7 @@ pub mod key;
 mod status;
 pub mod store;
 
-pub use engine::{Builder, Idem, MAX_BIZ_NO_LEN, Spec, run};
+pub use engine::{Builder, Idem, MAX_BIZ_NO_LEN, Replayable, Spec, assert_replayable, run};
 pub use error::{Error, KeyError};
 pub use fingerprint::Fingerprint;
 pub use status::Status;

@@ -193,20 +193,15 @@ macro_rules! record_queries {
             biz: &str,
             key: &str,
         ) -> Result<Option<$crate::store::StoredRecord>, ::sqlx::Error> {
-            let row: Option<(String, i16, Option<String>, i64, i64)> = ::sqlx::query_as($q.find)
-                .bind(biz)
-                .bind(key)
-                .fetch_optional(&mut *conn)
-                .await?;
-            Ok(row.map(
-                |(params_hash, status, response, created_ms, expires_ms)| $crate::store::StoredRecord {
-                    params_hash,
-                    status,
-                    response,
-                    created_ms,
-                    expires_ms,
-                },
-            ))
+            let row: Option<(String, i16, Option<String>, i64, i64)> =
+                ::sqlx::query_as($q.find).bind(biz).bind(key).fetch_optional(&mut *conn).await?;
+            Ok(row.map(|(params_hash, status, response, created_ms, expires_ms)| $crate::store::StoredRecord {
+                params_hash,
+                status,
+                response,
+                created_ms,
+                expires_ms,
+            }))
         }
 
         async fn delete_expired(
@@ -215,21 +210,12 @@ macro_rules! record_queries {
             key: &str,
             now_ms: i64,
         ) -> Result<u64, ::sqlx::Error> {
-            let done = ::sqlx::query($q.delete_expired)
-                .bind(biz)
-                .bind(key)
-                .bind(now_ms)
-                .execute(&mut *conn)
-                .await?;
+            let done = ::sqlx::query($q.delete_expired).bind(biz).bind(key).bind(now_ms).execute(&mut *conn).await?;
             Ok(done.rows_affected())
         }
 
         async fn purge_expired(pool: &::sqlx::Pool<Self>, now_ms: i64, limit: i64) -> Result<u64, ::sqlx::Error> {
-            let done = ::sqlx::query($q.purge_expired)
-                .bind(now_ms)
-                .bind(limit)
-                .execute(pool)
-                .await?;
+            let done = ::sqlx::query($q.purge_expired).bind(now_ms).bind(limit).execute(pool).await?;
             Ok(done.rows_affected())
         }
     };
@@ -238,7 +224,5 @@ pub(crate) use record_queries;
 
 /// The part of [`Backend::classify`] all backends share.
 pub(crate) fn is_unique_violation(error: &sqlx::Error) -> bool {
-    error
-        .as_database_error()
-        .is_some_and(|e| e.kind() == sqlx::error::ErrorKind::UniqueViolation)
+    error.as_database_error().is_some_and(|e| e.kind() == sqlx::error::ErrorKind::UniqueViolation)
 }

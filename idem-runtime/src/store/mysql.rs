@@ -30,7 +30,7 @@ const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
 const Q: Queries = Queries {
     insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
     mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ? WHERE biz_type = ? AND idem_key = ?",
-    find: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ? FOR UPDATE",
+    find: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ? LOCK IN SHARE MODE",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ? AND expires_at <= ?",
     purge_expired: "DELETE FROM idem_record WHERE expires_at <= ? LIMIT ?",
 };
@@ -55,13 +55,9 @@ impl Backend for MySql {
         // The bound is a session variable (MySQL has no per-transaction
         // form), so it is put back to the server default right after.
         let secs = wait.as_secs().max(1);
-        sqlx::query(AssertSqlSafe(format!("SET SESSION innodb_lock_wait_timeout = {secs}")))
-            .execute(&mut **tx)
-            .await?;
+        sqlx::query(AssertSqlSafe(format!("SET SESSION innodb_lock_wait_timeout = {secs}"))).execute(&mut **tx).await?;
         let inserted = Self::insert(tx, rec).await;
-        let restored = sqlx::query("SET SESSION innodb_lock_wait_timeout = DEFAULT")
-            .execute(&mut **tx)
-            .await;
+        let restored = sqlx::query("SET SESSION innodb_lock_wait_timeout = DEFAULT").execute(&mut **tx).await;
         let inserted = inserted?;
         restored?;
         Ok(inserted)
@@ -73,10 +69,8 @@ impl Backend for MySql {
         if is_unique_violation(error) {
             return Failure::Duplicate;
         }
-        let number = error
-            .as_database_error()
-            .and_then(|e| e.try_downcast_ref::<MySqlDatabaseError>())
-            .map(|e| e.number());
+        let number =
+            error.as_database_error().and_then(|e| e.try_downcast_ref::<MySqlDatabaseError>()).map(|e| e.number());
         match number {
             Some(ER_LOCK_WAIT_TIMEOUT) => Failure::LockTimeout,
             Some(ER_LOCK_DEADLOCK) => Failure::Conflict,

@@ -64,9 +64,7 @@ impl Backend for Postgres {
     ) -> Result<bool, sqlx::Error> {
         // `SET LOCAL` ends with the transaction: nothing to put back.
         let ms = wait.as_millis().max(1);
-        sqlx::query(AssertSqlSafe(format!("SET LOCAL lock_timeout = {ms}")))
-            .execute(&mut **tx)
-            .await?;
+        sqlx::query(AssertSqlSafe(format!("SET LOCAL lock_timeout = {ms}"))).execute(&mut **tx).await?;
         Self::insert(tx, rec).await
     }
 

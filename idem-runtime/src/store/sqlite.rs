@@ -63,10 +63,7 @@ impl Backend for Sqlite {
         if is_unique_violation(error) {
             return Failure::Duplicate;
         }
-        let code = error
-            .as_database_error()
-            .and_then(|e| e.code())
-            .and_then(|c| c.parse::<u32>().ok());
+        let code = error.as_database_error().and_then(|e| e.code()).and_then(|c| c.parse::<u32>().ok());
         match code.map(|c| c & 0xff) {
             Some(SQLITE_BUSY | SQLITE_LOCKED) => Failure::LockTimeout,
             _ => Failure::Other,

@@ -1,0 +1,580 @@
+// The behaviour suite, shared by the backend targets (`tests/sqlite.rs`,
+// `tests/mysql.rs`, `tests/postgres.rs`) through `include!`. Each includer
+// defines `Db`, the SQL constants, `open(name, max_connections)` and
+// `prepare(pool)`. Every test uses its own keys, so all run in parallel.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::time::Duration;
+
+use idem::{Idem, Status, idempotent};
+use serde::{Deserialize, Serialize};
+use sqlx::Transaction;
+use tokio::sync::Barrier;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Receipt {
+    key: String,
+    amount: i64,
+    /// Which execution of the body produced it: a second execution would say 2.
+    run: usize,
+}
+
+#[derive(Debug)]
+#[allow(dead_code)] // the fields show in assertion messages through Debug
+enum TestError {
+    Idem(idem::Error),
+    Db(sqlx::Error),
+    Body,
+}
+
+impl From<idem::Error> for TestError {
+    fn from(e: idem::Error) -> Self {
+        TestError::Idem(e)
+    }
+}
+
+impl From<sqlx::Error> for TestError {
+    fn from(e: sqlx::Error) -> Self {
+        TestError::Db(e)
+    }
+}
+
+/// How the body behaves; skipped from the fingerprint so a retry after a
+/// failure is the same call.
+#[derive(Debug, Clone, Copy)]
+enum Mode {
+    Ok,
+    Fail,
+    Panic,
+    Slow(u64),
+}
+
+/// Counts how many times a body started.
+#[derive(Default)]
+struct Probe {
+    runs: AtomicUsize,
+}
+
+impl Probe {
+    fn runs(&self) -> usize {
+        self.runs.load(SeqCst)
+    }
+}
+
+async fn body(tx: &mut Transaction<'_, Db>, k: &str, amount: i64, probe: &Probe, mode: Mode) -> Result<usize, TestError> {
+    let run = probe.runs.fetch_add(1, SeqCst) + 1;
+    sqlx::query(INSERT_LEDGER).bind(k).bind(amount).execute(&mut **tx).await?;
+    match mode {
+        Mode::Ok => {}
+        Mode::Fail => return Err(TestError::Body),
+        Mode::Panic => panic!("the body panics"),
+        Mode::Slow(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+    }
+    Ok(run)
+}
+
+#[idempotent(key = "<k>", ttl = "1h", biz = "t_pay")]
+async fn pay(
+    idem: &Idem<Db>,
+    tx: &mut Transaction<'_, Db>,
+    k: String,
+    amount: i64,
+    #[idem(skip)] probe: &Probe,
+    #[idem(skip)] mode: Mode,
+) -> Result<Receipt, TestError> {
+    let run = body(tx, &k, amount, probe, mode).await?;
+    Ok(Receipt { key: k, amount, run })
+}
+
+#[idempotent(key = "<k>", ttl = "1s", biz = "t_ttl")]
+async fn pay_short_ttl(
+    idem: &Idem<Db>,
+    tx: &mut Transaction<'_, Db>,
+    k: String,
+    #[idem(skip)] probe: &Probe,
+) -> Result<Receipt, TestError> {
+    let run = body(tx, &k, 1, probe, Mode::Ok).await?;
+    Ok(Receipt { key: k, amount: 1, run })
+}
+
+#[idempotent(key = "<k>", ttl = "1h", biz = "t_lease", lease = "100ms")]
+async fn pay_short_lease(
+    idem: &Idem<Db>,
+    tx: &mut Transaction<'_, Db>,
+    k: String,
+    #[idem(skip)] probe: &Probe,
+) -> Result<Receipt, TestError> {
+    let run = body(tx, &k, 1, probe, Mode::Slow(600)).await?;
+    Ok(Receipt { key: k, amount: 1, run })
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Cart {
+    items: HashMap<String, i64>,
+    nested: Vec<HashMap<String, String>>,
+}
+
+#[idempotent(key = "<k>", ttl = "1h", biz = "t_cart")]
+async fn checkout(idem: &Idem<Db>, k: String, cart: Cart, #[idem(skip)] probe: &Probe) -> Result<usize, TestError> {
+    Ok(probe.runs.fetch_add(1, SeqCst) + 1)
+}
+
+#[idempotent(key = "bad_<k>", ttl = "1h", biz = "t_badkey")]
+async fn with_bad_key(
+    idem: &Idem<Db>,
+    tx: &mut Transaction<'_, Db>,
+    k: String,
+    #[idem(skip)] probe: &Probe,
+) -> Result<usize, TestError> {
+    body(tx, &k, 1, probe, Mode::Ok).await
+}
+
+#[idempotent(key = "bad_<k>", ttl = "1h", biz = "t_longkey")]
+async fn with_long_key(
+    idem: &Idem<Db>,
+    tx: &mut Transaction<'_, Db>,
+    k: String,
+    #[idem(skip)] probe: &Probe,
+) -> Result<usize, TestError> {
+    body(tx, &k, 1, probe, Mode::Ok).await
+}
+
+#[idempotent(key = "<k>", ttl = "1h", biz = "t_bad_empty")]
+async fn with_empty_key(idem: &Idem<Db>, k: String, #[idem(skip)] probe: &Probe) -> Result<usize, TestError> {
+    Ok(probe.runs.fetch_add(1, SeqCst) + 1)
+}
+
+macro_rules! falsy_fn {
+    ($name:ident, $biz:literal, $ty:ty, $value:expr) => {
+        #[idempotent(key = "<k>", ttl = "1h", biz = $biz)]
+        async fn $name(idem: &Idem<Db>, k: String, #[idem(skip)] probe: &Probe) -> Result<$ty, TestError> {
+            probe.runs.fetch_add(1, SeqCst);
+            Ok($value)
+        }
+    };
+}
+falsy_fn!(zero, "t_falsy_zero", i64, 0);
+falsy_fn!(empty_string, "t_falsy_str", String, String::new());
+falsy_fn!(empty_vec, "t_falsy_vec", Vec<i32>, Vec::new());
+falsy_fn!(unit, "t_falsy_unit", (), ());
+falsy_fn!(none, "t_falsy_none", Option<i32>, None);
+falsy_fn!(falsy_false, "t_falsy_bool", bool, false);
+
+/// An engine on its own database name (SQLite: its own file), optionally
+/// with Redis; `None` when a server is unreachable (the test then passes
+/// after printing `skipped: ...`).
+async fn engine(name: &str, max_connections: u32, redis: Redis) -> Option<Idem<Db>> {
+    let pool = open(name, max_connections).await?;
+    prepare(&pool).await;
+    let builder = Idem::builder(pool);
+    let builder = match redis {
+        Redis::Off => builder,
+        Redis::On => builder.redis(common::redis_client().await?),
+        Redis::DeadPort => builder.redis(redis::Client::open("redis://127.0.0.1:1").unwrap()),
+    };
+    let idem = builder.build();
+    idem.migrate().await.expect("migrate");
+    Some(idem)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Redis {
+    Off,
+    On,
+    DeadPort,
+}
+
+async fn ledger_rows(idem: &Idem<Db>, k: &str) -> i64 {
+    sqlx::query_scalar(COUNT_LEDGER).bind(k).fetch_one(idem.pool()).await.expect("count ledger")
+}
+
+async fn record_rows(idem: &Idem<Db>, biz: &str) -> i64 {
+    sqlx::query_scalar(COUNT_RECORDS).bind(biz).fetch_one(idem.pool()).await.expect("count records")
+}
+
+fn is_in_progress(r: &Result<Receipt, TestError>) -> bool {
+    matches!(r, Err(TestError::Idem(idem::Error::InProgress { .. })))
+}
+
+/// `callers` tasks released together by a barrier, spread over `engines`,
+/// all paying the same key: the body runs once, everyone gets that result
+/// or `InProgress`, and afterwards everyone gets the replay.
+async fn storm(engines: Vec<Idem<Db>>, callers: usize) {
+    let k = common::unique("storm");
+    let probe = Arc::new(Probe::default());
+    let barrier = Arc::new(Barrier::new(callers));
+    let mut tasks = Vec::new();
+    for i in 0..callers {
+        let (idem, k, probe, barrier) = (engines[i % engines.len()].clone(), k.clone(), probe.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            pay(&idem, k, 500, &probe, Mode::Slow(100)).await
+        }));
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.push(t.await.expect("no task panics"));
+    }
+    assert_eq!(probe.runs(), 1, "the body ran {} times", probe.runs());
+    let expected = Receipt { key: k.clone(), amount: 500, run: 1 };
+    let (mut ok, mut busy) = (0, 0);
+    for r in &results {
+        match r {
+            Ok(receipt) => {
+                assert_eq!(receipt, &expected);
+                ok += 1;
+            }
+            r if is_in_progress(r) => busy += 1,
+            other => panic!("unexpected outcome {other:?}"),
+        }
+    }
+    assert!(ok >= 1, "nobody got the result");
+    assert_eq!(ok + busy, callers);
+    for idem in &engines {
+        assert_eq!(ledger_rows(idem, &k).await, 1);
+        for _ in 0..5 {
+            assert_eq!(pay(idem, k.clone(), 500, &probe, Mode::Ok).await.unwrap(), expected);
+        }
+    }
+    assert_eq!(probe.runs(), 1);
+}
+
+async fn storm_one_engine(redis: Redis) {
+    let name = common::unique("db");
+    let Some(idem) = engine(&name, 10, redis).await else { return };
+    storm(vec![idem], 100).await;
+}
+
+async fn storm_two_engines(redis: Redis) {
+    let name = common::unique("db");
+    let Some(a) = engine(&name, 8, redis).await else { return };
+    let Some(b) = engine(&name, 8, redis).await else { return };
+    storm(vec![a, b], 100).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn storm_of_100_runs_the_body_once() {
+    storm_one_engine(Redis::Off).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn storm_of_100_runs_the_body_once_with_redis() {
+    storm_one_engine(Redis::On).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn storm_over_two_engines_runs_the_body_once() {
+    storm_two_engines(Redis::Off).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn storm_over_two_engines_runs_the_body_once_with_redis() {
+    storm_two_engines(Redis::On).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn storm_with_redis_on_a_dead_port_runs_the_body_once() {
+    storm_one_engine(Redis::DeadPort).await;
+}
+
+async fn failed_body_leaves_nothing(redis: Redis) {
+    let Some(idem) = engine(&common::unique("db"), 4, redis).await else { return };
+    let probe = Probe::default();
+    let k = common::unique("fail");
+
+    let failed = pay(&idem, k.clone(), 7, &probe, Mode::Fail).await;
+    assert!(matches!(failed, Err(TestError::Body)), "{failed:?}");
+    assert_eq!(ledger_rows(&idem, &k).await, 0, "the business write was rolled back");
+    assert_eq!(idem.status("t_pay", &k).await.unwrap(), Status::Absent);
+
+    let again = pay(&idem, k.clone(), 7, &probe, Mode::Ok).await.unwrap();
+    assert_eq!(again, Receipt { key: k.clone(), amount: 7, run: 2 });
+    assert_eq!(ledger_rows(&idem, &k).await, 1);
+    assert_eq!(pay(&idem, k.clone(), 7, &probe, Mode::Ok).await.unwrap(), again);
+    assert_eq!(probe.runs(), 2);
+}
+
+#[tokio::test]
+async fn failed_body_leaves_nothing_behind() {
+    failed_body_leaves_nothing(Redis::Off).await;
+}
+
+#[tokio::test]
+async fn failed_body_leaves_nothing_behind_with_redis() {
+    failed_body_leaves_nothing(Redis::On).await;
+}
+
+async fn panicking_body_leaves_nothing(redis: Redis) {
+    let Some(idem) = engine(&common::unique("db"), 4, redis).await else { return };
+    let probe = Arc::new(Probe::default());
+    let k = common::unique("panic");
+
+    let task = {
+        let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { pay(&idem, k, 7, &probe, Mode::Panic).await })
+    };
+    assert!(task.await.unwrap_err().is_panic());
+    assert_eq!(ledger_rows(&idem, &k).await, 0);
+
+    // The claim is released from a spawned task: give it a moment.
+    let mut again = pay(&idem, k.clone(), 7, &probe, Mode::Ok).await;
+    for _ in 0..50 {
+        if !is_in_progress(&again) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        again = pay(&idem, k.clone(), 7, &probe, Mode::Ok).await;
+    }
+    assert_eq!(again.unwrap(), Receipt { key: k.clone(), amount: 7, run: 2 });
+    assert_eq!(ledger_rows(&idem, &k).await, 1);
+}
+
+#[tokio::test]
+async fn panicking_body_leaves_nothing_behind() {
+    panicking_body_leaves_nothing(Redis::Off).await;
+}
+
+#[tokio::test]
+async fn panicking_body_leaves_nothing_behind_with_redis() {
+    panicking_body_leaves_nothing(Redis::On).await;
+}
+
+async fn dropped_call_leaves_nothing(redis: Redis) {
+    let name = common::unique("db");
+    // One connection: if the dropped call left it inside its transaction,
+    // the calls below could not run.
+    let Some(idem) = engine(&name, 1, redis).await else { return };
+    let Some(observer) = engine(&name, 2, Redis::Off).await else { return };
+    let probe = Probe::default();
+    let k = common::unique("drop");
+
+    let cut = tokio::time::timeout(Duration::from_millis(300), pay(&idem, k.clone(), 9, &probe, Mode::Slow(5_000))).await;
+    assert!(cut.is_err(), "the call should have been cut short");
+    assert_eq!(probe.runs(), 1, "the body had started");
+    assert_eq!(ledger_rows(&observer, &k).await, 0);
+
+    let mut next = pay(&idem, k.clone(), 9, &probe, Mode::Ok).await;
+    for _ in 0..50 {
+        if !is_in_progress(&next) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        next = pay(&idem, k.clone(), 9, &probe, Mode::Ok).await;
+    }
+    let next = next.unwrap();
+    assert_eq!(next, Receipt { key: k.clone(), amount: 9, run: 2 });
+    assert_eq!(pay(&idem, k.clone(), 9, &probe, Mode::Ok).await.unwrap(), next);
+    assert_eq!(ledger_rows(&observer, &k).await, 1);
+    assert_eq!(probe.runs(), 2);
+}
+
+#[tokio::test]
+async fn dropped_call_leaves_nothing_behind() {
+    dropped_call_leaves_nothing(Redis::Off).await;
+}
+
+#[tokio::test]
+async fn dropped_call_leaves_nothing_behind_with_redis() {
+    dropped_call_leaves_nothing(Redis::On).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_after_the_lease_still_commits_once() {
+    let Some(idem) = engine(&common::unique("db"), 4, Redis::On).await else { return };
+    let probe = Arc::new(Probe::default());
+    let k = common::unique("lease");
+
+    let first = {
+        let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { pay_short_lease(&idem, k, &probe).await })
+    };
+    // Past the 100 ms lease, while the first body (600 ms) still runs.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let second = pay_short_lease(&idem, k.clone(), &probe).await.unwrap();
+    let first = first.await.unwrap().unwrap();
+
+    assert_eq!(first, second, "the duplicate replays the first result");
+    assert_eq!(ledger_rows(&idem, &k).await, 1, "one committed business write");
+    assert_eq!(pay_short_lease(&idem, k.clone(), &probe).await.unwrap(), first);
+}
+
+async fn key_reuse_is_refused(redis: Redis) {
+    let Some(idem) = engine(&common::unique("db"), 4, redis).await else { return };
+    let probe = Probe::default();
+    let k = common::unique("reuse");
+    pay(&idem, k.clone(), 100, &probe, Mode::Ok).await.unwrap();
+    let reused = pay(&idem, k.clone(), 101, &probe, Mode::Ok).await;
+    assert!(matches!(reused, Err(TestError::Idem(idem::Error::KeyReused { .. }))), "{reused:?}");
+    assert_eq!(ledger_rows(&idem, &k).await, 1);
+    assert_eq!(probe.runs(), 1);
+}
+
+#[tokio::test]
+async fn same_key_other_arguments_is_key_reused() {
+    key_reuse_is_refused(Redis::Off).await;
+}
+
+#[tokio::test]
+async fn same_key_other_arguments_is_key_reused_with_redis() {
+    key_reuse_is_refused(Redis::On).await;
+}
+
+#[tokio::test]
+async fn hashmap_arguments_fingerprint_the_same_in_any_order() {
+    let Some(idem) = engine(&common::unique("db"), 4, Redis::Off).await else { return };
+    let probe = Probe::default();
+    let k = common::unique("cart");
+    let pairs: Vec<(String, i64)> = (0..40).map(|i| (format!("sku{i}"), i)).collect();
+    let forward: HashMap<String, i64> = pairs.iter().cloned().collect();
+    let backward: HashMap<String, i64> = pairs.iter().rev().cloned().collect();
+    let nested = |n: usize| vec![(0..n).map(|i| (format!("f{i}"), format!("v{i}"))).collect::<HashMap<_, _>>()];
+    let first = checkout(&idem, k.clone(), Cart { items: forward, nested: nested(20) }, &probe).await.unwrap();
+    let second = checkout(&idem, k.clone(), Cart { items: backward, nested: nested(20) }, &probe).await.unwrap();
+    assert_eq!((first, second, probe.runs()), (1, 1, 1));
+    let mut changed: HashMap<String, i64> = pairs.iter().cloned().collect();
+    changed.insert("sku0".into(), 99);
+    let reused = checkout(&idem, k.clone(), Cart { items: changed, nested: nested(20) }, &probe).await;
+    assert!(matches!(reused, Err(TestError::Idem(idem::Error::KeyReused { .. }))), "{reused:?}");
+}
+
+#[tokio::test]
+async fn invalid_keys_are_refused_and_write_nothing() {
+    let Some(idem) = engine(&common::unique("db"), 4, Redis::On).await else { return };
+    let probe = Probe::default();
+    let bad = [
+        "k".repeat(252), // "bad_" + 252 = 256 characters
+        "with space".into(),
+        "star*".into(),
+        "{brace}".into(),
+        "new\nline".into(),
+        "caf\u{e9}".into(),
+        "\u{41f}\u{440}\u{438}\u{432}\u{435}\u{442}".into(),
+        "nul\0".into(),
+        "crlf\r\nSET x 1".into(),
+    ];
+    for k in &bad {
+        let r = with_bad_key(&idem, k.clone(), &probe).await;
+        assert!(matches!(r, Err(TestError::Idem(idem::Error::InvalidKey(_)))), "{k:?}: {r:?}");
+    }
+    let empty = with_empty_key(&idem, String::new(), &probe).await;
+    assert!(matches!(empty, Err(TestError::Idem(idem::Error::InvalidKey(idem::KeyError::Missing)))), "{empty:?}");
+    assert_eq!(probe.runs(), 0, "no body ran");
+    // (Some cannot even be looked up: MySQL's key column is ASCII, and
+    // PostgreSQL text refuses NUL. The engine never sends them.)
+    for k in bad.iter().filter(|k| k.is_ascii() && !k.contains('\0')) {
+        assert_eq!(record_rows_for(&idem, "t_badkey", &format!("bad_{k}")).await, 0);
+        assert_eq!(ledger_rows(&idem, k).await, 0);
+    }
+    assert_eq!(record_rows(&idem, "t_bad_empty").await, 0);
+    if let Some(client) = common::redis_client().await {
+        for k in &bad {
+            assert!(!common::redis_exists(&client, &format!("idem:t_badkey:bad_{k}")).await, "{k:?}");
+        }
+        assert!(!common::redis_exists(&client, "idem:t_bad_empty:").await);
+    }
+    // One character less and the same template goes through.
+    let unique = common::unique("long");
+    let longest = format!("{unique}{}", "k".repeat(251 - unique.len()));
+    assert_eq!(with_long_key(&idem, longest.clone(), &probe).await.unwrap(), 1);
+    assert_eq!(record_rows_for(&idem, "t_longkey", &format!("bad_{longest}")).await, 1);
+}
+
+async fn falsy_values_replay_exactly(redis: Redis) {
+    let Some(idem) = engine(&common::unique("db"), 4, redis).await else { return };
+    let probe = Probe::default();
+    let k = common::unique("falsy");
+    for _ in 0..3 {
+        assert_eq!(zero(&idem, k.clone(), &probe).await.unwrap(), 0);
+        assert_eq!(empty_string(&idem, k.clone(), &probe).await.unwrap(), "");
+        assert_eq!(empty_vec(&idem, k.clone(), &probe).await.unwrap(), Vec::<i32>::new());
+        unit(&idem, k.clone(), &probe).await.unwrap();
+        assert_eq!(none(&idem, k.clone(), &probe).await.unwrap(), None);
+        assert!(!falsy_false(&idem, k.clone(), &probe).await.unwrap());
+    }
+    assert_eq!(probe.runs(), 6, "each fn ran once, then replayed twice");
+    let stored = |biz: &'static str| {
+        let idem = idem.clone();
+        let k = k.clone();
+        async move { idem.status(biz, &k).await.unwrap() }
+    };
+    assert_eq!(stored("t_falsy_zero").await, Status::Completed { response: "0".into() });
+    assert_eq!(stored("t_falsy_str").await, Status::Completed { response: "\"\"".into() });
+    assert_eq!(stored("t_falsy_vec").await, Status::Completed { response: "[]".into() });
+    assert_eq!(stored("t_falsy_unit").await, Status::Completed { response: "null".into() });
+    assert_eq!(stored("t_falsy_none").await, Status::Completed { response: "null".into() });
+    assert_eq!(stored("t_falsy_bool").await, Status::Completed { response: "false".into() });
+}
+
+#[tokio::test]
+async fn falsy_values_replay_exactly_them() {
+    falsy_values_replay_exactly(Redis::Off).await;
+}
+
+#[tokio::test]
+async fn falsy_values_replay_exactly_them_with_redis() {
+    falsy_values_replay_exactly(Redis::On).await;
+}
+
+async fn expired_record_executes_again(redis: Redis) {
+    let Some(idem) = engine(&common::unique("db"), 4, redis).await else { return };
+    let probe = Probe::default();
+    let k = common::unique("ttl");
+    let first = pay_short_ttl(&idem, k.clone(), &probe).await.unwrap();
+    assert_eq!(pay_short_ttl(&idem, k.clone(), &probe).await.unwrap(), first);
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    assert_eq!(idem.status("t_ttl", &k).await.unwrap(), Status::Expired);
+    let second = pay_short_ttl(&idem, k.clone(), &probe).await.unwrap();
+    assert_eq!(second.run, 2, "executed again after expiry");
+    assert_eq!(pay_short_ttl(&idem, k.clone(), &probe).await.unwrap(), second);
+    assert_eq!(ledger_rows(&idem, &k).await, 2);
+    assert_eq!(record_rows_for(&idem, "t_ttl", &k).await, 1, "the expired row was replaced");
+}
+
+async fn record_rows_for(idem: &Idem<Db>, biz: &str, k: &str) -> i64 {
+    sqlx::query_scalar(COUNT_RECORDS_KEY).bind(biz).bind(k).fetch_one(idem.pool()).await.expect("count")
+}
+
+#[tokio::test]
+async fn expired_record_lets_the_next_call_execute() {
+    expired_record_executes_again(Redis::Off).await;
+}
+
+#[tokio::test]
+async fn expired_record_lets_the_next_call_execute_with_redis() {
+    expired_record_executes_again(Redis::On).await;
+}
+
+#[tokio::test]
+async fn corrupted_stored_response_is_a_replay_error() {
+    let Some(idem) = engine(&common::unique("db"), 4, Redis::Off).await else { return };
+    let probe = Probe::default();
+    let k = common::unique("corrupt");
+    pay(&idem, k.clone(), 5, &probe, Mode::Ok).await.unwrap();
+    sqlx::query(CORRUPT).bind("{\"key\": 42").bind("t_pay").bind(&k).execute(idem.pool()).await.unwrap();
+    let r = pay(&idem, k.clone(), 5, &probe, Mode::Ok).await;
+    match r {
+        Err(TestError::Idem(idem::Error::Replay { biz, key, .. })) => assert_eq!((biz, key), ("t_pay", k.clone())),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(probe.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_reports_each_stage() {
+    let Some(idem) = engine(&common::unique("db"), 4, Redis::On).await else { return };
+    let probe = Arc::new(Probe::default());
+    let k = common::unique("status");
+    assert_eq!(idem.status("t_pay", &k).await.unwrap(), Status::Absent);
+    let running = {
+        let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { pay(&idem, k, 3, &probe, Mode::Slow(500)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(idem.status("t_pay", &k).await.unwrap(), Status::InProgress);
+    let receipt = running.await.unwrap().unwrap();
+    let status = idem.status("t_pay", &k).await.unwrap();
+    assert_eq!(status.response::<Receipt>().unwrap().unwrap(), receipt);
+    assert!(matches!(idem.status("t_pay", "no such key").await, Err(idem::Error::InvalidKey(_))));
+}

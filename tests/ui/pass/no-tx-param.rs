@@ -1,0 +1,11 @@
+use idem::{Idem, idempotent};
+use sqlx::Sqlite;
+
+#[idempotent(key = "notify_<user_id>", ttl = "1h", biz = "notify")]
+async fn notify(idem: &Idem<Sqlite>, user_id: u64) -> Result<u64, idem::Error> {
+    Ok(user_id)
+}
+
+fn main() {
+    let _ = notify;
+}
