@@ -52,7 +52,7 @@
 #![warn(missing_docs)]
 
 pub use idem_macros::idempotent;
-pub use idem_runtime::{Backend, Builder, Error, Idem, KeyError, Status};
+pub use idem_runtime::{Backend, Builder, Error, Idem, KeyError, Outcome, Status, observe};
 
 /// Key rules, shared with entry points that take keys from outside
 /// (e.g. an `Idempotency-Key` header).

@@ -16,6 +16,7 @@ use crate::clock;
 use crate::error::{Error, KeyError};
 use crate::fingerprint::Fingerprint;
 use crate::key::validate_key;
+use crate::outcome::{self, Outcome};
 use crate::status::Status;
 use crate::store::{Backend, Failure, NewRecord, PROCESSING, SUCCEEDED, StoredRecord};
 
@@ -215,28 +216,6 @@ impl Idem<sqlx::Sqlite> {
     }
 }
 
-/// How a call ended, as recorded in its span.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Outcome {
-    Executed,
-    Replayed,
-    InProgress,
-    KeyReused,
-    Failed,
-}
-
-impl Outcome {
-    fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Executed => "executed",
-            Outcome::Replayed => "replayed",
-            Outcome::InProgress => "in_progress",
-            Outcome::KeyReused => "key_reused",
-            Outcome::Failed => "failed",
-        }
-    }
-}
-
 /// Why a call did not return a value.
 enum Failed<E> {
     Idem(Error),
@@ -302,9 +281,11 @@ where
         Ok(done) => done.outcome,
         Err(Failed::Idem(Error::InProgress { .. })) => Outcome::InProgress,
         Err(Failed::Idem(Error::KeyReused { .. })) => Outcome::KeyReused,
+        Err(Failed::Idem(Error::InvalidKey(_) | Error::Replay { .. } | Error::Serialize(_))) => Outcome::Rejected,
         Err(_) => Outcome::Failed,
     };
     span.record("outcome", outcome.as_str());
+    outcome::report(outcome);
     match result {
         Ok(done) => Ok(done.value),
         Err(Failed::Idem(e)) => Err(E::from(e)),

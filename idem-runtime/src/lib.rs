@@ -10,11 +10,13 @@ mod engine;
 mod error;
 pub mod fingerprint;
 pub mod key;
+mod outcome;
 mod status;
 pub mod store;
 
 pub use engine::{Builder, Idem, MAX_BIZ_NO_LEN, Replayable, Spec, assert_replayable, run};
 pub use error::{Error, KeyError};
 pub use fingerprint::Fingerprint;
+pub use outcome::{Outcome, observe};
 pub use status::Status;
 pub use store::Backend;

@@ -1,0 +1,58 @@
+//! How a call ended, for the span and for adapters (HTTP, message queues)
+//! that must answer differently for a replay or a call in progress.
+
+use std::cell::Cell;
+use std::future::Future;
+
+/// How one `#[idempotent]` call ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The body ran and its result was recorded.
+    Executed,
+    /// A finished call's result was returned again.
+    Replayed,
+    /// Another call held the key: `Error::InProgress`.
+    InProgress,
+    /// The key was used with other arguments: `Error::KeyReused`.
+    KeyReused,
+    /// The call can never succeed as sent: an invalid key, a result that no
+    /// longer deserializes, or one that cannot be serialized.
+    Rejected,
+    /// The body returned `Err`, or the database failed: nothing was
+    /// recorded, and the same call may succeed later.
+    Failed,
+}
+
+impl Outcome {
+    /// The name in the call's tracing span: `executed`, `replayed`,
+    /// `in_progress`, `key_reused` or `failed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Executed => "executed",
+            Outcome::Replayed => "replayed",
+            Outcome::InProgress => "in_progress",
+            Outcome::KeyReused => "key_reused",
+            Outcome::Rejected | Outcome::Failed => "failed",
+        }
+    }
+}
+
+tokio::task_local! {
+    static LAST: Cell<Option<Outcome>>;
+}
+
+/// Runs `future` and reports the outcome of the last `#[idempotent]` call
+/// made inside it (`None` if it made none). Adapters wrap handlers in it.
+pub async fn observe<F: Future>(future: F) -> (F::Output, Option<Outcome>) {
+    LAST.scope(Cell::new(None), async move {
+        let output = future.await;
+        (output, LAST.with(Cell::get))
+    })
+    .await
+}
+
+pub(crate) fn report(outcome: Outcome) {
+    // Outside `observe` there is nobody to tell.
+    let _ = LAST.try_with(|last| last.set(Some(outcome)));
+}
