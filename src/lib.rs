@@ -52,6 +52,10 @@
 #![warn(missing_docs)]
 
 pub use idem_macros::idempotent;
+#[cfg(feature = "amqp")]
+pub use idem_runtime::amqp;
+#[cfg(feature = "axum")]
+pub use idem_runtime::http;
 pub use idem_runtime::{Backend, Builder, Error, Idem, KeyError, Outcome, Status, observe};
 
 /// Key rules, shared with entry points that take keys from outside

@@ -12,7 +12,81 @@ mod key;
 mod sig;
 mod ttl;
 
-/// Makes an `async fn` run once per business action. See `idem::idempotent`.
+/// Makes an `async fn` run once per business action.
+///
+/// ```ignore
+/// #[idempotent(key = "order_<order_id>_pay", ttl = "24h", biz = "pay")]
+/// async fn pay(idem: &Idem<MySql>, tx: &mut Transaction<'_, MySql>, order_id: u64, amount: i64)
+///     -> Result<Receipt, PayError>
+/// { ... }
+///
+/// let receipt = pay(&idem, 42, 1999).await?; // no transaction: the engine supplies it
+/// ```
+///
+/// # Arguments
+///
+/// | argument | required | meaning |
+/// |---|---|---|
+/// | `key = "..."` | yes | the key template, rendered per call (see below) |
+/// | `ttl = "24h"` | yes | how long the record protects the key; afterwards the next call executes again |
+/// | `biz = "pay"` | yes | the business action, `[a-z0-9_]{1,32}`; keys are unique per `(biz, key)` |
+/// | `lease = "30s"` | no | how long the Redis claim lives while the body runs (default 30 s) |
+/// | `biz_no = "<order_id>"` | no | a business number stored with the record, for reconciliation (at most 64 bytes) |
+/// | `engine = <expr>` | no | where the engine comes from when it is not a parameter: `self.idem`, `app.idem` |
+///
+/// # Key templates
+///
+/// Literal text plus placeholders: `<param>` renders a parameter with `Display`,
+/// `<param.field.field>` one of its fields (also through patterns such as
+/// `Json(req): Json<PayReq>`, where `req` is the name). The literal text may use
+/// only `A-Z a-z 0-9 _ . : -`. The rendered key must obey the same rule and be
+/// 1..=255 bytes long, or the call fails with `idem::Error::InvalidKey` and
+/// writes nothing: keys are never escaped, trimmed or hashed, since that could
+/// merge two distinct keys.
+///
+/// # Durations
+///
+/// A number and a unit, repeated: `ms`, `s`, `m`, `h`, `d`, e.g. `"500ms"`,
+/// `"30s"`, `"15m"`, `"24h"`, `"7d"`, `"1h30m"`. Zero is refused.
+///
+/// # Parameters
+///
+/// - The engine: the parameter of type `&Idem<DB>`, or the `engine` expression
+///   (anything that is, or derefs through `AsRef` to, an `Idem<DB>`: `Idem`,
+///   `&Idem`, `Arc<Idem>`).
+/// - The transaction: a parameter of type `&mut sqlx::Transaction<'_, DB>`.
+///   It is removed from the signature; the engine opens the transaction, the
+///   body runs in it together with the record insert, and it commits once.
+///   A fn may have no transaction parameter.
+/// - Every other parameter is part of the fingerprint (SHA-256 of a canonical
+///   JSON, keys sorted at every depth) and must implement `serde::Serialize`,
+///   unless marked `#[idem(skip)]`. The same key with another fingerprint is
+///   `idem::Error::KeyReused`. A parameter the `engine` expression starts from
+///   (`app` in `app.idem`) is left out automatically.
+///
+/// # Return type
+///
+/// `Result<T, E>` with `T: Serialize + DeserializeOwned` (stored as JSON and
+/// replayed to duplicates) and `E: From<idem::Error>`. An `Err` from the body
+/// rolls everything back and records nothing.
+///
+/// # The same code without the attribute
+///
+/// ```ignore
+/// async fn pay(idem: &Idem<MySql>, order_id: u64, amount: i64) -> Result<Receipt, PayError> {
+///     const SPEC: idem::__private::Spec = /* biz, ttl, lease */;
+///     let key = format!("order_{}_pay", &order_id);
+///     let fingerprint = Fingerprint::new().arg("order_id", &order_id).arg("amount", &amount);
+///     idem::__private::run(idem, &SPEC, key, fingerprint, None, move |mut tx| async move {
+///         let out: Result<Receipt, PayError> = {
+///             let tx: &mut Transaction<'_, MySql> = &mut tx;
+///             async move { /* the body */ }.await
+///         };
+///         (tx, out)
+///     })
+///     .await
+/// }
+/// ```
 #[proc_macro_attribute]
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::idempotent(args.into(), item.into()).into()

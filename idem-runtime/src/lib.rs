@@ -3,12 +3,16 @@
 //! `#[idempotent]` attribute calls. Use it through the `idem` crate.
 #![warn(missing_docs)]
 
+#[cfg(feature = "amqp")]
+pub mod amqp;
 #[cfg(feature = "redis")]
 pub mod claim;
 mod clock;
 mod engine;
 mod error;
 pub mod fingerprint;
+#[cfg(feature = "axum")]
+pub mod http;
 pub mod key;
 mod outcome;
 mod status;

@@ -1,0 +1,451 @@
+//! `cargo bench --bench overhead` (`IDEM_BENCH_QUICK=1` for a run under a
+//! minute): what `#[idempotent]` costs over the transaction a caller would
+//! write anyway, measured side by side in one run on MariaDB and PostgreSQL,
+//! with and without Redis, from 1 task and from 32.
+//!
+//! Rows: `bare` (the body in a plain transaction), `first` (a fresh key per
+//! call), `replay` (a finished key again), `storm` (100 concurrent calls on
+//! one new key; executions must be 1). Each row also prints the SQL
+//! statements and Redis commands per call, counted in a separate pass.
+//! Results also go to `target/idem-bench.json`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use idem::{Idem, idempotent};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Barrier;
+
+const ORDERS: i64 = 1_000;
+const CONCURRENCY: usize = 32;
+const STORM: usize = 100;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Receipt {
+    order_id: i64,
+    amount: i64,
+}
+
+#[derive(Debug)]
+#[allow(dead_code)] // shown through Debug when a bench call fails
+enum BenchError {
+    Idem(idem::Error),
+    Db(sqlx::Error),
+}
+
+impl From<idem::Error> for BenchError {
+    fn from(e: idem::Error) -> Self {
+        BenchError::Idem(e)
+    }
+}
+
+impl From<sqlx::Error> for BenchError {
+    fn from(e: sqlx::Error) -> Self {
+        BenchError::Db(e)
+    }
+}
+
+/// Counts the statements sqlx sends (its `sqlx::query` events) while on.
+struct StatementCounter {
+    on: AtomicBool,
+    count: AtomicU64,
+}
+
+static COUNTER: StatementCounter = StatementCounter { on: AtomicBool::new(false), count: AtomicU64::new(0) };
+
+impl tracing::Subscriber for &'static StatementCounter {
+    fn register_callsite(&self, meta: &'static tracing::Metadata<'static>) -> tracing::subscriber::Interest {
+        if meta.target() == "sqlx::query" {
+            tracing::subscriber::Interest::sometimes()
+        } else {
+            tracing::subscriber::Interest::never()
+        }
+    }
+    fn enabled(&self, meta: &tracing::Metadata<'_>) -> bool {
+        meta.target() == "sqlx::query" && self.on.load(Ordering::Relaxed)
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, _: &tracing::Event<'_>) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Row {
+    backend: &'static str,
+    redis: &'static str,
+    mode: &'static str,
+    tasks: usize,
+    calls: usize,
+    calls_per_sec: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    sql_per_call: f64,
+    redis_per_call: f64,
+    executions: Option<usize>,
+}
+
+fn quick() -> bool {
+    std::env::var("IDEM_BENCH_QUICK").is_ok_and(|v| v == "1")
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i].as_secs_f64() * 1e3
+}
+
+/// Runs `calls` calls from `tasks` tasks; returns (wall time, latencies).
+async fn drive<F, Fut>(tasks: usize, calls: usize, call: F) -> (Duration, Vec<Duration>)
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let call = Arc::new(call);
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let mut handles = Vec::new();
+    for _ in 0..tasks {
+        let (call, next) = (call.clone(), next.clone());
+        handles.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= calls {
+                    break lat;
+                }
+                let t = Instant::now();
+                call(i).await;
+                lat.push(t.elapsed());
+            }
+        }));
+    }
+    let mut all = Vec::with_capacity(calls);
+    for h in handles {
+        all.extend(h.await.expect("bench task"));
+    }
+    let wall = start.elapsed();
+    all.sort();
+    (wall, all)
+}
+
+async fn redis_commands(client: &Option<redis::Client>) -> u64 {
+    let Some(client) = client else { return 0 };
+    let Ok(mut conn) = client.get_multiplexed_async_connection().await else { return 0 };
+    let info: String = redis::cmd("INFO").arg("stats").query_async(&mut conn).await.unwrap_or_default();
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_commands_processed:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Statements and Redis commands per call, over `n` sequential calls.
+async fn round_trips<F, Fut>(redis: &Option<redis::Client>, n: usize, call: F) -> (f64, f64)
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let before_redis = redis_commands(redis).await;
+    COUNTER.count.store(0, Ordering::Relaxed);
+    COUNTER.on.store(true, Ordering::Relaxed);
+    for i in 0..n {
+        call(i).await;
+    }
+    COUNTER.on.store(false, Ordering::Relaxed);
+    let sql = COUNTER.count.load(Ordering::Relaxed) as f64 / n as f64;
+    // The INFO that reads the counter counts itself once.
+    let redis_cmds = redis_commands(redis).await.saturating_sub(before_redis + 1) as f64 / n as f64;
+    (sql, if redis.is_some() { redis_cmds } else { 0.0 })
+}
+
+macro_rules! backend {
+    ($module:ident, $db:ident, $name:literal, $url:expr, $ddl:literal, $seed:literal, $update:literal) => {
+        mod $module {
+            use super::*;
+            use sqlx::{Transaction, $db};
+
+            pub async fn bare(pool: &sqlx::Pool<$db>, order_id: i64) {
+                let mut tx = pool.begin().await.expect("begin");
+                sqlx::query($update).bind(order_id).execute(&mut *tx).await.expect("update");
+                tx.commit().await.expect("commit");
+            }
+
+            #[idempotent(key = "<run>_<n>", ttl = "1h", biz = "bench_pay")]
+            pub async fn pay(
+                idem: &Idem<$db>,
+                tx: &mut Transaction<'_, $db>,
+                run: &str,
+                n: usize,
+                order_id: i64,
+                #[idem(skip)] executions: &AtomicUsize,
+            ) -> Result<Receipt, BenchError> {
+                executions.fetch_add(1, Ordering::Relaxed);
+                sqlx::query($update).bind(order_id).execute(&mut **tx).await?;
+                Ok(Receipt { order_id, amount: 1999 })
+            }
+
+            pub async fn run(rows: &mut Vec<Row>, redis_client: Option<redis::Client>) -> Option<()> {
+                let url: String = $url;
+                let pool = sqlx::pool::PoolOptions::<$db>::new()
+                    .max_connections(40)
+                    .test_before_acquire(false)
+                    .connect(&url)
+                    .await
+                    .map_err(|e| println!("skipped: {} unreachable ({e})", $name))
+                    .ok()?;
+                sqlx::raw_sql($ddl).execute(&pool).await.expect("orders table");
+                sqlx::query($seed).bind(ORDERS).execute(&pool).await.expect("seed orders");
+                let (seq_calls, conc_calls, storms) = if quick() { (300, 1_000, 5) } else { (2_000, 6_000, 20) };
+
+                for with_redis in [false, true] {
+                    if with_redis && redis_client.is_none() {
+                        continue;
+                    }
+                    let client = if with_redis { redis_client.clone() } else { None };
+                    let mut builder = Idem::builder(pool.clone());
+                    if let Some(c) = &client {
+                        builder = builder.redis(c.clone());
+                    }
+                    let idem = builder.build();
+                    idem.migrate().await.expect("migrate");
+                    let label = if with_redis { "redis" } else { "none" };
+                    let run_id = format!(
+                        "{}-{}",
+                        label,
+                        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
+                    );
+                    let executions = Arc::new(AtomicUsize::new(0));
+
+                    for tasks in [1, CONCURRENCY] {
+                        let calls = if tasks == 1 { seq_calls } else { conc_calls };
+                        let push = |rows: &mut Vec<Row>,
+                                    mode,
+                                    (wall, lat): (Duration, Vec<Duration>),
+                                    (sql, redis_cmds),
+                                    executions| {
+                            rows.push(Row {
+                                backend: $name,
+                                redis: label,
+                                mode,
+                                tasks,
+                                calls: lat.len(),
+                                calls_per_sec: lat.len() as f64 / wall.as_secs_f64(),
+                                p50_ms: percentile(&lat, 0.50),
+                                p99_ms: percentile(&lat, 0.99),
+                                sql_per_call: sql,
+                                redis_per_call: redis_cmds,
+                                executions,
+                            });
+                        };
+
+                        // bare (the Redis column does not apply; measured in both passes
+                        // so each ratio compares rows of the same moment)
+                        let p = pool.clone();
+                        let timing = drive(tasks, calls, move |i| {
+                            let p = p.clone();
+                            async move { bare(&p, (i as i64 % ORDERS) + 1).await }
+                        })
+                        .await;
+                        let counted = round_trips(&None, 50, |i| bare(&pool, (i as i64 % ORDERS) + 1)).await;
+                        push(rows, "bare", timing, counted, None);
+
+                        // first: a fresh key per call
+                        let tag = format!("{run_id}-first{tasks}");
+                        let (i2, t2, e2) = (idem.clone(), tag.clone(), executions.clone());
+                        let timing = drive(tasks, calls, move |i| {
+                            let (idem, tag, e) = (i2.clone(), t2.clone(), e2.clone());
+                            async move {
+                                pay(&idem, &tag, i, (i as i64 % ORDERS) + 1, &e).await.expect("first");
+                            }
+                        })
+                        .await;
+                        let tag_c = format!("{tag}-count");
+                        let counted = round_trips(&client, 50, |i| {
+                            let (idem, tag, e) = (&idem, &tag_c, &executions);
+                            async move {
+                                pay(idem, tag, i, 1, e).await.expect("first");
+                            }
+                        })
+                        .await;
+                        push(rows, "first", timing, counted, None);
+
+                        // replay: the same 10 finished keys again and again
+                        let (i2, t2, e2) = (idem.clone(), tag.clone(), executions.clone());
+                        let before = executions.load(Ordering::Relaxed);
+                        let timing = drive(tasks, calls, move |i| {
+                            let (idem, tag, e) = (i2.clone(), t2.clone(), e2.clone());
+                            async move {
+                                pay(&idem, &tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, &e).await.expect("replay");
+                            }
+                        })
+                        .await;
+                        assert_eq!(executions.load(Ordering::Relaxed), before, "a replay executed the body");
+                        let counted = round_trips(&client, 50, |i| {
+                            let (idem, tag, e) = (&idem, &tag, &executions);
+                            async move {
+                                pay(idem, tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, e).await.expect("replay");
+                            }
+                        })
+                        .await;
+                        push(rows, "replay", timing, counted, None);
+                    }
+
+                    // storm: 100 calls released together on one new key
+                    let mut lat = Vec::new();
+                    let mut wall = Duration::ZERO;
+                    for s in 0..storms {
+                        let storm_exec = Arc::new(AtomicUsize::new(0));
+                        let barrier = Arc::new(Barrier::new(STORM));
+                        let tag = format!("{run_id}-storm{s}");
+                        let mut handles = Vec::new();
+                        for _ in 0..STORM {
+                            let (idem, tag, e, b) = (idem.clone(), tag.clone(), storm_exec.clone(), barrier.clone());
+                            handles.push(tokio::spawn(async move {
+                                b.wait().await;
+                                let t = Instant::now();
+                                let r = pay(&idem, &tag, 0, 1, &e).await;
+                                assert!(
+                                    matches!(r, Ok(_) | Err(BenchError::Idem(idem::Error::InProgress { .. }))),
+                                    "{r:?}"
+                                );
+                                t.elapsed()
+                            }));
+                        }
+                        let start = Instant::now();
+                        for h in handles {
+                            lat.push(h.await.expect("storm task"));
+                        }
+                        wall += start.elapsed();
+                        let n = storm_exec.load(Ordering::Relaxed);
+                        assert_eq!(n, 1, "storm {s} executed {n} times");
+                    }
+                    lat.sort();
+                    rows.push(Row {
+                        backend: $name,
+                        redis: label,
+                        mode: "storm",
+                        tasks: STORM,
+                        calls: lat.len(),
+                        calls_per_sec: lat.len() as f64 / wall.as_secs_f64(),
+                        p50_ms: percentile(&lat, 0.50),
+                        p99_ms: percentile(&lat, 0.99),
+                        sql_per_call: f64::NAN,
+                        redis_per_call: f64::NAN,
+                        executions: Some(1),
+                    });
+                }
+                Some(())
+            }
+        }
+    };
+}
+
+backend!(
+    mariadb,
+    MySql,
+    "mariadb",
+    std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into()),
+    "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
+    "INSERT IGNORE INTO bench_orders (id, status) WITH RECURSIVE n (i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) SELECT i, 'PENDING' FROM n",
+    "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = ? AND status = 'PENDING'"
+);
+
+backend!(
+    postgres,
+    Postgres,
+    "postgres",
+    std::env::var("IDEM_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
+    "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
+    "INSERT INTO bench_orders (id, status) SELECT i, 'PENDING' FROM generate_series(1, $1) AS i ON CONFLICT DO NOTHING",
+    "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = $1 AND status = 'PENDING'"
+);
+
+fn ratio(rows: &[Row], backend: &str, redis: &str, tasks: usize, mode: &str) -> Option<f64> {
+    let find =
+        |m: &str| rows.iter().find(|r| r.backend == backend && r.redis == redis && r.tasks == tasks && r.mode == m);
+    Some(find(mode)?.p50_ms / find("bare")?.p50_ms)
+}
+
+fn main() {
+    tracing::subscriber::set_global_default(&COUNTER).expect("subscriber");
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let started = Instant::now();
+    let rows = runtime.block_on(async {
+        let redis_url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let redis_client = match redis::Client::open(redis_url) {
+            Ok(c) if c.get_multiplexed_async_connection().await.is_ok() => Some(c),
+            _ => {
+                println!("skipped: redis unreachable (rows with Redis left out)");
+                None
+            }
+        };
+        let mut rows = Vec::new();
+        mariadb::run(&mut rows, redis_client.clone()).await;
+        postgres::run(&mut rows, redis_client).await;
+        rows
+    });
+
+    println!(
+        "\n{:<9} {:<6} {:<7} {:>5} {:>7} {:>10} {:>8} {:>8} {:>6} {:>6} {:>10} {:>11}",
+        "backend",
+        "redis",
+        "mode",
+        "tasks",
+        "calls",
+        "calls/s",
+        "p50 ms",
+        "p99 ms",
+        "sql",
+        "redis",
+        "first/bare",
+        "replay/bare"
+    );
+    for r in &rows {
+        let first = ratio(&rows, r.backend, r.redis, r.tasks, "first").filter(|_| r.mode == "bare");
+        let replay = ratio(&rows, r.backend, r.redis, r.tasks, "replay").filter(|_| r.mode == "bare");
+        let fmt_ratio = |x: Option<f64>| x.map(|v| format!("{v:.2}x")).unwrap_or_default();
+        let fmt_count = |x: f64| if x.is_nan() { "-".to_string() } else { format!("{x:.1}") };
+        println!(
+            "{:<9} {:<6} {:<7} {:>5} {:>7} {:>10.0} {:>8.3} {:>8.3} {:>6} {:>6} {:>10} {:>11}{}",
+            r.backend,
+            r.redis,
+            r.mode,
+            r.tasks,
+            r.calls,
+            r.calls_per_sec,
+            r.p50_ms,
+            r.p99_ms,
+            fmt_count(r.sql_per_call),
+            fmt_count(r.redis_per_call),
+            fmt_ratio(first),
+            fmt_ratio(replay),
+            r.executions.map(|e| format!("  executions per storm: {e}")).unwrap_or_default(),
+        );
+    }
+    println!("(ratios are p50 latency over bare p50 of the same backend, Redis setting and task count)");
+
+    let json = serde_json::json!({
+        "quick": quick(),
+        "seconds": started.elapsed().as_secs_f64(),
+        "rows": rows.iter().map(|r| {
+            let mut v = serde_json::to_value(r).expect("row");
+            v["first_over_bare"] = serde_json::json!(ratio(&rows, r.backend, r.redis, r.tasks, "first"));
+            v["replay_over_bare"] = serde_json::json!(ratio(&rows, r.backend, r.redis, r.tasks, "replay"));
+            if r.sql_per_call.is_nan() { v["sql_per_call"] = serde_json::Value::Null; v["redis_per_call"] = serde_json::Value::Null; }
+            v
+        }).collect::<Vec<_>>(),
+    });
+    let dir = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
+    let path = std::path::Path::new(&dir).join("idem-bench.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&json).expect("json")).expect("write json");
+    println!("wrote {} in {:.1} s", path.display(), started.elapsed().as_secs_f64());
+}

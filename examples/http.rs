@@ -1,0 +1,301 @@
+//! `cargo run --example http --features axum,mysql,sqlite,redis`
+//!
+//! An axum server with one idempotent endpoint, `POST /orders/{id}/pay`
+//! (JSON body `{"amount": <integer cents>}`), the caller named by an
+//! `X-User-Id` header (a stand-in for real authentication) and the retry key
+//! in `Idempotency-Key`. Orders 1..=10000 exist as `PENDING`.
+//!
+//! Environment:
+//! - `IDEM_HTTP_ADDR`: where to listen (default `127.0.0.1:3000`);
+//! - `IDEM_MYSQL_URL`: MySQL / MariaDB, e.g. `mysql://root@127.0.0.1:3306/test`;
+//!   unset, SQLite: the file in `IDEM_SQLITE_URL` (e.g. `sqlite:idem-http.db`)
+//!   or, unset too, an in-memory database;
+//! - `IDEM_REDIS_URL`: the optional Redis claim, e.g. `redis://127.0.0.1:6379`.
+//!
+//! ```sh
+//! curl -i -X POST localhost:3000/orders/42/pay -H 'X-User-Id: alice' \
+//!   -H 'Idempotency-Key: 5d0c2a6e-pay-42' -H 'Content-Type: application/json' -d '{"amount":1999}'
+//! ```
+//! The same command again answers the same body plus `Idempotent-Replayed: true`;
+//! with `{"amount":5}` it answers 422 `IDEMPOTENCY_KEY_REUSED`.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use axum::extract::{FromRequestParts, Path, State};
+use axum::http::header::CONTENT_TYPE;
+use axum::http::request::Parts;
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router, middleware};
+use idem::http::{IdempotencyKey, replay_header};
+use idem::{Backend, Idem, idempotent};
+use serde::{Deserialize, Serialize};
+use sqlx::{AssertSqlSafe, Transaction};
+
+/// The request body.
+#[derive(Debug, Serialize, Deserialize)]
+struct PayReq {
+    /// Integer cents.
+    amount: i64,
+}
+
+/// What a successful payment answers, and what a retry replays.
+#[derive(Debug, Serialize, Deserialize)]
+struct PayResponse {
+    order_id: i64,
+    amount: i64,
+    payment_id: i64,
+    status: String,
+}
+
+impl IntoResponse for PayResponse {
+    fn into_response(self) -> Response {
+        (StatusCode::OK, Json(self)).into_response()
+    }
+}
+
+/// The handler's error: the engine's, or the business rules'. An `Err` is
+/// never recorded, so the same request may be sent again.
+#[derive(Debug)]
+enum ApiError {
+    Idem(idem::Error),
+    /// The order exists but is not `PENDING` (already paid, e.g. through another key).
+    NotPayable(i64),
+    NotFound(i64),
+    BadAmount,
+}
+
+impl From<idem::Error> for ApiError {
+    fn from(e: idem::Error) -> Self {
+        ApiError::Idem(e)
+    }
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(e: sqlx::Error) -> Self {
+        // Rolled back, nothing written: retryable, like the engine's own storage failures (503).
+        ApiError::Idem(e.into())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        match self {
+            ApiError::Idem(e) => e.into_response(),
+            ApiError::NotPayable(id) => {
+                problem(StatusCode::CONFLICT, "ORDER_NOT_PAYABLE", format!("order {id} is not pending payment"))
+            }
+            ApiError::NotFound(id) => problem(StatusCode::NOT_FOUND, "ORDER_NOT_FOUND", format!("no order {id}")),
+            ApiError::BadAmount => problem(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "INVALID_AMOUNT",
+                "amount must be a positive number of cents".into(),
+            ),
+        }
+    }
+}
+
+/// An `application/problem+json` answer in the same shape as the engine's.
+fn problem(status: StatusCode, code: &str, detail: String) -> Response {
+    #[derive(Serialize)]
+    struct Problem<'a> {
+        #[serde(rename = "type")]
+        kind: String,
+        title: &'a str,
+        status: u16,
+        code: &'a str,
+        detail: String,
+    }
+    let body = Problem {
+        kind: format!("urn:example:problem:{}", code.to_ascii_lowercase().replace('_', "-")),
+        title: status.canonical_reason().unwrap_or_default(),
+        status: status.as_u16(),
+        code,
+        detail,
+    };
+    let body = serde_json::to_string(&body).expect("a problem serializes");
+    let mut response = (status, body).into_response();
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    response
+}
+
+/// The authenticated principal; here simply the `X-User-Id` header. It may
+/// not contain `:`, the separator in the key template, so that two users'
+/// keys can never render the same.
+struct UserId(String);
+
+impl<S: Send + Sync> FromRequestParts<S> for UserId {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Response> {
+        let user = parts.headers.get("x-user-id").and_then(|v| v.to_str().ok()).unwrap_or_default();
+        let valid =
+            (1..=64).contains(&user.len()) && user.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if !valid {
+            let detail = "send X-User-Id: 1 to 64 characters from A-Z a-z 0-9 _ -".to_owned();
+            return Err(problem(StatusCode::UNAUTHORIZED, "UNAUTHENTICATED", detail));
+        }
+        Ok(UserId(user.to_owned()))
+    }
+}
+
+/// The handler and its router for one database. MySQL and SQLite take the
+/// same SQL (`?` placeholders); only the type and the new row's id differ.
+macro_rules! pay_service {
+    ($module:ident, $db:ty, $payment_id:path) => {
+        mod $module {
+            use super::*;
+
+            #[derive(Clone)]
+            pub struct App {
+                pub idem: Idem<$db>,
+            }
+
+            /// Pays an order once per (user, Idempotency-Key). The key
+            /// template is scoped to the principal; `app` (the engine's
+            /// root) is not part of the fingerprint, everything else is.
+            #[idempotent(key = "<user>:<idem_key>", ttl = "24h", biz = "http_pay", engine = app.idem)]
+            async fn pay(
+                State(app): State<App>,
+                tx: &mut Transaction<'_, $db>,
+                UserId(user): UserId,
+                IdempotencyKey(idem_key): IdempotencyKey,
+                Path(order_id): Path<i64>,
+                Json(req): Json<PayReq>,
+            ) -> Result<PayResponse, ApiError> {
+                if req.amount <= 0 {
+                    return Err(ApiError::BadAmount);
+                }
+                let paid = sqlx::query("UPDATE orders SET status = 'PAID' WHERE id = ? AND status = 'PENDING'")
+                    .bind(order_id)
+                    .execute(&mut **tx)
+                    .await?;
+                if paid.rows_affected() == 0 {
+                    let known: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM orders WHERE id = ?")
+                        .bind(order_id)
+                        .fetch_one(&mut **tx)
+                        .await?;
+                    return Err(if known > 0 { ApiError::NotPayable(order_id) } else { ApiError::NotFound(order_id) });
+                }
+                let inserted = sqlx::query("INSERT INTO payments (order_id, user_id, amount) VALUES (?, ?, ?)")
+                    .bind(order_id)
+                    .bind(&user)
+                    .bind(req.amount)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(PayResponse {
+                    order_id,
+                    amount: req.amount,
+                    payment_id: $payment_id(&inserted),
+                    status: "PAID".into(),
+                })
+            }
+
+            pub fn router(idem: Idem<$db>) -> Router {
+                Router::new()
+                    .route("/orders/{id}/pay", post(pay))
+                    .layer(middleware::from_fn(replay_header))
+                    .with_state(App { idem })
+            }
+        }
+    };
+}
+
+fn mysql_payment_id(result: &sqlx::mysql::MySqlQueryResult) -> i64 {
+    i64::try_from(result.last_insert_id()).unwrap_or(i64::MAX)
+}
+
+fn sqlite_payment_id(result: &sqlx::sqlite::SqliteQueryResult) -> i64 {
+    result.last_insert_rowid()
+}
+
+pay_service!(on_mysql, sqlx::MySql, mysql_payment_id);
+pay_service!(on_sqlite, sqlx::Sqlite, sqlite_payment_id);
+
+const MYSQL_DDL: &str = "
+    CREATE TABLE IF NOT EXISTS orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL);
+    CREATE TABLE IF NOT EXISTS payments (
+        id BIGINT AUTO_INCREMENT PRIMARY KEY, order_id BIGINT NOT NULL,
+        user_id VARCHAR(64) NOT NULL, amount BIGINT NOT NULL, KEY (order_id));";
+const SQLITE_DDL: &str = "
+    CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, status TEXT NOT NULL);
+    CREATE TABLE IF NOT EXISTS payments (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, order_id INTEGER NOT NULL,
+        user_id TEXT NOT NULL, amount INTEGER NOT NULL);";
+
+/// Orders 1..=10000 as `PENDING`, in one statement; existing rows are kept.
+fn seed_orders(insert_ignore: &'static str) -> AssertSqlSafe<String> {
+    let rows: Vec<String> = (1..=10_000).map(|id| format!("({id},'PENDING')")).collect();
+    // Safe: made of a literal and integers only.
+    AssertSqlSafe(format!("{insert_ignore} INTO orders (id, status) VALUES {}", rows.join(",")))
+}
+
+/// The engine, with the Redis claim when `IDEM_REDIS_URL` is set.
+fn engine<DB: Backend>(pool: sqlx::Pool<DB>, redis: Option<redis::Client>) -> Idem<DB> {
+    let builder = Idem::builder(pool);
+    match redis {
+        Some(client) => builder.redis(client).build(),
+        None => builder.build(),
+    }
+}
+
+/// Deletes expired records now and then, keeping `idem_record` bounded.
+fn purge_periodically<DB: Backend>(idem: Idem<DB>) {
+    tokio::spawn(async move {
+        loop {
+            if let Err(e) = idem.purge_expired(1_000).await {
+                eprintln!("purge failed: {e}");
+            }
+            tokio::time::sleep(Duration::from_secs(3_600)).await;
+        }
+    });
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let addr = std::env::var("IDEM_HTTP_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
+    let redis = std::env::var("IDEM_REDIS_URL").ok().map(redis::Client::open).transpose()?;
+    let claims = if redis.is_some() { "with the Redis claim" } else { "without Redis" };
+
+    let (router, store) = if let Ok(url) = std::env::var("IDEM_MYSQL_URL") {
+        let pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(16).connect(&url).await?;
+        let idem = engine(pool, redis);
+        idem.migrate().await?;
+        sqlx::raw_sql(MYSQL_DDL).execute(idem.pool()).await?;
+        sqlx::query(seed_orders("INSERT IGNORE")).execute(idem.pool()).await?;
+        purge_periodically(idem.clone());
+        (on_mysql::router(idem), "MySQL")
+    } else {
+        let pool = match std::env::var("IDEM_SQLITE_URL") {
+            Ok(url) => {
+                let options = sqlx::sqlite::SqliteConnectOptions::from_str(&url)?
+                    .create_if_missing(true)
+                    .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+                    .busy_timeout(Duration::from_secs(5));
+                sqlx::sqlite::SqlitePoolOptions::new().max_connections(8).connect_with(options).await?
+            }
+            // One connection: the in-memory database lives as long as it does.
+            Err(_) => {
+                sqlx::sqlite::SqlitePoolOptions::new()
+                    .max_connections(1)
+                    .idle_timeout(None)
+                    .max_lifetime(None)
+                    .connect("sqlite::memory:")
+                    .await?
+            }
+        };
+        let idem = engine(pool, redis);
+        idem.migrate().await?;
+        sqlx::raw_sql(SQLITE_DDL).execute(idem.pool()).await?;
+        sqlx::query(seed_orders("INSERT OR IGNORE")).execute(idem.pool()).await?;
+        purge_periodically(idem.clone());
+        (on_sqlite::router(idem), "SQLite")
+    };
+
+    let listener = tokio::net::TcpListener::bind(&addr).await?;
+    println!("listening on http://{} ({store}, {claims})", listener.local_addr()?);
+    axum::serve(listener, router).await?;
+    Ok(())
+}

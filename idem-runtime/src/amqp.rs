@@ -1,0 +1,498 @@
+//! RabbitMQ consumers (feature `amqp`, through [`lapin`]): a small runner
+//! that calls your handler once per delivery and settles the delivery by the
+//! [`Outcome`] of the `#[idempotent]` call the handler made.
+//!
+//! ```ignore
+//! # use idem::{Idem, idempotent};
+//! # use sqlx::{Sqlite, Transaction};
+//! # #[derive(Debug)] struct StockError;
+//! # impl From<idem::Error> for StockError { fn from(_: idem::Error) -> Self { StockError } }
+//! #[derive(serde::Serialize, serde::Deserialize)]
+//! struct OrderPaid { order_id: u64, sku: String, qty: i64 }
+//!
+//! #[idempotent(key = "order_paid_<event.order_id>", ttl = "7d", biz = "deduct_stock")]
+//! async fn deduct_stock(idem: &Idem<Sqlite>, tx: &mut Transaction<'_, Sqlite>, event: OrderPaid)
+//!     -> Result<(), StockError>
+//! { /* UPDATE stock ... */ Ok(()) }
+//!
+//! # async fn demo(idem: Idem<Sqlite>, channel: lapin::Channel) -> Result<(), lapin::Error> {
+//! idem::amqp::declare_with_dead_letter(&channel, "order.paid").await?;
+//! idem::amqp::Consumer::new(channel, "order.paid")
+//!     .max_retries(3)
+//!     .run(tokio::signal::ctrl_c(), move |event: OrderPaid| {
+//!         let idem = idem.clone();
+//!         async move { deduct_stock(&idem, event).await }
+//!     })
+//!     .await
+//! # }
+//! ```
+//!
+//! How a delivery is settled:
+//!
+//! | what happened | settlement |
+//! |---|---|
+//! | `Executed` or `Replayed`, handler `Ok` | ack |
+//! | handler made no `#[idempotent]` call and returned `Ok` | ack |
+//! | `InProgress` (a duplicate is running elsewhere) | after [`Consumer::in_progress_delay`], nack with requeue; not counted as a retry |
+//! | `KeyReused`, or `Rejected` (invalid key, stored result no longer replayable, unserializable argument) | reject without requeue: to the dead-letter queue |
+//! | the payload does not deserialize into the handler's argument (a poison message) | reject without requeue: to the dead-letter queue |
+//! | `Failed` (body `Err`, database error), a handler `Err` without or after the call, or a panic | retry: after [`Consumer::retry_delay`], a copy with header `x-idem-retries` incremented is published to the queue and the original acked; once [`Consumer::max_retries`] retries are spent, reject to the dead-letter queue |
+//!
+//! Why a republished copy and not `nack(requeue)`: a requeued message keeps
+//! its headers, so it cannot carry a retry count; and `x-delivery-count`
+//! exists only on quorum queues. The copy goes to the default exchange with
+//! the queue's name as routing key, so it reaches this queue only (not every
+//! queue bound to the original exchange). The copy is confirmed by the broker
+//! before the original is acked (the runner puts its channel in publisher
+//! confirm mode); a crash in between leaves both, and the key makes the
+//! duplicate harmless. A redelivery by the broker (a consumer that died
+//! before acking) does not count as a retry.
+//!
+//! A delivery waiting out a delay stays unacked, so it holds one prefetch
+//! slot (prefetch = [`Consumer::concurrency`]) until it is settled.
+//!
+//! Dead-lettering uses the queue's own `x-dead-letter-exchange`: a queue
+//! declared without one drops rejected messages.
+//! [`declare_with_dead_letter`] declares the queue together with its
+//! dead-letter exchange and queue.
+
+use std::fmt::Debug;
+use std::future::{Future, poll_fn};
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
+
+use futures_core::Stream;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
+    BasicRejectOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{Channel, Confirmation, ExchangeKind};
+use serde::de::DeserializeOwned;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use crate::outcome::{Outcome, observe};
+
+/// The header carrying how many times a message was retried after a failure.
+pub const RETRIES_HEADER: &str = "x-idem-retries";
+
+/// The names [`declare_with_dead_letter`] declared.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// The work queue, as given.
+    pub queue: String,
+    /// `<queue>.dlx`: a direct exchange, the queue's `x-dead-letter-exchange`.
+    pub exchange: String,
+    /// `<queue>.dlq`: where rejected messages of `queue` end up.
+    pub dead_letter_queue: String,
+}
+
+/// Declares the durable `queue` with a dead-letter exchange `<queue>.dlx`
+/// (direct, durable) and a durable dead-letter queue `<queue>.dlq` bound to
+/// it with the routing key `<queue>`. Idempotent; fails (and the broker
+/// closes the channel) if `queue` already exists with other arguments.
+pub async fn declare_with_dead_letter(channel: &Channel, queue: &str) -> lapin::Result<DeadLetter> {
+    let names = DeadLetter {
+        queue: queue.to_owned(),
+        exchange: format!("{queue}.dlx"),
+        dead_letter_queue: format!("{queue}.dlq"),
+    };
+    let durable = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
+    channel
+        .exchange_declare(names.exchange.as_str().into(), ExchangeKind::Direct, durable, FieldTable::default())
+        .await?;
+    channel
+        .queue_declare(names.dead_letter_queue.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
+        .await?;
+    channel
+        .queue_bind(
+            names.dead_letter_queue.as_str().into(),
+            names.exchange.as_str().into(),
+            queue.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let mut args = FieldTable::default();
+    args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(names.exchange.as_str().into()));
+    args.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(queue.into()));
+    channel.queue_declare(queue.into(), QueueDeclareOptions::durable(), args).await?;
+    Ok(names)
+}
+
+/// How a delivery was settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Action {
+    /// Acked: done (executed now or replayed).
+    Ack,
+    /// Nacked with requeue after [`Consumer::in_progress_delay`]: a duplicate
+    /// was running.
+    Requeue,
+    /// Republished with `x-idem-retries` = `retries` after
+    /// [`Consumer::retry_delay`], original acked.
+    Retry {
+        /// The retry count the copy carries.
+        retries: u32,
+    },
+    /// Rejected without requeue, to the queue's dead-letter exchange.
+    DeadLetter(Reason),
+    /// Nacked with requeue because the runner was stopping.
+    Returned,
+}
+
+/// Why a delivery was dead-lettered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Reason {
+    /// The payload did not deserialize into the handler's argument.
+    Poison,
+    /// The key was already used with other arguments.
+    KeyReused,
+    /// Invalid key, unreplayable stored result, or unserializable argument.
+    Rejected,
+    /// Still failing after [`Consumer::max_retries`] retries.
+    RetriesExhausted,
+}
+
+/// What the runner did with one delivery; passed to [`Consumer::on_settle`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Settled {
+    /// The outcome of the last `#[idempotent]` call the handler made, if any.
+    pub outcome: Option<Outcome>,
+    /// The settlement.
+    pub action: Action,
+    /// The `x-idem-retries` the delivery carried (0 on the first attempt).
+    pub retries: u32,
+    /// Whether the broker flagged the delivery as redelivered.
+    pub redelivered: bool,
+    /// The message's `message_id` property, if set.
+    pub message_id: Option<String>,
+    /// The handler's error or panic, or why the payload was refused, as text.
+    pub error: Option<String>,
+}
+
+type Hook = Arc<dyn Fn(&Settled) + Send + Sync>;
+
+/// Consumes one queue, calling a handler per delivery and settling each
+/// delivery by its outcome; see the [module docs](self).
+#[must_use]
+pub struct Consumer {
+    channel: Channel,
+    queue: String,
+    concurrency: u16,
+    max_retries: u32,
+    retry_delay: Duration,
+    in_progress_delay: Duration,
+    on_settle: Option<Hook>,
+}
+
+impl Debug for Consumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("queue", &self.queue)
+            .field("concurrency", &self.concurrency)
+            .field("max_retries", &self.max_retries)
+            .field("retry_delay", &self.retry_delay)
+            .field("in_progress_delay", &self.in_progress_delay)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Consumer {
+    /// A runner for `queue` on `channel`. The channel is put into publisher
+    /// confirm mode when the runner starts (retries are republished with
+    /// confirms), and its prefetch is set to the concurrency.
+    pub fn new(channel: Channel, queue: impl Into<String>) -> Self {
+        Self {
+            channel,
+            queue: queue.into(),
+            concurrency: 1,
+            max_retries: 3,
+            retry_delay: Duration::from_secs(1),
+            in_progress_delay: Duration::from_secs(1),
+            on_settle: None,
+        }
+    }
+
+    /// How many deliveries are handled at once (and the channel's prefetch).
+    /// Default 1: one at a time, in order.
+    pub fn concurrency(mut self, n: u16) -> Self {
+        self.concurrency = n.max(1);
+        self
+    }
+
+    /// How many times a failing delivery is retried before it is
+    /// dead-lettered: `max_retries + 1` attempts in all. Default 3.
+    pub fn max_retries(mut self, n: u32) -> Self {
+        self.max_retries = n;
+        self
+    }
+
+    /// How long a failed delivery waits before its retry is published.
+    /// Default 1 s.
+    pub fn retry_delay(mut self, delay: Duration) -> Self {
+        self.retry_delay = delay;
+        self
+    }
+
+    /// How long a delivery whose key is in progress elsewhere waits before it
+    /// is requeued. Default 1 s.
+    pub fn in_progress_delay(mut self, delay: Duration) -> Self {
+        self.in_progress_delay = delay;
+        self
+    }
+
+    /// Called after each delivery is settled (for logs, metrics, tests).
+    pub fn on_settle(mut self, hook: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
+        self.on_settle = Some(Arc::new(hook));
+        self
+    }
+
+    /// Consumes until `shutdown` resolves (or the channel fails), calling
+    /// `handler` with each payload deserialized from JSON into `T`.
+    ///
+    /// On shutdown the consumer is cancelled, deliveries not yet handled are
+    /// requeued, and the runner waits for the ones being handled (including
+    /// their delays) to be settled. Returns the channel's error if it failed.
+    pub async fn run<T, F, Fut, R, E, S>(self, shutdown: S, handler: F) -> lapin::Result<()>
+    where
+        T: DeserializeOwned + Send + 'static,
+        F: Fn(T) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<R, E>> + Send + 'static,
+        R: Send + 'static,
+        E: Debug + Send + 'static,
+        S: Future,
+    {
+        let channel = &self.channel;
+        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        channel.basic_qos(self.concurrency, BasicQosOptions::default()).await?;
+        let mut consumer = channel
+            .basic_consume(
+                self.queue.as_str().into(),
+                ShortString::from(""),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        tracing::info!(queue = %self.queue, tag = %consumer.tag(), "idem consumer started");
+
+        let shared = Arc::new(Shared {
+            channel: self.channel.clone(),
+            queue: self.queue.clone(),
+            max_retries: self.max_retries,
+            retry_delay: self.retry_delay,
+            in_progress_delay: self.in_progress_delay,
+            on_settle: self.on_settle.clone(),
+        });
+        let handler = Arc::new(handler);
+        let permits = Arc::new(Semaphore::new(usize::from(self.concurrency)));
+        let mut tasks = JoinSet::new();
+        let mut shutdown = pin!(shutdown);
+        let mut stopping = false;
+        let mut failure = None;
+
+        loop {
+            while tasks.try_join_next().is_some() {}
+            let next = poll_fn(|cx| {
+                if !stopping && shutdown.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(None);
+                }
+                Pin::new(&mut consumer).poll_next(cx).map(Some)
+            })
+            .await;
+            let delivery = match next {
+                None => {
+                    stopping = true;
+                    tracing::info!(queue = %self.queue, "idem consumer stopping");
+                    if let Err(e) = channel.basic_cancel(consumer.tag(), BasicCancelOptions::default()).await {
+                        failure = Some(e);
+                        break;
+                    }
+                    continue;
+                }
+                Some(None) => break,
+                Some(Some(Err(e))) => {
+                    failure = Some(e);
+                    break;
+                }
+                Some(Some(Ok(delivery))) => delivery,
+            };
+            if stopping {
+                let settled = Settled::new(&delivery, None, Action::Returned, None);
+                settle(&shared, delivery.nack(BasicNackOptions { multiple: false, requeue: true }).await, settled);
+                continue;
+            }
+            let permit = Arc::clone(&permits).acquire_owned().await.expect("the semaphore is never closed");
+            let shared = Arc::clone(&shared);
+            let handler = Arc::clone(&handler);
+            tasks.spawn(async move {
+                handle(&shared, delivery, &*handler, permit).await;
+            });
+        }
+        while tasks.join_next().await.is_some() {}
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+struct Shared {
+    channel: Channel,
+    queue: String,
+    max_retries: u32,
+    retry_delay: Duration,
+    in_progress_delay: Duration,
+    on_settle: Option<Hook>,
+}
+
+impl Settled {
+    fn new(delivery: &Delivery, outcome: Option<Outcome>, action: Action, error: Option<String>) -> Self {
+        Settled {
+            outcome,
+            action,
+            retries: retries_of(delivery),
+            redelivered: delivery.redelivered,
+            message_id: delivery.properties.message_id().as_ref().map(|id| id.as_str().to_owned()),
+            error,
+        }
+    }
+}
+
+/// What to do with a delivery, before doing it.
+enum Verdict {
+    Ack,
+    Requeue,
+    Retry,
+    DeadLetter(Reason),
+}
+
+fn verdict(outcome: Option<Outcome>, ok: bool) -> Verdict {
+    match outcome {
+        Some(Outcome::InProgress) => Verdict::Requeue,
+        Some(Outcome::KeyReused) => Verdict::DeadLetter(Reason::KeyReused),
+        Some(Outcome::Rejected) => Verdict::DeadLetter(Reason::Rejected),
+        Some(Outcome::Failed) => Verdict::Retry,
+        Some(Outcome::Executed | Outcome::Replayed) | None if ok => Verdict::Ack,
+        Some(Outcome::Executed | Outcome::Replayed) | None => Verdict::Retry,
+    }
+}
+
+async fn handle<T, F, Fut, R, E>(
+    shared: &Shared,
+    delivery: Delivery,
+    handler: &F,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) where
+    T: DeserializeOwned + Send + 'static,
+    F: Fn(T) -> Fut,
+    Fut: Future<Output = Result<R, E>> + Send + 'static,
+    R: Send + 'static,
+    E: Debug + Send + 'static,
+{
+    let (verdict, outcome, error) = match serde_json::from_slice::<T>(&delivery.data) {
+        Err(e) => (Verdict::DeadLetter(Reason::Poison), None, Some(format!("payload: {e}"))),
+        Ok(message) => {
+            // Its own task, so a panic in the handler becomes a failure
+            // instead of a delivery that is never settled.
+            let call = tokio::spawn(observe(handler(message)));
+            match call.await {
+                Ok((Ok(_), outcome)) => (verdict(outcome, true), outcome, None),
+                Ok((Err(e), outcome)) => (verdict(outcome, false), outcome, Some(format!("{e:?}"))),
+                Err(join) => (Verdict::Retry, None, Some(format!("handler panicked: {join}"))),
+            }
+        }
+    };
+    drop(permit);
+
+    let retries = retries_of(&delivery);
+    let verdict = match verdict {
+        Verdict::Retry if retries >= shared.max_retries => Verdict::DeadLetter(Reason::RetriesExhausted),
+        v => v,
+    };
+    let (action, result) = match verdict {
+        Verdict::Ack => (Action::Ack, delivery.ack(BasicAckOptions::default()).await),
+        Verdict::DeadLetter(reason) => {
+            (Action::DeadLetter(reason), delivery.reject(BasicRejectOptions { requeue: false }).await)
+        }
+        Verdict::Requeue => {
+            tokio::time::sleep(shared.in_progress_delay).await;
+            (Action::Requeue, delivery.nack(BasicNackOptions { multiple: false, requeue: true }).await)
+        }
+        Verdict::Retry => {
+            tokio::time::sleep(shared.retry_delay).await;
+            let retries = retries + 1;
+            match republish(shared, &delivery, retries).await {
+                Ok(true) => (Action::Retry { retries }, delivery.ack(BasicAckOptions::default()).await),
+                // Not confirmed: give it back as is; it is tried again
+                // without counting.
+                Ok(false) => {
+                    (Action::Returned, delivery.nack(BasicNackOptions { multiple: false, requeue: true }).await)
+                }
+                Err(e) => (Action::Returned, Err(e)),
+            }
+        }
+    };
+    let settled = Settled::new(&delivery, outcome, action, error);
+    settle(shared, result, settled);
+}
+
+/// Publishes a copy of `delivery` to this queue with `retries` in its header;
+/// `Ok(true)` once the broker confirmed it.
+async fn republish(shared: &Shared, delivery: &Delivery, retries: u32) -> lapin::Result<bool> {
+    let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+    headers.insert(RETRIES_HEADER.into(), AMQPValue::LongUInt(retries));
+    let properties = delivery.properties.clone().with_headers(headers);
+    let confirm = shared
+        .channel
+        .basic_publish(
+            ShortString::from(""),
+            shared.queue.as_str().into(),
+            BasicPublishOptions::default(),
+            &delivery.data,
+            properties,
+        )
+        .await?
+        .await?;
+    Ok(matches!(confirm, Confirmation::Ack(_)))
+}
+
+fn settle(shared: &Shared, result: lapin::Result<bool>, settled: Settled) {
+    match result {
+        Ok(_) => {
+            tracing::debug!(queue = %shared.queue, action = ?settled.action, outcome = ?settled.outcome, "settled");
+        }
+        // The channel is gone: the broker redelivers the message.
+        Err(e) => tracing::warn!(queue = %shared.queue, action = ?settled.action, error = %e, "settling failed"),
+    }
+    if let Some(action_error) = &settled.error {
+        tracing::warn!(queue = %shared.queue, action = ?settled.action, error = %action_error, "delivery not done");
+    }
+    if let Some(hook) = &shared.on_settle {
+        hook(&settled);
+    }
+}
+
+/// The `x-idem-retries` header, 0 when absent or not a non-negative integer.
+fn retries_of(delivery: &Delivery) -> u32 {
+    let Some(value) = delivery.properties.headers().as_ref().and_then(|h| h.inner().get(RETRIES_HEADER)) else {
+        return 0;
+    };
+    let n: i128 = match value {
+        AMQPValue::ShortShortInt(v) => (*v).into(),
+        AMQPValue::ShortShortUInt(v) => (*v).into(),
+        AMQPValue::ShortInt(v) => (*v).into(),
+        AMQPValue::ShortUInt(v) => (*v).into(),
+        AMQPValue::LongInt(v) => (*v).into(),
+        AMQPValue::LongUInt(v) => (*v).into(),
+        AMQPValue::LongLongInt(v) => (*v).into(),
+        _ => 0,
+    };
+    u32::try_from(n).unwrap_or(if n < 0 { 0 } else { u32::MAX })
+}
