@@ -138,14 +138,17 @@ where
     (wall, all)
 }
 
-async fn redis_commands(client: &Option<redis::Client>) -> u64 {
+/// Round trips our Redis layer made so far: every one is a script call
+/// (`EVALSHA`, or `EVAL`/`SCRIPT LOAD` the first time). Commands that scripts
+/// run inside Redis (`GET`, `SET`) are not round trips and are not counted.
+async fn redis_round_trips(client: &Option<redis::Client>) -> u64 {
     let Some(client) = client else { return 0 };
     let Ok(mut conn) = client.get_multiplexed_async_connection().await else { return 0 };
-    let info: String = redis::cmd("INFO").arg("stats").query_async(&mut conn).await.unwrap_or_default();
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap_or_default();
     info.lines()
-        .find_map(|l| l.strip_prefix("total_commands_processed:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
+        .filter(|l| l.starts_with("cmdstat_eval") || l.starts_with("cmdstat_script"))
+        .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
+        .sum()
 }
 
 /// Statements and Redis commands per call, over `n` sequential calls.
@@ -154,7 +157,7 @@ where
     F: Fn(usize) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
-    let before_redis = redis_commands(redis).await;
+    let before_redis = redis_round_trips(redis).await;
     COUNTER.count.store(0, Ordering::Relaxed);
     COUNTER.on.store(true, Ordering::Relaxed);
     for i in 0..n {
@@ -162,8 +165,7 @@ where
     }
     COUNTER.on.store(false, Ordering::Relaxed);
     let sql = COUNTER.count.load(Ordering::Relaxed) as f64 / n as f64;
-    // The INFO that reads the counter counts itself once.
-    let redis_cmds = redis_commands(redis).await.saturating_sub(before_redis + 1) as f64 / n as f64;
+    let redis_cmds = (redis_round_trips(redis).await - before_redis) as f64 / n as f64;
     (sql, if redis.is_some() { redis_cmds } else { 0.0 })
 }
 

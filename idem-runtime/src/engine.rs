@@ -170,10 +170,7 @@ impl<DB: Backend> Idem<DB> {
     pub async fn status(&self, biz: &str, key: &str) -> Result<Status, Error> {
         validate_key(biz)?;
         validate_key(key)?;
-        let mut conn = self.inner.pool.acquire().await?;
-        let row = DB::find(&mut conn, biz, key).await?;
-        drop(conn);
-        match row {
+        match DB::lookup(&self.inner.pool, biz, key).await? {
             Some(row) if row.expires_ms > now_ms() && row.status == SUCCEEDED => {
                 return Ok(Status::Completed { response: row.response.unwrap_or_default() });
             }
@@ -536,8 +533,7 @@ fn replay_row<T: DeserializeOwned, E>(call: &Call<'_>, row: StoredRecord) -> Res
 }
 
 async fn find_live<DB: Backend>(inner: &Inner<DB>, call: &Call<'_>) -> Result<Option<StoredRecord>, Error> {
-    let mut conn = inner.pool.acquire().await?;
-    let row = DB::find(&mut conn, call.spec.biz, call.key).await?;
+    let row = DB::lookup(&inner.pool, call.spec.biz, call.key).await?;
     Ok(row.filter(|r| r.expires_ms > now_ms() && r.status == SUCCEEDED))
 }
 

@@ -439,46 +439,127 @@ async fn hashmap_arguments_fingerprint_the_same_in_any_order() {
     assert!(matches!(reused, Err(TestError::Idem(idem::Error::KeyReused { .. }))), "{reused:?}");
 }
 
+/// Hostile keys, each rendered through `bad_<k>`: every one must be refused
+/// with `InvalidKey` before any Redis or database write.
+fn hostile_keys() -> Vec<(&'static str, String)> {
+    let mut keys: Vec<(&'static str, String)> = vec![
+        ("256 bytes", "k".repeat(252)),
+        ("10k bytes", "k".repeat(10_000)),
+        ("space", "with space".into()),
+        ("tab", "a\tb".into()),
+        ("newline", "new\nline".into()),
+        ("carriage return", "a\rb".into()),
+        ("redis CRLF injection", "x\r\nSET pwned 1\r\n".into()),
+        ("NUL", "nul\0".into()),
+        ("escape", "a\u{1b}[31m".into()),
+        ("DEL", "a\u{7f}".into()),
+        ("glob *", "star*".into()),
+        ("glob ?", "what?".into()),
+        ("glob []", "[ab]".into()),
+        ("hash tag {}", "{brace}".into()),
+        ("single quote", "o'brien".into()),
+        ("double quote", "say\"hi\"".into()),
+        ("sql comment", "a;--".into()),
+        ("sql injection", "1' OR '1'='1".into()),
+        ("backslash", "a\\b".into()),
+        ("percent", "100%".into()),
+        ("slash", "a/b".into()),
+        ("hash", "a#b".into()),
+        ("at", "a@b".into()),
+        ("plus", "a+b".into()),
+        ("comma", "a,b".into()),
+        ("equals", "a=b".into()),
+        ("latin accent", "caf\u{e9}".into()),
+        ("cyrillic lookalike a", "b\u{430}d".into()),
+        ("fullwidth k", "\u{ff4b}ey".into()),
+        ("zero-width space", "a\u{200b}b".into()),
+        ("right-to-left override", "a\u{202e}b".into()),
+        ("combining accent", "e\u{301}".into()),
+        ("emoji", "pay\u{1f4b8}".into()),
+    ];
+    keys.push(("only spaces", "   ".into()));
+    keys
+}
+
 #[tokio::test]
-async fn invalid_keys_are_refused_and_write_nothing() {
+async fn hostile_keys_are_refused_before_any_write() {
     let Some(idem) = engine(&common::unique("db"), 4, Redis::On).await else { return };
     let probe = Probe::default();
-    let bad = [
-        "k".repeat(252), // "bad_" + 252 = 256 characters
-        "with space".into(),
-        "star*".into(),
-        "{brace}".into(),
-        "new\nline".into(),
-        "caf\u{e9}".into(),
-        "\u{41f}\u{440}\u{438}\u{432}\u{435}\u{442}".into(),
-        "nul\0".into(),
-        "crlf\r\nSET x 1".into(),
-    ];
-    for k in &bad {
+    let hostile = hostile_keys();
+    assert!(hostile.len() >= 30);
+    for (what, k) in &hostile {
         let r = with_bad_key(&idem, k.clone(), &probe).await;
-        assert!(matches!(r, Err(TestError::Idem(idem::Error::InvalidKey(_)))), "{k:?}: {r:?}");
+        assert!(matches!(r, Err(TestError::Idem(idem::Error::InvalidKey(_)))), "{what}: {r:?}");
     }
     let empty = with_empty_key(&idem, String::new(), &probe).await;
     assert!(matches!(empty, Err(TestError::Idem(idem::Error::InvalidKey(idem::KeyError::Missing)))), "{empty:?}");
     assert_eq!(probe.runs(), 0, "no body ran");
-    // (Some cannot even be looked up: MySQL's key column is ASCII, and
+    // (Some keys cannot even be looked up: MySQL's key column is ASCII, and
     // PostgreSQL text refuses NUL. The engine never sends them.)
-    for k in bad.iter().filter(|k| k.is_ascii() && !k.contains('\0')) {
+    for (_, k) in hostile.iter().filter(|(_, k)| k.is_ascii() && !k.contains('\0')) {
         assert_eq!(record_rows_for(&idem, "t_badkey", &format!("bad_{k}")).await, 0);
         assert_eq!(ledger_rows(&idem, k).await, 0);
     }
     assert_eq!(record_rows(&idem, "t_bad_empty").await, 0);
     if let Some(client) = common::redis_client().await {
-        for k in &bad {
-            assert!(!common::redis_exists(&client, &format!("idem:t_badkey:bad_{k}")).await, "{k:?}");
+        for (what, k) in &hostile {
+            assert!(!common::redis_exists(&client, &format!("idem:t_badkey:bad_{k}")).await, "{what}");
         }
         assert!(!common::redis_exists(&client, "idem:t_bad_empty:").await);
     }
-    // One character less and the same template goes through.
-    let unique = common::unique("long");
-    let longest = format!("{unique}{}", "k".repeat(251 - unique.len()));
-    assert_eq!(with_long_key(&idem, longest.clone(), &probe).await.unwrap(), 1);
-    assert_eq!(record_rows_for(&idem, "t_longkey", &format!("bad_{longest}")).await, 1);
+}
+
+#[tokio::test]
+async fn edge_keys_that_obey_the_rule_work() {
+    let Some(idem) = engine(&common::unique("db"), 4, Redis::On).await else { return };
+    let probe = Probe::default();
+    let unique = common::unique("edge").replace('-', "_");
+    let longest = format!("{unique}{}", "k".repeat(251 - unique.len())); // "bad_" + 251 = 255 bytes
+    for k in [longest, format!("{unique}.a:b-c_D"), format!("{unique}_")] {
+        let first = with_long_key(&idem, k.clone(), &probe).await.unwrap();
+        assert_eq!(with_long_key(&idem, k.clone(), &probe).await.unwrap(), first, "replayed");
+        assert_eq!(record_rows_for(&idem, "t_longkey", &format!("bad_{k}")).await, 1);
+    }
+    assert_eq!(probe.runs(), 3);
+}
+
+#[idempotent(key = "<k>", ttl = "1h", biz = "t_echo")]
+async fn echo(
+    idem: &Idem<Db>,
+    tx: &mut Transaction<'_, Db>,
+    k: String,
+    note: String,
+    #[idem(skip)] probe: &Probe,
+) -> Result<String, TestError> {
+    body(tx, &k, 1, probe, Mode::Ok).await?;
+    Ok(note)
+}
+
+#[tokio::test]
+async fn hostile_arguments_are_stored_and_replayed_byte_for_byte() {
+    let name = common::unique("db");
+    let Some(idem) = engine(&name, 4, Redis::On).await else { return };
+    let Some(plain) = engine(&name, 4, Redis::Off).await else { return };
+    let probe = Probe::default();
+    let notes = [
+        "'; DROP TABLE idem_record; --".to_string(),
+        "\"quoted\" \\ back\\slash".to_string(),
+        "nul \0 inside".to_string(),
+        "crlf \r\nSET pwned 1\r\n".to_string(),
+        "unicode caf\u{e9} \u{1f4b8} \u{202e}rtl".to_string(),
+        "x".repeat(100_000),
+    ];
+    for note in &notes {
+        let k = common::unique("echo");
+        assert_eq!(&echo(&idem, k.clone(), note.clone(), &probe).await.unwrap(), note);
+        assert_eq!(&echo(&idem, k.clone(), note.clone(), &probe).await.unwrap(), note, "replayed from Redis");
+        assert_eq!(&echo(&plain, k.clone(), note.clone(), &probe).await.unwrap(), note, "replayed from the record");
+        let Status::Completed { response } = idem.status("t_echo", &k).await.unwrap() else { panic!("not stored") };
+        assert_eq!(response, serde_json::to_string(note).unwrap());
+    }
+    assert_eq!(probe.runs(), notes.len());
+    let tables: i64 = sqlx::query_scalar(COUNT_RECORDS).bind("t_echo").fetch_one(idem.pool()).await.unwrap();
+    assert!(tables >= notes.len() as i64, "idem_record is still there");
 }
 
 async fn falsy_values_replay_exactly(redis: Redis) {

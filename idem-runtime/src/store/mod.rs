@@ -51,6 +51,16 @@ pub struct StoredRecord {
 }
 
 #[doc(hidden)]
+/// The columns `find` and `lookup` select, in order.
+#[doc(hidden)]
+pub type RecordRow = (String, i16, Option<String>, i64, i64);
+
+impl From<RecordRow> for StoredRecord {
+    fn from((params_hash, status, response, created_ms, expires_ms): RecordRow) -> Self {
+        StoredRecord { params_hash, status, response, created_ms, expires_ms }
+    }
+}
+
 /// How a database error matters to the engine. Decided by error kind and
 /// code, never by message text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,6 +123,15 @@ pub trait Backend: sqlx::Database + Sized {
         key: &str,
     ) -> impl Future<Output = Result<Option<StoredRecord>, sqlx::Error>> + Send;
 
+    /// Reads the committed row of a key without waiting on locks (a plain
+    /// read: for status queries, never inside the call's transaction).
+    #[doc(hidden)]
+    fn lookup(
+        pool: &Pool<Self>,
+        biz: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<StoredRecord>, sqlx::Error>> + Send;
+
     /// Deletes the row of a key if it expired at or before `now_ms`.
     #[doc(hidden)]
     fn delete_expired(
@@ -140,6 +159,7 @@ pub(crate) struct Queries {
     pub insert: &'static str,
     pub mark_succeeded: &'static str,
     pub find: &'static str,
+    pub lookup: &'static str,
     pub delete_expired: &'static str,
     pub purge_expired: &'static str,
 }
@@ -193,15 +213,19 @@ macro_rules! record_queries {
             biz: &str,
             key: &str,
         ) -> Result<Option<$crate::store::StoredRecord>, ::sqlx::Error> {
-            let row: Option<(String, i16, Option<String>, i64, i64)> =
+            let row: Option<$crate::store::RecordRow> =
                 ::sqlx::query_as($q.find).bind(biz).bind(key).fetch_optional(&mut *conn).await?;
-            Ok(row.map(|(params_hash, status, response, created_ms, expires_ms)| $crate::store::StoredRecord {
-                params_hash,
-                status,
-                response,
-                created_ms,
-                expires_ms,
-            }))
+            Ok(row.map(Into::into))
+        }
+
+        async fn lookup(
+            pool: &::sqlx::Pool<Self>,
+            biz: &str,
+            key: &str,
+        ) -> Result<Option<$crate::store::StoredRecord>, ::sqlx::Error> {
+            let row: Option<$crate::store::RecordRow> =
+                ::sqlx::query_as($q.lookup).bind(biz).bind(key).fetch_optional(pool).await?;
+            Ok(row.map(Into::into))
         }
 
         async fn delete_expired(

@@ -35,6 +35,7 @@ const Q: Queries = Queries {
     insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (biz_type, idem_key) DO NOTHING",
     mark_succeeded: "UPDATE idem_record SET status = $1, response = $2, updated_at = $3 WHERE biz_type = $4 AND idem_key = $5",
     find: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
+    lookup: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = $1 AND idem_key = $2 AND expires_at <= $3",
     purge_expired: "DELETE FROM idem_record WHERE id IN (SELECT id FROM idem_record WHERE expires_at <= $1 LIMIT $2)",
 };
