@@ -23,13 +23,12 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use axum::extract::{FromRequestParts, Path, State};
-use axum::http::header::CONTENT_TYPE;
 use axum::http::request::Parts;
-use axum::http::{HeaderValue, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router, middleware};
-use idem::http::{IdempotencyKey, replay_header};
+use idem::http::{IdempotencyKey, Problem, replay_header};
 use idem::{Backend, Idem, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{AssertSqlSafe, Transaction};
@@ -98,27 +97,9 @@ impl IntoResponse for ApiError {
 }
 
 /// An `application/problem+json` answer in the same shape as the engine's.
-fn problem(status: StatusCode, code: &str, detail: String) -> Response {
-    #[derive(Serialize)]
-    struct Problem<'a> {
-        #[serde(rename = "type")]
-        kind: String,
-        title: &'a str,
-        status: u16,
-        code: &'a str,
-        detail: String,
-    }
-    let body = Problem {
-        kind: format!("urn:example:problem:{}", code.to_ascii_lowercase().replace('_', "-")),
-        title: status.canonical_reason().unwrap_or_default(),
-        status: status.as_u16(),
-        code,
-        detail,
-    };
-    let body = serde_json::to_string(&body).expect("a problem serializes");
-    let mut response = (status, body).into_response();
-    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
-    response
+fn problem(status: StatusCode, code: &'static str, detail: String) -> Response {
+    let title = status.canonical_reason().unwrap_or("Error");
+    Problem { status, code, title, detail, retry_after: None }.into_response()
 }
 
 /// The authenticated principal; here simply the `X-User-Id` header. It may
