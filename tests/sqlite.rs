@@ -13,6 +13,8 @@ const INSERT_LEDGER: &str = "INSERT INTO idem_test_ledger (k, amount) VALUES (?,
 const COUNT_LEDGER: &str = "SELECT COUNT(*) FROM idem_test_ledger WHERE k = ?";
 const COUNT_RECORDS: &str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = ?";
 const COUNT_RECORDS_KEY: &str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = ? AND idem_key = ?";
+/// Whether a duplicate's wait on the record is bounded by `lock_wait`.
+const LOCK_WAIT_BOUNDED: bool = false;
 const CORRUPT: &str = "UPDATE idem_record SET response = ? WHERE biz_type = ? AND idem_key = ?";
 
 async fn open(name: &str, max_connections: u32) -> Option<sqlx::Pool<Db>> {

@@ -380,6 +380,38 @@ async fn dropped_call_leaves_nothing_behind_with_redis() {
     dropped_call_leaves_nothing(Redis::On).await;
 }
 
+/// Without Redis, a duplicate waits on the record's unique index; past
+/// `lock_wait` it answers `InProgress` while the first call still runs.
+/// (SQLite serializes writers instead: the duplicate waits its turn under the
+/// busy timeout, then replays.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_waiting_past_the_lock_bound_is_in_progress() {
+    let Some(pool) = open(&common::unique("db"), 4).await else { return };
+    prepare(&pool).await;
+    let idem = Idem::builder(pool).lock_wait(Duration::from_secs(1)).build();
+    idem.migrate().await.expect("migrate");
+    let probe = Arc::new(Probe::default());
+    let k = common::unique("lockwait");
+
+    let first = {
+        let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { pay(&idem, k, 4, &probe, Mode::Slow(4_000)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = pay(&idem, k.clone(), 4, &probe, Mode::Ok).await;
+    if LOCK_WAIT_BOUNDED {
+        assert!(is_in_progress(&second), "{second:?}");
+        assert!(!first.is_finished(), "the duplicate waited for the whole first call");
+        let first = first.await.unwrap().unwrap();
+        assert_eq!(pay(&idem, k.clone(), 4, &probe, Mode::Ok).await.unwrap(), first);
+    } else {
+        let first = first.await.unwrap().unwrap();
+        assert_eq!(second.unwrap(), first);
+    }
+    assert_eq!(probe.runs(), 1);
+    assert_eq!(ledger_rows(&idem, &k).await, 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_after_the_lease_still_commits_once() {
     let Some(idem) = engine(&common::unique("db"), 4, Redis::On).await else { return };

@@ -171,23 +171,8 @@ macro_rules! record_queries {
             tx: &mut ::sqlx::Transaction<'static, Self>,
             rec: &$crate::store::NewRecord<'_>,
         ) -> Result<bool, ::sqlx::Error> {
-            let done = ::sqlx::query($q.insert)
-                .bind(rec.biz)
-                .bind(rec.key)
-                .bind(rec.biz_no)
-                .bind(rec.params_hash)
-                .bind(rec.status)
-                .bind(rec.response)
-                .bind(rec.now_ms)
-                .bind(rec.now_ms)
-                .bind(rec.expires_ms)
-                .execute(&mut **tx)
-                .await;
-            match done {
-                Ok(done) => Ok(done.rows_affected() == 1),
-                Err(e) if $crate::store::is_unique_violation(&e) => Ok(false),
-                Err(e) => Err(e),
-            }
+            let done = $crate::store::bind_record!(::sqlx::query($q.insert), rec).execute(&mut **tx).await;
+            $crate::store::inserted(done.map(|d| d.rows_affected()))
         }
 
         async fn mark_succeeded(
@@ -245,6 +230,35 @@ macro_rules! record_queries {
     };
 }
 pub(crate) use record_queries;
+
+/// Binds a [`NewRecord`] to an insert whose placeholders follow the column
+/// order `biz_type, idem_key, biz_no, params_hash, status, response,
+/// created_at, updated_at, expires_at`.
+macro_rules! bind_record {
+    ($query:expr, $rec:expr) => {
+        $query
+            .bind($rec.biz)
+            .bind($rec.key)
+            .bind($rec.biz_no)
+            .bind($rec.params_hash)
+            .bind($rec.status)
+            .bind($rec.response)
+            .bind($rec.now_ms)
+            .bind($rec.now_ms)
+            .bind($rec.expires_ms)
+    };
+}
+pub(crate) use bind_record;
+
+/// An insert's answer: `Ok(true)` inserted, `Ok(false)` the key is taken
+/// (a unique violation, or 0 rows under `ON CONFLICT DO NOTHING`).
+pub(crate) fn inserted(result: Result<u64, sqlx::Error>) -> Result<bool, sqlx::Error> {
+    match result {
+        Ok(rows) => Ok(rows == 1),
+        Err(e) if is_unique_violation(&e) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
 
 /// The part of [`Backend::classify`] all backends share.
 pub(crate) fn is_unique_violation(error: &sqlx::Error) -> bool {

@@ -5,7 +5,7 @@ use std::time::Duration;
 use sqlx::mysql::{MySql, MySqlDatabaseError};
 use sqlx::{AssertSqlSafe, Pool, Transaction};
 
-use super::{Backend, Failure, NewRecord, Queries, is_unique_violation, record_queries};
+use super::{Backend, Failure, NewRecord, Queries, bind_record, inserted, is_unique_violation, record_queries};
 
 // `find` is a locking read: under REPEATABLE READ a plain SELECT would show
 // the transaction's snapshot, not the duplicate committed since.
@@ -27,8 +27,16 @@ const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
     KEY idx_idem_record_expires_at (expires_at)
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4";
 
+/// The insert after its `INSERT` keyword, so a bounded variant can put
+/// a hint between the two.
+macro_rules! into_record {
+    () => {
+        "INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    };
+}
+
 const Q: Queries = Queries {
-    insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    insert: concat!("INSERT ", into_record!()),
     mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ? WHERE biz_type = ? AND idem_key = ?",
     find: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ? LOCK IN SHARE MODE",
     lookup: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
@@ -53,15 +61,17 @@ impl Backend for MySql {
         rec: &NewRecord<'_>,
         wait: Duration,
     ) -> Result<bool, sqlx::Error> {
-        // The bound is a session variable (MySQL has no per-transaction
-        // form), so it is put back to the server default right after.
+        // A bound for this one statement, in one round trip, leaving the
+        // session as it was: MariaDB runs the `/*M! ... */` comment
+        // (`SET STATEMENT ... FOR`), MySQL 8 the `SET_VAR` hint; each
+        // ignores the other's. Built from an integer only.
         let secs = wait.as_secs().max(1);
-        sqlx::query(AssertSqlSafe(format!("SET SESSION innodb_lock_wait_timeout = {secs}"))).execute(&mut **tx).await?;
-        let inserted = Self::insert(tx, rec).await;
-        let restored = sqlx::query("SET SESSION innodb_lock_wait_timeout = DEFAULT").execute(&mut **tx).await;
-        let inserted = inserted?;
-        restored?;
-        Ok(inserted)
+        let sql = format!(
+            "/*M! SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {secs}) */ {}",
+            into_record!()
+        );
+        let done = bind_record!(sqlx::query(AssertSqlSafe(sql)), rec).execute(&mut **tx).await;
+        inserted(done.map(|d| d.rows_affected()))
     }
 
     record_queries!(Q);
