@@ -23,8 +23,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use axum::extract::{FromRequestParts, Path, State};
-use axum::http::request::Parts;
 use axum::http::StatusCode;
+use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router, middleware};
