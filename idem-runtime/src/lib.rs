@@ -3,6 +3,9 @@
 //! `#[idempotent]` attribute calls. Use it through the `idem` crate.
 #![warn(missing_docs)]
 
+#[cfg(not(any(feature = "sqlite", feature = "mysql", feature = "postgres")))]
+compile_error!("idem keeps its records in a database: enable at least one of the features `sqlite`, `mysql`, `postgres`");
+
 #[cfg(feature = "amqp")]
 pub mod amqp;
 #[cfg(feature = "redis")]
