@@ -14,6 +14,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use idem::{Idem, idempotent};
+
+#[path = "../tests/common/mod.rs"]
+mod common;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Barrier;
 
@@ -141,18 +144,49 @@ where
 /// Round trips our Redis layer made so far: every one is a script call
 /// (`EVALSHA`, or `EVAL`/`SCRIPT LOAD` the first time). Commands that scripts
 /// run inside Redis (`GET`, `SET`) are not round trips and are not counted.
-async fn redis_round_trips(client: &Option<redis::Client>) -> u64 {
-    let Some(client) = client else { return 0 };
-    let Ok(mut conn) = client.get_multiplexed_async_connection().await else { return 0 };
-    let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap_or_default();
-    info.lines()
-        .filter(|l| l.starts_with("cmdstat_eval") || l.starts_with("cmdstat_script"))
-        .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
-        .sum()
+async fn redis_round_trips(nodes: &[redis::Client]) -> u64 {
+    let mut total = 0;
+    for node in nodes {
+        let Ok(mut conn) = node.get_multiplexed_async_connection().await else { continue };
+        let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap_or_default();
+        total += info
+            .lines()
+            .filter(|l| l.starts_with("cmdstat_eval") || l.starts_with("cmdstat_script"))
+            .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
+            .sum::<u64>();
+    }
+    total
+}
+
+/// Where the claims live in one pass of the bench.
+#[derive(Clone)]
+enum Claims {
+    None,
+    Single(redis::Client),
+    Cluster(Box<redis::cluster::ClusterClient>, Vec<redis::Client>),
+}
+
+impl Claims {
+    fn label(&self) -> &'static str {
+        match self {
+            Claims::None => "none",
+            Claims::Single(_) => "redis",
+            Claims::Cluster(..) => "cluster",
+        }
+    }
+
+    /// The nodes whose counters tell the round trips.
+    fn nodes(&self) -> Vec<redis::Client> {
+        match self {
+            Claims::None => Vec::new(),
+            Claims::Single(c) => vec![c.clone()],
+            Claims::Cluster(_, nodes) => nodes.clone(),
+        }
+    }
 }
 
 /// Statements and Redis commands per call, over `n` sequential calls.
-async fn round_trips<F, Fut>(redis: &Option<redis::Client>, n: usize, call: F) -> (f64, f64)
+async fn round_trips<F, Fut>(redis: &[redis::Client], n: usize, call: F) -> (f64, f64)
 where
     F: Fn(usize) -> Fut,
     Fut: std::future::Future<Output = ()>,
@@ -166,7 +200,7 @@ where
     COUNTER.on.store(false, Ordering::Relaxed);
     let sql = COUNTER.count.load(Ordering::Relaxed) as f64 / n as f64;
     let redis_cmds = (redis_round_trips(redis).await - before_redis) as f64 / n as f64;
-    (sql, if redis.is_some() { redis_cmds } else { 0.0 })
+    (sql, redis_cmds)
 }
 
 macro_rules! backend {
@@ -195,7 +229,7 @@ macro_rules! backend {
                 Ok(Receipt { order_id, amount: 1999 })
             }
 
-            pub async fn run(rows: &mut Vec<Row>, redis_client: Option<redis::Client>) -> Option<()> {
+            pub async fn run(rows: &mut Vec<Row>, passes: &[Claims]) -> Option<()> {
                 let url: String = $url;
                 let pool = sqlx::pool::PoolOptions::<$db>::new()
                     .max_connections(40)
@@ -208,18 +242,16 @@ macro_rules! backend {
                 sqlx::query($seed).bind(ORDERS).execute(&pool).await.expect("seed orders");
                 let (seq_calls, conc_calls, storms) = if quick() { (300, 1_000, 5) } else { (2_000, 6_000, 20) };
 
-                for with_redis in [false, true] {
-                    if with_redis && redis_client.is_none() {
-                        continue;
-                    }
-                    let client = if with_redis { redis_client.clone() } else { None };
-                    let mut builder = Idem::builder(pool.clone());
-                    if let Some(c) = &client {
-                        builder = builder.redis(c.clone());
-                    }
-                    let idem = builder.build();
+                for claims in passes {
+                    let builder = Idem::builder(pool.clone());
+                    let idem = match claims {
+                        Claims::None => builder.build(),
+                        Claims::Single(c) => builder.redis(c.clone()).build(),
+                        Claims::Cluster(c, _) => builder.redis_cluster((**c).clone()).build(),
+                    };
                     idem.migrate().await.expect("migrate");
-                    let label = if with_redis { "redis" } else { "none" };
+                    let client = claims.nodes();
+                    let label = claims.label();
                     let run_id = format!(
                         "{}-{}",
                         label,
@@ -257,7 +289,7 @@ macro_rules! backend {
                             async move { bare(&p, (i as i64 % ORDERS) + 1).await }
                         })
                         .await;
-                        let counted = round_trips(&None, 50, |i| bare(&pool, (i as i64 % ORDERS) + 1)).await;
+                        let counted = round_trips(&[], 50, |i| bare(&pool, (i as i64 % ORDERS) + 1)).await;
                         push(rows, "bare", timing, counted, None);
 
                         // first: a fresh key per call
@@ -383,16 +415,22 @@ fn main() {
     let started = Instant::now();
     let rows = runtime.block_on(async {
         let redis_url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        let redis_client = match redis::Client::open(redis_url) {
-            Ok(c) if c.get_multiplexed_async_connection().await.is_ok() => Some(c),
-            _ => {
-                println!("skipped: redis unreachable (rows with Redis left out)");
-                None
-            }
-        };
+        let mut passes = vec![Claims::None];
+        match redis::Client::open(redis_url) {
+            Ok(c) if c.get_multiplexed_async_connection().await.is_ok() => passes.push(Claims::Single(c)),
+            _ => println!("skipped: redis unreachable (rows with Redis left out)"),
+        }
+        // A private 3-master cluster on loopback ports, stopped when dropped.
+        let cluster =
+            if common::servers::redis_server_installed() { common::servers::RedisCluster::start() } else { None };
+        if let Some(cluster) = &cluster {
+            let nodes = cluster.urls().into_iter().map(|u| redis::Client::open(u).expect("node url")).collect();
+            passes.push(Claims::Cluster(Box::new(cluster.client()), nodes));
+        }
         let mut rows = Vec::new();
-        mariadb::run(&mut rows, redis_client.clone()).await;
-        postgres::run(&mut rows, redis_client).await;
+        mariadb::run(&mut rows, &passes).await;
+        postgres::run(&mut rows, &passes).await;
+        drop(cluster);
         rows
     });
 

@@ -1,8 +1,8 @@
 //! The `#[idempotent]` attribute. Use it through the `idem` crate, whose
 //! documentation of [`idempotent`] is the reference.
 //!
-//! Pipeline: [`attr`] parses the arguments, [`key`] the key template, [`ttl`]
-//! the durations, [`sig`] checks the fn against them, [`expand`] writes code.
+//! Pipeline: `attr` parses the arguments, `key` the key template, `ttl`
+//! the durations, `sig` checks the fn against them, `expand` writes code.
 
 use proc_macro::TokenStream;
 

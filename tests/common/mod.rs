@@ -2,6 +2,8 @@
 //! the servers, and unique keys so tests run in parallel.
 #![allow(dead_code)]
 
+pub mod servers;
+
 use std::process::Command;
 use std::sync::Once;
 use std::sync::atomic::{AtomicU64, Ordering};

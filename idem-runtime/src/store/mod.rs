@@ -3,7 +3,7 @@
 //!
 //! Each backend has its own file with its DDL, its SQL and the way it reports
 //! conflicts; the queries they share in shape are written once by
-//! [`record_queries!`].
+//! `record_queries!`.
 
 use std::future::Future;
 use std::time::Duration;

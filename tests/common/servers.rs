@@ -1,0 +1,256 @@
+//! Private `redis-server` processes on their own loopback ports, for tests
+//! that kill and restart Redis or need a Redis Cluster. The shared Redis
+//! (6379) is never touched. Every process is a child of the test: killed
+//! (SIGKILL) when its handle drops.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Whether `redis-server` and `redis-cli` can be run. When not, prints
+/// `skipped: redis-server not installed` (or panics under
+/// `IDEM_REQUIRE_SERVICES=1`) and returns `false`.
+pub fn redis_server_installed() -> bool {
+    let runs = |bin: &str| {
+        Command::new(bin)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if runs("redis-server") && runs("redis-cli") {
+        return true;
+    }
+    if super::services_required() {
+        panic!("redis-server not installed and IDEM_REQUIRE_SERVICES=1");
+    }
+    println!("skipped: redis-server not installed");
+    false
+}
+
+/// A loopback port nobody listens on right now.
+fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    listener.local_addr().expect("local addr").port()
+}
+
+/// Runs one command on `port` over a fresh connection.
+fn query<T: redis::FromRedisValue>(port: u16, cmd: &redis::Cmd) -> redis::RedisResult<T> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
+    let mut conn = client.get_connection_with_timeout(Duration::from_millis(500))?;
+    conn.set_read_timeout(Some(Duration::from_secs(2)))?;
+    cmd.query(&mut conn)
+}
+
+fn wait_until(what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ready() {
+        assert!(start.elapsed() < timeout, "{what} not ready after {timeout:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn answers_ping(port: u16) -> bool {
+    query::<String>(port, &redis::cmd("PING")).is_ok_and(|p| p == "PONG")
+}
+
+/// One `redis-server` child process.
+struct Process {
+    port: u16,
+    extra: Vec<String>,
+    child: Option<Child>,
+}
+
+impl Process {
+    fn spawn(port: u16, extra: Vec<String>) -> Self {
+        let mut p = Self { port, extra, child: None };
+        p.start();
+        p
+    }
+
+    fn start(&mut self) {
+        assert!(self.child.is_none(), "redis-server on {} already running", self.port);
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning"])
+            .args(&self.extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        self.child = Some(child);
+        let port = self.port;
+        wait_until(&format!("redis-server on {port}"), Duration::from_secs(10), || answers_ping(port));
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill(); // SIGKILL: no shutdown, no save
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A private single `redis-server` (no persistence): what it held is lost
+/// when it is killed.
+pub struct RedisServer {
+    port: u16,
+    process: Mutex<Process>,
+}
+
+impl RedisServer {
+    /// Starts one on a free loopback port; `None` (after printing why) when
+    /// `redis-server` is not installed.
+    pub fn start() -> Option<Self> {
+        if !redis_server_installed() {
+            return None;
+        }
+        let port = free_port();
+        Some(Self { port, process: Mutex::new(Process::spawn(port, Vec::new())) })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn client(&self) -> redis::Client {
+        redis::Client::open(self.url()).expect("redis url")
+    }
+
+    /// SIGKILL: the server vanishes mid-conversation, losing every key.
+    pub fn kill(&self) {
+        self.process.lock().unwrap().kill();
+    }
+
+    /// Starts it again on the same port (empty), waiting until it answers.
+    /// Blocking: call it from `spawn_blocking` inside a runtime.
+    pub fn restart(&self) {
+        let mut p = self.process.lock().unwrap();
+        p.kill();
+        p.start();
+    }
+
+    /// How many keys it holds.
+    pub fn dbsize(&self) -> redis::RedisResult<i64> {
+        query(self.port, &redis::cmd("DBSIZE"))
+    }
+}
+
+/// A 3-master Redis Cluster (no replicas) on private loopback ports; its
+/// nodes are killed and its directory removed on drop.
+pub struct RedisCluster {
+    ports: Vec<u16>,
+    dir: PathBuf,
+    nodes: Vec<Mutex<Process>>,
+}
+
+impl RedisCluster {
+    /// Starts three nodes, joins them with `redis-cli --cluster create` and
+    /// waits for `cluster_state:ok` on each; `None` (after printing why)
+    /// when `redis-server` is not installed.
+    pub fn start() -> Option<Self> {
+        if !redis_server_installed() {
+            return None;
+        }
+        let dir = std::env::temp_dir().join(super::unique("idem-cluster"));
+        std::fs::create_dir_all(&dir).expect("cluster dir");
+        let mut ports: Vec<u16> = Vec::new();
+        while ports.len() < 3 {
+            let p = free_port();
+            if !ports.contains(&p) {
+                ports.push(p);
+            }
+        }
+        let mut cluster = Self { ports: ports.clone(), dir: dir.clone(), nodes: Vec::new() };
+        for &port in &ports {
+            let extra = vec![
+                "--cluster-enabled".into(),
+                "yes".into(),
+                "--cluster-config-file".into(),
+                dir.join(format!("nodes-{port}.conf")).display().to_string(),
+                "--cluster-node-timeout".into(),
+                "5000".into(),
+                "--dir".into(),
+                dir.display().to_string(),
+            ];
+            cluster.nodes.push(Mutex::new(Process::spawn(port, extra)));
+        }
+        let status = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(ports.iter().map(|p| format!("127.0.0.1:{p}")))
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("run redis-cli --cluster create");
+        assert!(status.success(), "redis-cli --cluster create failed: {status}");
+        cluster.wait_ok();
+        Some(cluster)
+    }
+
+    /// Waits until every node reports `cluster_state:ok`.
+    pub fn wait_ok(&self) {
+        for &port in &self.ports {
+            wait_until(&format!("cluster node {port}"), Duration::from_secs(30), || {
+                query::<String>(port, redis::cmd("CLUSTER").arg("INFO")).is_ok_and(|i| i.contains("cluster_state:ok"))
+            });
+        }
+    }
+
+    pub fn ports(&self) -> &[u16] {
+        &self.ports
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.ports.iter().map(|p| format!("redis://127.0.0.1:{p}")).collect()
+    }
+
+    pub fn client(&self) -> redis::cluster::ClusterClient {
+        redis::cluster::ClusterClient::new(self.urls()).expect("cluster client")
+    }
+
+    /// Runs `cmd` on node `i` alone (e.g. `DBSIZE`, `CLUSTER NODES`).
+    pub fn query_node<T: redis::FromRedisValue>(&self, i: usize, cmd: &redis::Cmd) -> redis::RedisResult<T> {
+        query(self.ports[i], cmd)
+    }
+
+    /// SIGKILLs node `i`: its slots stop answering. Blocking.
+    pub fn kill_node(&self, i: usize) {
+        self.nodes[i].lock().unwrap().kill();
+    }
+
+    /// Starts node `i` again on its port with its `nodes-P.conf`: it comes
+    /// back with its slots and no keys; waits until the cluster is ok.
+    /// Blocking.
+    pub fn start_node(&self, i: usize) {
+        self.nodes[i].lock().unwrap().start();
+        self.wait_ok();
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for node in &self.nodes {
+            if let Ok(mut n) = node.lock() {
+                n.kill();
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
