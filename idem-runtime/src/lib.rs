@@ -4,7 +4,9 @@
 #![warn(missing_docs)]
 
 #[cfg(not(any(feature = "sqlite", feature = "mysql", feature = "postgres")))]
-compile_error!("idem keeps its records in a database: enable at least one of the features `sqlite`, `mysql`, `postgres`");
+compile_error!(
+    "idem keeps its records in a database: enable at least one of the features `sqlite`, `mysql`, `postgres`"
+);
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
