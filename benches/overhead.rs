@@ -49,13 +49,33 @@ impl From<sqlx::Error> for BenchError {
     }
 }
 
-/// Counts the statements sqlx sends (its `sqlx::query` events) while on.
+/// Counts the statements sqlx sends (its `sqlx::query` events) while on,
+/// and among them the ends of transactions (`COMMIT`, `ROLLBACK`): sqlx does
+/// not log PostgreSQL's `BEGIN`, a round trip of its own, so each
+/// transaction end stands for one there.
 struct StatementCounter {
     on: AtomicBool,
     count: AtomicU64,
+    transaction_ends: AtomicU64,
 }
 
-static COUNTER: StatementCounter = StatementCounter { on: AtomicBool::new(false), count: AtomicU64::new(0) };
+static COUNTER: StatementCounter =
+    StatementCounter { on: AtomicBool::new(false), count: AtomicU64::new(0), transaction_ends: AtomicU64::new(0) };
+
+/// Finds whether an event's `summary` field is a `COMMIT` or `ROLLBACK`.
+struct EndsTransaction(bool);
+
+impl tracing::field::Visit for EndsTransaction {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        if field.name() == "summary" {
+            let v = value.trim_start().to_ascii_uppercase();
+            self.0 |= v.starts_with("COMMIT") || v.starts_with("ROLLBACK");
+        }
+    }
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.record_str(field, &format!("{value:?}").replace('"', ""));
+    }
+}
 
 impl tracing::Subscriber for &'static StatementCounter {
     fn register_callsite(&self, meta: &'static tracing::Metadata<'static>) -> tracing::subscriber::Interest {
@@ -73,8 +93,13 @@ impl tracing::Subscriber for &'static StatementCounter {
     }
     fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
     fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-    fn event(&self, _: &tracing::Event<'_>) {
+    fn event(&self, event: &tracing::Event<'_>) {
         self.count.fetch_add(1, Ordering::Relaxed);
+        let mut ends = EndsTransaction(false);
+        event.record(&mut ends);
+        if ends.0 {
+            self.transaction_ends.fetch_add(1, Ordering::Relaxed);
+        }
     }
     fn enter(&self, _: &tracing::span::Id) {}
     fn exit(&self, _: &tracing::span::Id) {}
@@ -186,27 +211,32 @@ impl Claims {
 }
 
 /// Statements and Redis commands per call, over `n` sequential calls.
-async fn round_trips<F, Fut>(redis: &[redis::Client], n: usize, call: F) -> (f64, f64)
+async fn round_trips<F, Fut>(begin_logged: bool, redis: &[redis::Client], n: usize, call: F) -> (f64, f64)
 where
     F: Fn(usize) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
     let before_redis = redis_round_trips(redis).await;
     COUNTER.count.store(0, Ordering::Relaxed);
+    COUNTER.transaction_ends.store(0, Ordering::Relaxed);
     COUNTER.on.store(true, Ordering::Relaxed);
     for i in 0..n {
         call(i).await;
     }
     COUNTER.on.store(false, Ordering::Relaxed);
-    let sql = COUNTER.count.load(Ordering::Relaxed) as f64 / n as f64;
+    let unlogged_begins = if begin_logged { 0 } else { COUNTER.transaction_ends.load(Ordering::Relaxed) };
+    let sql = (COUNTER.count.load(Ordering::Relaxed) + unlogged_begins) as f64 / n as f64;
     let redis_cmds = (redis_round_trips(redis).await - before_redis) as f64 / n as f64;
     (sql, redis_cmds)
 }
 
 macro_rules! backend {
-    ($module:ident, $db:ident, $name:literal, $url:expr, $ddl:literal, $seed:literal, $update:literal) => {
+    ($module:ident, $db:ident, $name:literal, $begin_logged:literal, $url:expr, $ddl:literal, $seed:literal, $update:literal) => {
         mod $module {
             use super::*;
+
+            /// Whether sqlx logs this backend's `BEGIN` as a statement.
+            const BEGIN_LOGGED: bool = $begin_logged;
             use sqlx::{Transaction, $db};
 
             pub async fn bare(pool: &sqlx::Pool<$db>, order_id: i64) {
@@ -289,7 +319,8 @@ macro_rules! backend {
                             async move { bare(&p, (i as i64 % ORDERS) + 1).await }
                         })
                         .await;
-                        let counted = round_trips(&[], 50, |i| bare(&pool, (i as i64 % ORDERS) + 1)).await;
+                        let counted =
+                            round_trips(BEGIN_LOGGED, &[], 50, |i| bare(&pool, (i as i64 % ORDERS) + 1)).await;
                         push(rows, "bare", timing, counted, None);
 
                         // first: a fresh key per call
@@ -303,7 +334,7 @@ macro_rules! backend {
                         })
                         .await;
                         let tag_c = format!("{tag}-count");
-                        let counted = round_trips(&client, 50, |i| {
+                        let counted = round_trips(BEGIN_LOGGED, &client, 50, |i| {
                             let (idem, tag, e) = (&idem, &tag_c, &executions);
                             async move {
                                 pay(idem, tag, i, 1, e).await.expect("first");
@@ -323,7 +354,7 @@ macro_rules! backend {
                         })
                         .await;
                         assert_eq!(executions.load(Ordering::Relaxed), before, "a replay executed the body");
-                        let counted = round_trips(&client, 50, |i| {
+                        let counted = round_trips(BEGIN_LOGGED, &client, 50, |i| {
                             let (idem, tag, e) = (&idem, &tag, &executions);
                             async move {
                                 pay(idem, tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, e).await.expect("replay");
@@ -387,6 +418,7 @@ backend!(
     mariadb,
     MySql,
     "mariadb",
+    true,
     std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into()),
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT IGNORE INTO bench_orders (id, status) WITH RECURSIVE n (i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) SELECT i, 'PENDING' FROM n",
@@ -397,6 +429,7 @@ backend!(
     postgres,
     Postgres,
     "postgres",
+    false,
     std::env::var("IDEM_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT INTO bench_orders (id, status) SELECT i, 'PENDING' FROM generate_series(1, $1) AS i ON CONFLICT DO NOTHING",

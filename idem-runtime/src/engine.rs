@@ -322,7 +322,15 @@ where
                 let value = call.replay(&stored, &response)?;
                 return Ok(Done { value, outcome: Outcome::Replayed });
             }
-            Claim::Running => return Err(call.in_progress().into()),
+            Claim::Running => {
+                // A call that committed but whose cache write has not landed
+                // yet (or whose process died right after its commit) is
+                // already in the record: answer from there.
+                return match find_live(&engine.inner, &call).await? {
+                    Some(row) => replay_row(&call, row).map(|r| Done { value: r.value, outcome: Outcome::Replayed }),
+                    None => Err(call.in_progress().into()),
+                };
+            }
             Claim::Unavailable => None,
         },
     };
@@ -334,7 +342,7 @@ where
     if let Some(mut guard) = claim {
         match &result {
             Ok(Recorded { response, expires_ms, .. }) => {
-                guard.finish(&fingerprint, response, remaining(*expires_ms)).await;
+                guard.finish(&fingerprint, response, remaining(*expires_ms));
             }
             Err(_) => guard.release().await,
         }
@@ -412,10 +420,10 @@ where
     let mut attempt = 0;
     let tx = loop {
         attempt += 1;
-        let mut tx = DB::begin(&inner.pool).await?;
         if claimed {
-            break tx;
+            break DB::begin(&inner.pool).await?;
         }
+        let mut tx = DB::begin_bounded(&inner.pool, inner.lock_wait).await?;
         let record = call.record(PROCESSING, None);
         match insert_record(&mut tx, call, &record, Some(inner.lock_wait)).await {
             Ok(Taken::No) => break tx,
@@ -564,9 +572,16 @@ struct ClaimGuard {
 
 #[cfg(feature = "redis")]
 impl ClaimGuard {
-    async fn finish(&mut self, fingerprint: &str, response: &str, ttl: Duration) {
-        if let Some(held) = self.held.take() {
-            self.claims.finish(&held, fingerprint, response, ttl).await;
+    /// Caches the result in place of our claim, off the caller's path: the
+    /// record already holds it, and a duplicate arriving before the cache
+    /// write lands reads it from there.
+    fn finish(&mut self, fingerprint: &str, response: &str, ttl: Duration) {
+        let Some(held) = self.held.take() else { return };
+        let claims = Arc::clone(&self.claims);
+        let (fingerprint, response) = (fingerprint.to_owned(), response.to_owned());
+        let write = async move { claims.finish(&held, &fingerprint, &response, ttl).await };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(write);
         }
     }
 
@@ -594,7 +609,7 @@ enum ClaimGuard {}
 
 #[cfg(not(feature = "redis"))]
 impl ClaimGuard {
-    async fn finish(&mut self, _: &str, _: &str, _: Duration) {
+    fn finish(&mut self, _: &str, _: &str, _: Duration) {
         match *self {}
     }
 

@@ -94,6 +94,12 @@ pub async fn redis_exists(client: &redis::Client, key: &str) -> bool {
     redis::cmd("EXISTS").arg(key).query_async(&mut conn).await.expect("EXISTS")
 }
 
+/// Sets `key` to `value` for `ttl_ms` (tests that forge what a crashed call left).
+pub async fn redis_set(client: &redis::Client, key: &str, value: &str, ttl_ms: u64) {
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let _: () = redis::cmd("SET").arg(key).arg(value).arg("PX").arg(ttl_ms).query_async(&mut conn).await.expect("SET");
+}
+
 /// A key nobody else uses: this process, this instant, a counter.
 pub fn unique(prefix: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);

@@ -432,6 +432,26 @@ async fn duplicate_after_the_lease_still_commits_once() {
     assert_eq!(pay_short_lease(&idem, k.clone(), &probe).await.unwrap(), first);
 }
 
+/// Regression: a call that committed but died before its cache write leaves
+/// its claim in Redis until the lease ends; duplicates must replay from the
+/// record meanwhile, not answer `InProgress`.
+#[tokio::test]
+async fn claim_left_by_a_call_that_died_after_commit_replays_from_the_record() {
+    let Some(idem) = engine(&common::unique("db"), 4, Redis::On).await else { return };
+    let Some(client) = common::redis_client().await else { return };
+    let probe = Probe::default();
+    let k = common::unique("orphan");
+    let first = pay(&idem, k.clone(), 8, &probe, Mode::Ok).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await; // let our own cache write land first
+    common::redis_set(&client, &format!("idem:t_pay:{k}"), "p:dead-token:0", 60_000).await;
+
+    let (again, outcome) = idem::observe(pay(&idem, k.clone(), 8, &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap(), outcome), (first, Some(idem::Outcome::Replayed)));
+    let reused = pay(&idem, k.clone(), 9, &probe, Mode::Ok).await;
+    assert!(matches!(reused, Err(TestError::Idem(idem::Error::KeyReused { .. }))), "{reused:?}");
+    assert_eq!(probe.runs(), 1);
+}
+
 async fn key_reuse_is_refused(redis: Redis) {
     let Some(idem) = engine(&common::unique("db"), 4, redis).await else { return };
     let probe = Probe::default();

@@ -86,8 +86,19 @@ pub trait Backend: sqlx::Database + Sized {
     #[doc(hidden)]
     fn begin(pool: &Pool<Self>) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
 
+    /// Opens a transaction whose first statement will be
+    /// [`insert_bounded`](Backend::insert_bounded) (used when no Redis claim
+    /// is held); a backend that bounds lock waits per transaction sets the
+    /// bound here, in the same round trip as `BEGIN`.
+    #[doc(hidden)]
+    fn begin_bounded(
+        pool: &Pool<Self>,
+        wait: Duration,
+    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
+
     /// Inserts `rec` while bounding how long it may wait on a duplicate
-    /// still inside its transaction (used when no Redis claim is held).
+    /// still inside its transaction; the bound ends with this statement, so
+    /// the body's own lock waits are left alone.
     /// `Ok(false)`: a committed row holds the key; the transaction stays usable.
     #[doc(hidden)]
     fn insert_bounded(

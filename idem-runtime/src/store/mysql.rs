@@ -56,6 +56,11 @@ impl Backend for MySql {
         pool.begin().await
     }
 
+    async fn begin_bounded(pool: &Pool<Self>, _wait: Duration) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        // The bound rides on the insert itself.
+        pool.begin().await
+    }
+
     async fn insert_bounded(
         tx: &mut Transaction<'static, Self>,
         rec: &NewRecord<'_>,

@@ -58,15 +58,22 @@ impl Backend for Postgres {
         pool.begin().await
     }
 
+    async fn begin_bounded(pool: &Pool<Self>, wait: Duration) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        // `SET LOCAL` is per transaction; sent with `BEGIN`, it costs no
+        // round trip of its own. Built from an integer only.
+        let ms = wait.as_millis().max(1);
+        pool.begin_with(AssertSqlSafe(format!("BEGIN; SET LOCAL lock_timeout = {ms}"))).await
+    }
+
     async fn insert_bounded(
         tx: &mut Transaction<'static, Self>,
         rec: &NewRecord<'_>,
-        wait: Duration,
+        _wait: Duration,
     ) -> Result<bool, sqlx::Error> {
-        // `SET LOCAL` ends with the transaction: nothing to put back.
-        let ms = wait.as_millis().max(1);
-        sqlx::query(AssertSqlSafe(format!("SET LOCAL lock_timeout = {ms}"))).execute(&mut **tx).await?;
-        Self::insert(tx, rec).await
+        let inserted = Self::insert(tx, rec).await?;
+        // The body's lock waits go back to the server's setting.
+        sqlx::query("SET LOCAL lock_timeout = DEFAULT").execute(&mut **tx).await?;
+        Ok(inserted)
     }
 
     record_queries!(Q);

@@ -48,6 +48,10 @@ impl Backend for Sqlite {
         pool.begin_with("BEGIN IMMEDIATE").await
     }
 
+    async fn begin_bounded(pool: &Pool<Self>, _wait: Duration) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        Self::begin(pool).await
+    }
+
     async fn insert_bounded(
         tx: &mut Transaction<'static, Self>,
         rec: &NewRecord<'_>,
