@@ -480,7 +480,7 @@ fn main() {
         "sql",
         "redis",
         "first/bare",
-        "replay/bare"
+        "bare/replay"
     );
     for r in &rows {
         let first = ratio(&rows, r.backend, r.redis, r.tasks, "first").filter(|_| r.mode == "bare");
