@@ -9,11 +9,14 @@ use std::sync::{Arc, Mutex};
 use idem::{Idem, idempotent};
 use sqlx::Sqlite;
 
+/// A span's name and its fields, as text.
+type Span = (String, BTreeMap<String, String>);
+
 /// Records every span's name and fields.
 #[derive(Clone, Default)]
 struct Spans {
     next_id: Arc<AtomicU64>,
-    spans: Arc<Mutex<BTreeMap<u64, (String, BTreeMap<String, String>)>>>,
+    spans: Arc<Mutex<BTreeMap<u64, Span>>>,
 }
 
 struct Fields<'a>(&'a mut BTreeMap<String, String>);
