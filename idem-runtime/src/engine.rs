@@ -270,10 +270,14 @@ where
     F: FnOnce(Transaction<'static, DB>) -> Fut,
     Fut: Future<Output = (Transaction<'static, DB>, Result<T, E>)>,
 {
+    let checked = validate_key(&key);
     // A rejected key is not logged: it may hold anything the caller sent.
-    let shown_key = if validate_key(&key).is_ok() { key.as_str() } else { "<invalid>" };
+    let shown_key = if checked.is_ok() { key.as_str() } else { "<invalid>" };
     let span = tracing::info_span!("idem", biz = spec.biz, key = shown_key, outcome = tracing::field::Empty);
-    let result = call(engine, spec, &key, fingerprint, biz_no.as_deref(), body).instrument(span.clone()).await;
+    let result = match checked {
+        Ok(()) => call(engine, spec, &key, fingerprint, biz_no.as_deref(), body).instrument(span.clone()).await,
+        Err(e) => Err(e.into()),
+    };
     let outcome = match &result {
         Ok(done) => done.outcome,
         Err(Failed::Idem(Error::InProgress { .. })) => Outcome::InProgress,
@@ -290,6 +294,7 @@ where
     }
 }
 
+/// The call, its key already checked.
 async fn call<DB, T, E, F, Fut>(
     engine: &Idem<DB>,
     spec: &'static Spec,
@@ -304,7 +309,6 @@ where
     F: FnOnce(Transaction<'static, DB>) -> Fut,
     Fut: Future<Output = (Transaction<'static, DB>, Result<T, E>)>,
 {
-    validate_key(key)?;
     if let Some(no) = biz_no
         && no.len() > MAX_BIZ_NO_LEN
     {
