@@ -175,7 +175,9 @@ impl Claims {
         };
         let failure = match tokio::time::timeout(self.timeout, attempt).await {
             Ok(Ok(value)) => {
-                if self.down_until_ms.swap(0, Ordering::Relaxed) != 0 {
+                // Read first: a write on every call would bounce the cache line between cores.
+                if self.down_until_ms.load(Ordering::Relaxed) != 0 && self.down_until_ms.swap(0, Ordering::Relaxed) != 0
+                {
                     tracing::info!("redis answers again; idempotency claims resume");
                 }
                 return Some(value);
