@@ -11,7 +11,7 @@ compile_error!(
 #[cfg(feature = "amqp")]
 pub mod amqp;
 #[cfg(feature = "redis")]
-pub mod claim;
+mod claim;
 mod clock;
 mod engine;
 mod error;
