@@ -54,25 +54,24 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     match checked {
         Ok((args, checked)) => rewrite(func, &args, checked),
         Err(e) => {
-            // Emit the fn as written (minus `#[idem(..)]`, which `check`
-            // strips) beside the error, so callers still type-check.
+            // Emit the fn as written beside the error, so callers still
+            // type-check; minus `#[idem(..)]`, which only this macro knows.
             // `allow`: the engine parameter goes unused in the fn as written.
+            let func = strip_param_attrs(func);
             let mut out = e.into_compile_error();
-            if let Ok(args_free) = strip_param_attrs(func) {
-                out.extend(quote!(#[allow(unused_variables)] #args_free));
-            }
+            out.extend(quote!(#[allow(unused_variables)] #func));
             out
         }
     }
 }
 
-fn strip_param_attrs(mut func: ItemFn) -> syn::Result<ItemFn> {
+fn strip_param_attrs(mut func: ItemFn) -> ItemFn {
     for input in &mut func.sig.inputs {
         if let syn::FnArg::Typed(p) = input {
             p.attrs.retain(|a| !a.path().is_ident("idem"));
         }
     }
-    Ok(func)
+    func
 }
 
 fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
