@@ -183,6 +183,20 @@ async fn redis_round_trips(nodes: &[redis::Client]) -> u64 {
     total
 }
 
+/// The claim and cache-write scripts, as the engine runs them, for the `floor` row.
+static FLOOR_CLAIM: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        "local v = redis.call('GET', KEYS[1]) if v then return v end \
+         redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return false",
+    )
+});
+static FLOOR_FINISH: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) \
+         return 1 end return 0",
+    )
+});
+
 /// Where the claims live in one pass of the bench.
 #[derive(Clone)]
 enum Claims {
@@ -231,7 +245,7 @@ where
 }
 
 macro_rules! backend {
-    ($module:ident, $db:ident, $name:literal, $begin_logged:literal, $url:expr, $ddl:literal, $seed:literal, $update:literal) => {
+    ($module:ident, $db:ident, $name:literal, $begin_logged:literal, $url:expr, $ddl:literal, $seed:literal, $update:literal, $insert_record:literal) => {
         mod $module {
             use super::*;
 
@@ -257,6 +271,54 @@ macro_rules! backend {
                 executions.fetch_add(1, Ordering::Relaxed);
                 sqlx::query($update).bind(order_id).execute(&mut **tx).await?;
                 Ok(Receipt { order_id, amount: 1999 })
+            }
+
+            /// The least a first call with a claim can cost, with no idem code
+            /// at all: the claim script, the body's transaction with the record
+            /// insert, and the cache write spawned off the caller's path.
+            pub async fn floor(
+                pool: &sqlx::Pool<$db>,
+                redis: &redis::aio::ConnectionManager,
+                key: String,
+                order_id: i64,
+            ) {
+                let redis_key = format!("idem:bench_floor:{key}");
+                let mut conn = redis.clone();
+                let _: Option<String> = FLOOR_CLAIM
+                    .key(&redis_key)
+                    .arg("p:token:fp")
+                    .arg(30_000)
+                    .invoke_async(&mut conn)
+                    .await
+                    .expect("claim");
+                let mut tx = pool.begin().await.expect("begin");
+                sqlx::query($update).bind(order_id).execute(&mut *tx).await.expect("update");
+                let now =
+                    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+                sqlx::query($insert_record)
+                    .bind("bench_floor")
+                    .bind(&key)
+                    .bind(None::<&str>)
+                    .bind("0".repeat(64))
+                    .bind(1i16)
+                    .bind(r#"{"order_id":1,"amount":1999}"#)
+                    .bind(now)
+                    .bind(now)
+                    .bind(now + 3_600_000)
+                    .execute(&mut *tx)
+                    .await
+                    .expect("insert record");
+                tx.commit().await.expect("commit");
+                tokio::spawn(async move {
+                    let _: i64 = FLOOR_FINISH
+                        .key(&redis_key)
+                        .arg("p:token:fp")
+                        .arg("d:fp:{}")
+                        .arg(3_600_000)
+                        .invoke_async(&mut conn)
+                        .await
+                        .expect("finish");
+                });
             }
 
             pub async fn run(rows: &mut Vec<Row>, passes: &[Claims]) -> Option<()> {
@@ -343,6 +405,23 @@ macro_rules! backend {
                         .await;
                         push(rows, "first", timing, counted, None);
 
+                        // floor: the same round trips, hand-written, for the first/bare floor
+                        if let Claims::Single(c) = claims {
+                            let redis = redis::aio::ConnectionManager::new(c.clone()).await.expect("redis");
+                            let (p, r, t) = (pool.clone(), redis.clone(), format!("{tag}-floor"));
+                            let timing = drive(tasks, calls, move |i| {
+                                let (p, r, key) = (p.clone(), r.clone(), format!("{t}_{i}"));
+                                async move { floor(&p, &r, key, (i as i64 % ORDERS) + 1).await }
+                            })
+                            .await;
+                            let t = format!("{tag}-floorcount");
+                            let counted = round_trips(BEGIN_LOGGED, &client, 50, |i| {
+                                floor(&pool, &redis, format!("{t}_{i}"), (i as i64 % ORDERS) + 1)
+                            })
+                            .await;
+                            push(rows, "floor", timing, counted, None);
+                        }
+
                         // replay: the same 10 finished keys again and again
                         let (i2, t2, e2) = (idem.clone(), tag.clone(), executions.clone());
                         let before = executions.load(Ordering::Relaxed);
@@ -422,7 +501,8 @@ backend!(
     std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into()),
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT IGNORE INTO bench_orders (id, status) WITH RECURSIVE n (i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) SELECT i, 'PENDING' FROM n",
-    "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = ? AND status = 'PENDING'"
+    "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = ? AND status = 'PENDING'",
+    "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 );
 
 backend!(
@@ -433,7 +513,8 @@ backend!(
     std::env::var("IDEM_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT INTO bench_orders (id, status) SELECT i, 'PENDING' FROM generate_series(1, $1) AS i ON CONFLICT DO NOTHING",
-    "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = $1 AND status = 'PENDING'"
+    "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = $1 AND status = 'PENDING'",
+    "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 );
 
 fn ratio(rows: &[Row], backend: &str, redis: &str, tasks: usize, mode: &str) -> Option<f64> {
@@ -468,7 +549,7 @@ fn main() {
     });
 
     println!(
-        "\n{:<9} {:<6} {:<7} {:>5} {:>7} {:>10} {:>8} {:>8} {:>6} {:>6} {:>10} {:>11}",
+        "\n{:<9} {:<7} {:<7} {:>5} {:>7} {:>10} {:>8} {:>8} {:>6} {:>6} {:>10} {:>10} {:>11}",
         "backend",
         "redis",
         "mode",
@@ -480,15 +561,17 @@ fn main() {
         "sql",
         "redis",
         "first/bare",
+        "floor/bare",
         "bare/replay"
     );
     for r in &rows {
         let first = ratio(&rows, r.backend, r.redis, r.tasks, "first").filter(|_| r.mode == "bare");
+        let floor = ratio(&rows, r.backend, r.redis, r.tasks, "floor").filter(|_| r.mode == "bare");
         let replay = ratio(&rows, r.backend, r.redis, r.tasks, "replay").filter(|_| r.mode == "bare").map(|x| 1.0 / x);
         let fmt_ratio = |x: Option<f64>| x.map(|v| format!("{v:.2}x")).unwrap_or_default();
         let fmt_count = |x: f64| if x.is_nan() { "-".to_string() } else { format!("{x:.1}") };
         println!(
-            "{:<9} {:<6} {:<7} {:>5} {:>7} {:>10.0} {:>8.3} {:>8.3} {:>6} {:>6} {:>10} {:>11}{}",
+            "{:<9} {:<7} {:<7} {:>5} {:>7} {:>10.0} {:>8.3} {:>8.3} {:>6} {:>6} {:>10} {:>10} {:>11}{}",
             r.backend,
             r.redis,
             r.mode,
@@ -500,12 +583,14 @@ fn main() {
             fmt_count(r.sql_per_call),
             fmt_count(r.redis_per_call),
             fmt_ratio(first),
+            fmt_ratio(floor),
             fmt_ratio(replay),
             r.executions.map(|e| format!("  executions per storm: {e}")).unwrap_or_default(),
         );
     }
     println!(
-        "first/bare: how much a first call costs over the plain transaction; bare/replay: how much faster a replay is \
+        "first/bare: how much a first call costs over the plain transaction; floor/bare: the same for the hand-written \
+         round trips a first call cannot avoid (claim, record insert, spawned cache write); bare/replay: how much faster a replay is \
          (p50 latencies, same backend, claims and task count). sql, redis: round trips per call."
     );
 
@@ -515,6 +600,7 @@ fn main() {
         "rows": rows.iter().map(|r| {
             let mut v = serde_json::to_value(r).expect("row");
             v["first_over_bare"] = serde_json::json!(ratio(&rows, r.backend, r.redis, r.tasks, "first"));
+            v["floor_over_bare"] = serde_json::json!(ratio(&rows, r.backend, r.redis, r.tasks, "floor"));
             v["bare_over_replay"] = serde_json::json!(ratio(&rows, r.backend, r.redis, r.tasks, "replay").map(|x| 1.0 / x));
             if r.sql_per_call.is_nan() { v["sql_per_call"] = serde_json::Value::Null; v["redis_per_call"] = serde_json::Value::Null; }
             v
