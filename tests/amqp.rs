@@ -27,6 +27,9 @@ struct OrderPaid {
     order_id: i64,
     sku: String,
     qty: i64,
+    /// How long the body takes (tests of a duplicate arriving mid-body).
+    #[serde(default)]
+    slow_ms: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -69,6 +72,7 @@ async fn deduct_stock(
     if updated.rows_affected() == 0 {
         return Err(StockError::UnknownSku(event.sku));
     }
+    tokio::time::sleep(Duration::from_millis(event.slow_ms)).await;
     sqlx::query("INSERT INTO idem_amqp_stock_moves (order_id, sku, qty) VALUES (?, ?, ?)")
         .bind(event.order_id)
         .bind(&event.sku)
@@ -267,7 +271,7 @@ fn count(seen: &[Settled], f: impl Fn(&Settled) -> bool) -> usize {
 }
 
 fn event(order_id: i64, sku: &str, qty: i64) -> Vec<u8> {
-    serde_json::to_vec(&OrderPaid { order_id, sku: sku.into(), qty }).unwrap()
+    serde_json::to_vec(&OrderPaid { order_id, sku: sku.into(), qty, slow_ms: 0 }).unwrap()
 }
 
 /// The same event 5 times, one of them also delivered to a consumer that
@@ -322,6 +326,38 @@ async fn duplicates_and_a_redelivery_deduct_once() {
     assert_eq!(env.stock().await, 97);
     assert_eq!(env.moves().await, 1);
     assert_eq!(env.ready(&env.names.queue).await, 0, "every delivery acked");
+    assert!(env.drain_dead_letters().await.is_empty());
+    env.cleanup().await;
+}
+
+/// A duplicate delivered while the first is still in its body is requeued
+/// (not acked, not dead-lettered), comes back, and is acked as a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_during_the_body_is_requeued_then_replayed() {
+    let Some(env) = env(100).await else { return };
+    let order = order_id();
+    let slow = serde_json::to_vec(&OrderPaid { order_id: order, sku: env.sku.clone(), qty: 2, slow_ms: 600 }).unwrap();
+    env.publish(&slow, "slow-1").await;
+    env.publish(&slow, "slow-2").await;
+
+    let calls = Arc::new(AtomicUsize::new(0));
+    let seen = env
+        .consume(
+            |c| c.concurrency(2).in_progress_delay(Duration::from_millis(100)),
+            Arc::clone(&calls),
+            |seen| count(seen, |s| s.action == Action::Ack) == 2,
+        )
+        .await;
+
+    assert_eq!(count(&seen, |s| s.outcome == Some(Outcome::Executed)), 1, "{seen:#?}");
+    assert_eq!(count(&seen, |s| s.outcome == Some(Outcome::Replayed)), 1, "{seen:#?}");
+    let requeued = count(&seen, |s| s.action == Action::Requeue);
+    assert!(requeued >= 1, "the duplicate arrived mid-body and was requeued: {seen:#?}");
+    assert_eq!(count(&seen, |s| s.outcome == Some(Outcome::InProgress)), requeued, "{seen:#?}");
+    assert_eq!(calls.load(SeqCst), 2 + requeued);
+    assert_eq!(env.stock().await, 98);
+    assert_eq!(env.moves().await, 1);
+    assert_eq!(env.ready(&env.names.queue).await, 0);
     assert!(env.drain_dead_letters().await.is_empty());
     env.cleanup().await;
 }
