@@ -38,3 +38,31 @@ async fn prepare(pool: &sqlx::Pool<Db>) {
 }
 
 include!("suite/mod.rs");
+
+#[idempotent(key = "<k>", ttl = "1h", biz = "t_pg_lock_timeout")]
+async fn lock_timeout_in_body(idem: &Idem<Db>, tx: &mut Transaction<'_, Db>, k: String) -> Result<String, TestError> {
+    Ok(sqlx::query_scalar("SHOW lock_timeout").fetch_one(&mut **tx).await?)
+}
+
+/// Regression: the record's lock-wait bound is put back to the session's own
+/// `lock_timeout` (not the server default) before the body runs.
+#[tokio::test]
+async fn the_body_sees_the_sessions_own_lock_timeout() {
+    let Some(pool) = common::reach("postgres", || async {
+        PgPoolOptions::new()
+            .max_connections(1)
+            .after_connect(|conn, _| {
+                Box::pin(async move { sqlx::raw_sql("SET lock_timeout = '2s'").execute(conn).await.map(drop) })
+            })
+            .connect(&common::pg_url())
+            .await
+            .ok()
+    })
+    .await
+    else {
+        return;
+    };
+    let idem = Idem::builder(pool).lock_wait(Duration::from_millis(700)).build();
+    idem.migrate().await.expect("migrate");
+    assert_eq!(lock_timeout_in_body(&idem, common::unique("pglock")).await.unwrap(), "2s");
+}

@@ -39,3 +39,34 @@ async fn prepare(pool: &sqlx::Pool<Db>) {
 }
 
 include!("suite/mod.rs");
+
+/// Regression: on SQLite a duplicate waits at `BEGIN IMMEDIATE`; past the
+/// busy timeout that is `InProgress` (someone holds the key), not `Storage`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_past_the_busy_timeout_is_in_progress() {
+    let dir = std::env::temp_dir().join("idem-tests");
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let options = SqliteConnectOptions::new()
+        .filename(dir.join(format!("{}.db", common::unique("busy"))))
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_millis(200));
+    let pool = SqlitePoolOptions::new().max_connections(2).connect_with(options).await.expect("sqlite file");
+    prepare(&pool).await;
+    let idem = Idem::new(pool);
+    idem.migrate().await.expect("migrate");
+    let probe = Arc::new(Probe::default());
+    let k = common::unique("busy");
+
+    let first = {
+        let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { pay(&idem, k, 6, &probe, Mode::Slow(1_500)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = pay(&idem, k.clone(), 6, &probe, Mode::Ok).await;
+    assert!(is_in_progress(&second), "{second:?}");
+    assert!(!first.is_finished());
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(pay(&idem, k.clone(), 6, &probe, Mode::Ok).await.unwrap(), first);
+    assert_eq!(probe.runs(), 1);
+}

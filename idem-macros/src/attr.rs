@@ -10,7 +10,7 @@ use crate::ttl::parse_duration;
 
 const ARGUMENTS: &str = "`key`, `ttl`, `biz`, `lease`, `biz_no`, `engine`";
 /// A Redis claim outlives most bodies by far, and a body outliving it still
-/// runs once (the record decides), so a generous default costs nothing.
+/// commits once (the record decides), so a generous default costs nothing.
 const DEFAULT_LEASE_MS: u64 = 30_000;
 
 /// The checked arguments.

@@ -148,10 +148,11 @@ fn render(template: &Template) -> TokenStream {
             Piece::Text(text) => format.push_str(text),
             Piece::Param(path) => {
                 format.push_str("{}");
+                // Every segment was checked to parse as Rust (`key.rs`).
                 let mut expr: TokenStream = if path[0] == "self" {
                     quote!(self)
                 } else {
-                    let root = syn::Ident::new(&path[0], proc_macro2::Span::call_site());
+                    let root: syn::Ident = syn::parse_str(&path[0]).expect("template checked its root");
                     quote!(#root)
                 };
                 for field in &path[1..] {

@@ -43,7 +43,7 @@ pub fn parse_template(text: &str) -> Result<Template, String> {
                 return Err("empty placeholder `<>`; write `<param>` or `<param.field>`".into());
             }
             let path: Vec<String> = inner.split('.').map(str::to_owned).collect();
-            if let Some(bad) = path.iter().find(|seg| !is_path_segment(seg)) {
+            if let Some(bad) = path.iter().enumerate().find(|(i, seg)| !is_path_segment(seg, *i == 0)).map(|(_, s)| s) {
                 return Err(format!(
                     "placeholder `<{inner}>` is not a parameter path: `{bad}` is not an identifier or field"
                 ));
@@ -69,14 +69,11 @@ fn is_key_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-')
 }
 
-/// An identifier (`order_id`) or a tuple field (`0`).
-fn is_path_segment(s: &str) -> bool {
-    let mut chars = s.chars();
-    match chars.next() {
-        Some(c) if c.is_ascii_digit() => s.chars().all(|c| c.is_ascii_digit()),
-        Some(c) if c.is_alphabetic() || c == '_' => chars.all(|c| c.is_alphanumeric() || c == '_') && s != "_",
-        _ => false,
-    }
+/// The root: a parameter name or `self`; after it, a named or tuple field
+/// (`order_id`, `0`). Keywords are refused here, so expansion can parse every
+/// segment as Rust.
+fn is_path_segment(s: &str, root: bool) -> bool {
+    if root { s == "self" || syn::parse_str::<syn::Ident>(s).is_ok() } else { syn::parse_str::<syn::Member>(s).is_ok() }
 }
 
 #[cfg(test)]
@@ -94,6 +91,7 @@ mod tests {
         let t = parse_template("<user>:<req.order.id>").unwrap();
         assert_eq!(t.pieces, vec![param(&["user"]), Piece::Text(":".into()), param(&["req", "order", "id"])]);
         assert_eq!(parse_template("<p.0>").unwrap().pieces, vec![param(&["p", "0"])]);
+        assert_eq!(parse_template("<self.id>").unwrap().pieces, vec![param(&["self", "id"])]);
         assert_eq!(parse_template("fixed").unwrap().roots().count(), 0);
     }
 
@@ -107,5 +105,9 @@ mod tests {
         assert!(parse_template("<a-b>").unwrap_err().contains("not a parameter path"));
         assert!(parse_template("<a..b>").unwrap_err().contains("not a parameter path"));
         assert!(parse_template("id>").unwrap_err().contains("placeholders are written"));
+        assert!(parse_template("<req.type>").unwrap_err().contains("`type` is not an identifier"));
+        assert!(parse_template("<match>").unwrap_err().contains("not a parameter path"));
+        assert!(parse_template("<a.self>").unwrap_err().contains("not a parameter path"));
+        assert!(parse_template("<_>").unwrap_err().contains("not a parameter path"));
     }
 }

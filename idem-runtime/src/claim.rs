@@ -10,6 +10,7 @@
 //! database alone: the operation reports [`Claim::Unavailable`], a warning is
 //! logged once, and Redis is left alone for [`BACKOFF`] before being tried again.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -23,6 +24,9 @@ use crate::clock;
 
 /// How long Redis is skipped after it failed.
 pub const BACKOFF: Duration = Duration::from_secs(1);
+/// How many times a claim whose answer was lost is released before giving
+/// up and leaving it to its lease.
+const RELEASE_TRIES: usize = 20;
 
 // GET and SET NX in one step; the reply is the value found, or nil when
 // the claim was taken.
@@ -61,6 +65,22 @@ pub enum Claim {
     Running,
     /// Redis is absent or failing: carry on with the database alone.
     Unavailable,
+}
+
+/// Why a Redis operation gave no answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Missed {
+    /// Not sent: Redis failed recently and is being left alone.
+    Skipped,
+    /// Sent, and it failed or timed out: it may or may not have run.
+    Failed,
+}
+
+/// Whether an operation is skipped while Redis is backing off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backoff {
+    Respect,
+    Ignore,
 }
 
 /// A claim we own: the Redis key and the exact value we set.
@@ -118,56 +138,89 @@ impl Claims {
     }
 
     /// Claims `key` for `lease`, or reports what holds it.
-    pub async fn claim(&self, biz: &str, key: &str, fingerprint: &str, lease: Duration) -> Claim {
+    pub async fn claim(self: &Arc<Self>, biz: &str, key: &str, fingerprint: &str, lease: Duration) -> Claim {
         let held = Held { key: redis_key(biz, key), value: format!("p:{}:{fingerprint}", token()) };
         let mut call = self.claim.key(&held.key);
         call.arg(&held.value).arg(millis(lease));
-        match self.run::<Option<String>>(&call).await {
-            None => Claim::Unavailable,
-            Some(None) => Claim::Acquired(held),
-            Some(Some(found)) => parse(&found),
+        match self.run::<Option<String>>(&call, Backoff::Respect).await {
+            Ok(None) => Claim::Acquired(held),
+            Ok(Some(found)) => parse(&found),
+            Err(Missed::Skipped) => Claim::Unavailable,
+            Err(Missed::Failed) => {
+                // The script may still run, its answer lost: drop the claim we
+                // may hold, or retries would see it running until the lease
+                // ends. Off the caller's path and past the back-off this very
+                // failure started; retried until Redis answers, since a
+                // release that overtakes the late claim (say, on a fresh
+                // connection) deletes nothing. Compare-and-delete on our own
+                // token: repeating it is harmless.
+                let claims = Arc::clone(self);
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(async move { claims.release_after_failure(&held).await });
+                }
+                Claim::Unavailable
+            }
         }
     }
 
     /// Drops our claim so the next call may execute (after a failed body).
     pub async fn release(&self, held: &Held) {
+        let _ = self.release_with(held, Backoff::Respect).await;
+    }
+
+    async fn release_with(&self, held: &Held, backoff: Backoff) -> Result<i64, Missed> {
         let mut call = self.release.key(&held.key);
         call.arg(&held.value);
-        self.run::<i64>(&call).await;
+        self.run::<i64>(&call, backoff).await
+    }
+
+    async fn release_after_failure(&self, held: &Held) {
+        // Two answered releases, a timeout apart, within about a lease's
+        // worth of tries: the first may still overtake the late claim.
+        let mut answered = 0;
+        for _ in 0..RELEASE_TRIES {
+            tokio::time::sleep(self.timeout).await;
+            if self.release_with(held, Backoff::Ignore).await.is_ok() {
+                answered += 1;
+                if answered == 2 {
+                    return;
+                }
+            }
+        }
     }
 
     /// Replaces our claim by the finished result, kept for `ttl`.
     pub async fn finish(&self, held: &Held, fingerprint: &str, response: &str, ttl: Duration) {
         let mut call = self.finish.key(&held.key);
         call.arg(&held.value).arg(format!("d:{fingerprint}:{response}")).arg(millis(ttl));
-        self.run::<i64>(&call).await;
+        let _ = self.run::<i64>(&call, Backoff::Respect).await;
     }
 
     /// Reads what Redis holds for `key`, for status queries.
     pub async fn peek(&self, biz: &str, key: &str) -> Claim {
         let mut cmd = redis::cmd("GET");
         cmd.arg(redis_key(biz, key));
-        let got: Option<Option<String>> = self.guarded(|mut c| async move { cmd.query_async(&mut c).await }).await;
+        let got: Result<Option<String>, Missed> =
+            self.guarded(Backoff::Respect, |mut c| async move { cmd.query_async(&mut c).await }).await;
         match got {
-            None => Claim::Unavailable,
-            Some(None) => Claim::Unavailable,
-            Some(Some(found)) => parse(&found),
+            Ok(Some(found)) => parse(&found),
+            Ok(None) | Err(_) => Claim::Unavailable,
         }
     }
 
-    async fn run<T: FromRedisValue>(&self, call: &ScriptInvocation<'_>) -> Option<T> {
-        self.guarded(|mut c| async move { call.invoke_async(&mut c).await }).await
+    async fn run<T: FromRedisValue>(&self, call: &ScriptInvocation<'_>, backoff: Backoff) -> Result<T, Missed> {
+        self.guarded(backoff, |mut c| async move { call.invoke_async(&mut c).await }).await
     }
 
-    /// Runs one Redis operation under the timeout and the back-off;
-    /// `None` when Redis is skipped or failed.
-    async fn guarded<T, F, Fut>(&self, op: F) -> Option<T>
+    /// Runs one Redis operation under the timeout and (unless told to
+    /// ignore it) the back-off.
+    async fn guarded<T, F, Fut>(&self, backoff: Backoff, op: F) -> Result<T, Missed>
     where
         F: FnOnce(ConnectionHandle) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
-        if clock::now_ms() < self.down_until_ms.load(Ordering::Relaxed) {
-            return None;
+        if backoff == Backoff::Respect && clock::now_ms() < self.down_until_ms.load(Ordering::Relaxed) {
+            return Err(Missed::Skipped);
         }
         let attempt = async {
             let conn = self.connection().await?;
@@ -180,7 +233,7 @@ impl Claims {
                 {
                     tracing::info!("redis answers again; idempotency claims resume");
                 }
-                return Some(value);
+                return Ok(value);
             }
             Ok(Err(e)) => e.to_string(),
             Err(_) => format!("no answer within {:?}", self.timeout),
@@ -189,7 +242,7 @@ impl Claims {
         if self.down_until_ms.swap(until, Ordering::Relaxed) == 0 {
             tracing::warn!(error = %failure, "redis unavailable; idempotency continues on the database alone");
         }
-        None
+        Err(Missed::Failed)
     }
 
     async fn connection(&self) -> redis::RedisResult<Connection> {

@@ -110,7 +110,9 @@ impl<DB: Backend> Builder<DB> {
 
     /// Without a Redis claim, how long a call waits for a duplicate still
     /// running in another transaction before answering `InProgress`.
-    /// Default 5 s. (SQLite uses the pool's busy timeout instead.)
+    /// Default 5 s. PostgreSQL honours it to the millisecond, MariaDB in whole
+    /// seconds (at least 1); SQLite uses the pool's busy timeout, and MySQL
+    /// its `innodb_lock_wait_timeout` (it has no per-statement form).
     pub fn lock_wait(mut self, wait: Duration) -> Self {
         self.lock_wait = wait;
         self
@@ -312,7 +314,7 @@ where
     if let Some(no) = biz_no
         && no.len() > MAX_BIZ_NO_LEN
     {
-        return Err(Error::InvalidKey(KeyError::TooLong { len: no.len(), max: MAX_BIZ_NO_LEN }).into());
+        return Err(Error::InvalidKey(KeyError::BizNoTooLong { len: no.len(), max: MAX_BIZ_NO_LEN }).into());
     }
     let fingerprint = fingerprint.finish()?;
     let call = Call { spec, key, fingerprint: &fingerprint, biz_no };
@@ -424,12 +426,19 @@ where
     let mut attempt = 0;
     let tx = loop {
         attempt += 1;
+        let opened =
+            if claimed { DB::begin(&inner.pool).await } else { DB::begin_bounded(&inner.pool, inner.lock_wait).await };
+        // SQLite waits for its write lock at `BEGIN IMMEDIATE`.
+        let mut tx = opened.map_err(|e| db_error::<DB, E>(call, e))?;
         if claimed {
-            break DB::begin(&inner.pool).await?;
+            break tx;
         }
-        let mut tx = DB::begin_bounded(&inner.pool, inner.lock_wait).await?;
         let record = call.record(PROCESSING, None);
-        match insert_record(&mut tx, call, &record, Some(inner.lock_wait)).await {
+        let claimed_row = match insert_record(&mut tx, call, &record, Some(inner.lock_wait)).await {
+            Ok(Taken::No) => DB::end_bound(&mut tx).await.map(|()| Taken::No),
+            other => other,
+        };
+        match claimed_row {
             Ok(Taken::No) => break tx,
             Ok(Taken::By(row)) => {
                 rollback(tx).await;
@@ -438,9 +447,8 @@ where
             Err(e) => {
                 rollback(tx).await;
                 match DB::classify(&e) {
-                    Failure::LockTimeout => return Err(call.in_progress().into()),
                     Failure::Conflict if attempt < CONFLICT_RETRIES => continue,
-                    _ => return Err(e.into()),
+                    _ => return Err(db_error::<DB, E>(call, e)),
                 }
             }
         }
@@ -487,14 +495,23 @@ where
         }
     };
     // Our transaction is gone. If a duplicate won the conflict, its result
-    // is the answer; otherwise nothing was written and the call may be retried.
+    // is the answer; otherwise the call may be retried: it executes, or
+    // replays whatever did commit.
     match DB::classify(&failure) {
-        Failure::LockTimeout => Err(call.in_progress().into()),
         Failure::Conflict => match find_live(inner, call).await? {
             Some(row) => replay_row(call, row),
             None => Err(Error::Storage(failure).into()),
         },
-        _ => Err(Error::Storage(failure).into()),
+        _ => Err(db_error::<DB, E>(call, failure)),
+    }
+}
+
+/// A database error as the caller sees it: a lock wait past its bound means
+/// someone else holds the key.
+fn db_error<DB: Backend, E>(call: &Call<'_>, error: sqlx::Error) -> Failed<E> {
+    match DB::classify(&error) {
+        Failure::LockTimeout => call.in_progress().into(),
+        _ => Error::Storage(error).into(),
     }
 }
 
@@ -516,18 +533,14 @@ async fn insert_record<DB: Backend>(
     // Each round either inserts, finds the live row, or clears an expired
     // one; a row that vanishes three times in a row is not worth chasing.
     for _ in 0..3 {
-        let inserted = match wait {
-            Some(wait) => DB::insert_bounded(tx, record, wait).await?,
-            None => DB::insert(tx, record).await?,
-        };
-        if inserted {
+        if DB::insert(tx, record, wait).await? {
             return Ok(Taken::No);
         }
         let now = now_ms();
-        match DB::find(&mut **tx, call.spec.biz, call.key).await? {
+        match DB::find(&mut **tx, call.spec.biz, call.key, wait).await? {
             Some(row) if row.expires_ms > now => return Ok(Taken::By(row)),
             Some(_) => {
-                DB::delete_expired(&mut **tx, call.spec.biz, call.key, now).await?;
+                DB::delete_expired(&mut **tx, call.spec.biz, call.key, now, wait).await?;
             }
             None => {}
         }

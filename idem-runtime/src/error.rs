@@ -31,8 +31,9 @@ pub enum Error {
         key: String,
     },
 
-    /// The database failed or could not be reached. The body's writes, if any,
-    /// were rolled back, so the call may be retried.
+    /// The database failed or could not be reached. Retrying is safe: the
+    /// retry executes, or replays the result if this call's transaction did
+    /// commit (a connection lost during `COMMIT` leaves that unknown).
     #[error("idempotency storage failed: {0}")]
     Storage(#[source] sqlx::Error),
 
@@ -89,6 +90,13 @@ pub enum KeyError {
         /// Maximum allowed.
         max: usize,
     },
+    /// The rendered `biz_no` is longer than its column (`VARCHAR(64)`).
+    BizNoTooLong {
+        /// Length in bytes.
+        len: usize,
+        /// Maximum allowed.
+        max: usize,
+    },
     /// A character outside `[A-Za-z0-9_.:-]`.
     BadChar {
         /// The offending character.
@@ -106,6 +114,7 @@ impl fmt::Display for KeyError {
                 write!(f, "{len} characters, at least {min} required")
             }
             KeyError::TooLong { len, max } => write!(f, "{len} bytes, at most {max} allowed"),
+            KeyError::BizNoTooLong { len, max } => write!(f, "biz_no of {len} bytes, at most {max} allowed"),
             KeyError::BadChar { ch, at } => {
                 write!(f, "character {ch:?} at byte {at}; only A-Z a-z 0-9 _ . : - are allowed")
             }

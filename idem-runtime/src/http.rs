@@ -214,7 +214,7 @@ impl From<&Error> for Problem {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "IDEMPOTENCY_STORAGE_UNAVAILABLE",
                 "Idempotency storage unavailable",
-                "the request could not be processed and nothing was written; retry with the same key".into(),
+                "the request could not be completed; retry with the same key: it runs once, or answers with what was recorded".into(),
             ),
             Error::Replay { .. } => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,

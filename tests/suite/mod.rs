@@ -94,8 +94,9 @@ async fn pay_short_ttl(
     tx: &mut Transaction<'_, Db>,
     k: String,
     #[idem(skip)] probe: &Probe,
+    #[idem(skip)] mode: Mode,
 ) -> Result<Receipt, TestError> {
-    let run = body(tx, &k, 1, probe, Mode::Ok).await?;
+    let run = body(tx, &k, 1, probe, mode).await?;
     Ok(Receipt { key: k, amount: 1, run })
 }
 
@@ -412,6 +413,84 @@ async fn duplicate_waiting_past_the_lock_bound_is_in_progress() {
     assert_eq!(ledger_rows(&idem, &k).await, 1);
 }
 
+/// The same wait, when the first call is replacing an expired record: every
+/// record statement stays under the bound, not only the first insert.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_of_a_call_replacing_an_expired_record_is_bounded_too() {
+    let Some(pool) = open(&common::unique("db"), 4).await else { return };
+    prepare(&pool).await;
+    let idem = Idem::builder(pool).lock_wait(Duration::from_secs(1)).build();
+    idem.migrate().await.expect("migrate");
+    let probe = Arc::new(Probe::default());
+    let k = common::unique("lockwait-expired");
+    pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1_100)).await; // the record expires
+
+    // Past the 1 s bound where there is one; within the 1 s ttl on SQLite,
+    // whose duplicate waits for the commit and must then find a live row.
+    let body_ms = if LOCK_WAIT_BOUNDED { 4_000 } else { 500 };
+    let first = {
+        let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { pay_short_ttl(&idem, k, &probe, Mode::Slow(body_ms)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok).await;
+    if LOCK_WAIT_BOUNDED {
+        assert!(is_in_progress(&second), "{second:?}");
+        assert!(!first.is_finished(), "the duplicate waited for the whole first call");
+        first.await.unwrap().unwrap();
+    } else {
+        assert_eq!(second.unwrap(), first.await.unwrap().unwrap());
+    }
+    assert_eq!(probe.runs(), 2, "the first call and the one after expiry");
+    assert_eq!(ledger_rows(&idem, &k).await, 2);
+}
+
+/// Regression: when Redis answers too late, the claim script may still have
+/// run; that claim is released so retries do not wait out the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_whose_answer_came_too_late_is_released() {
+    if !common::servers::redis_server_installed() {
+        return;
+    }
+    let Some(server) = common::servers::RedisServer::start() else { return };
+    let Some(pool) = open(&common::unique("db"), 4).await else { return };
+    prepare(&pool).await;
+    let idem = Idem::builder(pool).redis(server.client()).redis_timeout(Duration::from_millis(100)).build();
+    idem.migrate().await.expect("migrate");
+    let probe = Probe::default();
+    pay(&idem, common::unique("warm"), 1, &probe, Mode::Ok).await.unwrap(); // connected, scripts loaded
+
+    // Keep the private Redis busy for 600 ms: our claim waits in its queue,
+    // times out on our side, then runs.
+    let stall = {
+        let client = server.client();
+        tokio::task::spawn_blocking(move || {
+            let mut conn = client.get_connection().expect("redis");
+            let busy = "local t = redis.call('TIME') local s = t[1] * 1000000 + t[2] \
+                        repeat local n = redis.call('TIME') until n[1] * 1000000 + n[2] - s > tonumber(ARGV[1]) return 1";
+            let _: i64 = redis::cmd("EVAL").arg(busy).arg(0).arg(600_000).query(&mut conn).expect("stall");
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let k = common::unique("late");
+    let failed = pay(&idem, k.clone(), 2, &probe, Mode::Fail).await;
+    assert!(matches!(failed, Err(TestError::Body)), "{failed:?}");
+    stall.await.unwrap();
+
+    // The release follows within a few Redis timeouts; the lease is 30 s.
+    let mut conn = server.client().get_multiplexed_async_connection().await.expect("redis");
+    let mut left: Option<String> = Some(String::new());
+    for _ in 0..30 {
+        left = redis::cmd("GET").arg(format!("idem:t_pay:{k}")).query_async(&mut conn).await.unwrap();
+        if left.is_none() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(left, None, "the late claim was released");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_after_the_lease_still_commits_once() {
     let Some(idem) = engine(&common::unique("db"), 4, Redis::On).await else { return };
@@ -654,13 +733,13 @@ async fn expired_record_executes_again(redis: Redis) {
     let Some(idem) = engine(&common::unique("db"), 4, redis).await else { return };
     let probe = Probe::default();
     let k = common::unique("ttl");
-    let first = pay_short_ttl(&idem, k.clone(), &probe).await.unwrap();
-    assert_eq!(pay_short_ttl(&idem, k.clone(), &probe).await.unwrap(), first);
+    let first = pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok).await.unwrap();
+    assert_eq!(pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok).await.unwrap(), first);
     tokio::time::sleep(Duration::from_millis(1_200)).await;
     assert_eq!(idem.status("t_ttl", &k).await.unwrap(), Status::Expired);
-    let second = pay_short_ttl(&idem, k.clone(), &probe).await.unwrap();
+    let second = pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok).await.unwrap();
     assert_eq!(second.run, 2, "executed again after expiry");
-    assert_eq!(pay_short_ttl(&idem, k.clone(), &probe).await.unwrap(), second);
+    assert_eq!(pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok).await.unwrap(), second);
     assert_eq!(ledger_rows(&idem, &k).await, 2);
     assert_eq!(record_rows_for(&idem, "t_ttl", &k).await, 1, "the expired row was replaced");
 }

@@ -86,26 +86,31 @@ pub trait Backend: sqlx::Database + Sized {
     #[doc(hidden)]
     fn begin(pool: &Pool<Self>) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
 
-    /// Opens a transaction whose first statement will be
-    /// [`insert_bounded`](Backend::insert_bounded) (used when no Redis claim
-    /// is held); a backend that bounds lock waits per transaction sets the
-    /// bound here, in the same round trip as `BEGIN`.
+    /// Opens a transaction for a call without a Redis claim: its record
+    /// statements ([`insert`](Backend::insert), [`find`](Backend::find),
+    /// [`delete_expired`](Backend::delete_expired) with `Some(wait)`) may
+    /// wait at most `wait` on a duplicate still in flight, until
+    /// [`end_bound`](Backend::end_bound). A backend that bounds lock waits
+    /// per transaction sets the bound here, in the same round trip as `BEGIN`.
     #[doc(hidden)]
     fn begin_bounded(
         pool: &Pool<Self>,
         wait: Duration,
     ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
 
-    /// Inserts `rec` while bounding how long it may wait on a duplicate
-    /// still inside its transaction; the bound ends with this statement, so
-    /// the body's own lock waits are left alone.
-    /// `Ok(false)`: a committed row holds the key; the transaction stays usable.
+    /// Ends the bound of [`begin_bounded`](Backend::begin_bounded) before
+    /// the body runs, putting back the session's own setting, so the body's
+    /// own lock waits are left alone.
     #[doc(hidden)]
-    fn insert_bounded(
-        tx: &mut Transaction<'static, Self>,
-        rec: &NewRecord<'_>,
-        wait: Duration,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+    fn end_bound(tx: &mut Transaction<'static, Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// `sql` as sent: with `Some(wait)`, a backend that bounds lock waits
+    /// per statement says so in the statement itself.
+    #[doc(hidden)]
+    fn bounded(sql: &'static str, wait: Option<Duration>) -> sqlx::SqlStr {
+        let _ = wait;
+        sqlx::SqlSafeStr::into_sql_str(sql)
+    }
 
     /// Inserts `rec`. `Ok(false)`: a committed row holds the key; the
     /// transaction stays usable.
@@ -113,6 +118,7 @@ pub trait Backend: sqlx::Database + Sized {
     fn insert(
         tx: &mut Transaction<'static, Self>,
         rec: &NewRecord<'_>,
+        wait: Option<Duration>,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Stores the response in the row this transaction inserted.
@@ -132,6 +138,7 @@ pub trait Backend: sqlx::Database + Sized {
         conn: &mut Self::Connection,
         biz: &str,
         key: &str,
+        wait: Option<Duration>,
     ) -> impl Future<Output = Result<Option<StoredRecord>, sqlx::Error>> + Send;
 
     /// Reads the committed row of a key without waiting on locks (a plain
@@ -150,6 +157,7 @@ pub trait Backend: sqlx::Database + Sized {
         biz: &str,
         key: &str,
         now_ms: i64,
+        wait: Option<Duration>,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// Deletes up to `limit` expired rows (any key).
@@ -181,8 +189,23 @@ macro_rules! record_queries {
         async fn insert(
             tx: &mut ::sqlx::Transaction<'static, Self>,
             rec: &$crate::store::NewRecord<'_>,
+            wait: Option<::std::time::Duration>,
         ) -> Result<bool, ::sqlx::Error> {
-            let done = $crate::store::bind_record!(::sqlx::query($q.insert), rec).execute(&mut **tx).await;
+            let sql = Self::bounded($q.insert, wait);
+            // Placeholders in column order: biz_type, idem_key, biz_no, params_hash,
+            // status, response, created_at, updated_at, expires_at.
+            let done = ::sqlx::query(sql)
+                .bind(rec.biz)
+                .bind(rec.key)
+                .bind(rec.biz_no)
+                .bind(rec.params_hash)
+                .bind(rec.status)
+                .bind(rec.response)
+                .bind(rec.now_ms)
+                .bind(rec.now_ms)
+                .bind(rec.expires_ms)
+                .execute(&mut **tx)
+                .await;
             $crate::store::inserted(done.map(|d| d.rows_affected()))
         }
 
@@ -208,9 +231,11 @@ macro_rules! record_queries {
             conn: &mut Self::Connection,
             biz: &str,
             key: &str,
+            wait: Option<::std::time::Duration>,
         ) -> Result<Option<$crate::store::StoredRecord>, ::sqlx::Error> {
+            let sql = Self::bounded($q.find, wait);
             let row: Option<$crate::store::RecordRow> =
-                ::sqlx::query_as($q.find).bind(biz).bind(key).fetch_optional(&mut *conn).await?;
+                ::sqlx::query_as(sql).bind(biz).bind(key).fetch_optional(&mut *conn).await?;
             Ok(row.map(Into::into))
         }
 
@@ -229,8 +254,10 @@ macro_rules! record_queries {
             biz: &str,
             key: &str,
             now_ms: i64,
+            wait: Option<::std::time::Duration>,
         ) -> Result<u64, ::sqlx::Error> {
-            let done = ::sqlx::query($q.delete_expired).bind(biz).bind(key).bind(now_ms).execute(&mut *conn).await?;
+            let sql = Self::bounded($q.delete_expired, wait);
+            let done = ::sqlx::query(sql).bind(biz).bind(key).bind(now_ms).execute(&mut *conn).await?;
             Ok(done.rows_affected())
         }
 
@@ -241,25 +268,6 @@ macro_rules! record_queries {
     };
 }
 pub(crate) use record_queries;
-
-/// Binds a [`NewRecord`] to an insert whose placeholders follow the column
-/// order `biz_type, idem_key, biz_no, params_hash, status, response,
-/// created_at, updated_at, expires_at`.
-macro_rules! bind_record {
-    ($query:expr, $rec:expr) => {
-        $query
-            .bind($rec.biz)
-            .bind($rec.key)
-            .bind($rec.biz_no)
-            .bind($rec.params_hash)
-            .bind($rec.status)
-            .bind($rec.response)
-            .bind($rec.now_ms)
-            .bind($rec.now_ms)
-            .bind($rec.expires_ms)
-    };
-}
-pub(crate) use bind_record;
 
 /// An insert's answer: `Ok(true)` inserted, `Ok(false)` the key is taken
 /// (a unique violation, or 0 rows under `ON CONFLICT DO NOTHING`).

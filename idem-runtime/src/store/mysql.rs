@@ -3,9 +3,9 @@
 use std::time::Duration;
 
 use sqlx::mysql::{MySql, MySqlDatabaseError};
-use sqlx::{AssertSqlSafe, Pool, Transaction};
+use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Transaction};
 
-use super::{Backend, Failure, NewRecord, Queries, bind_record, inserted, is_unique_violation, record_queries};
+use super::{Backend, Failure, Queries, is_unique_violation, record_queries};
 
 // `find` is a locking read: under REPEATABLE READ a plain SELECT would show
 // the transaction's snapshot, not the duplicate committed since.
@@ -27,16 +27,8 @@ const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
     KEY idx_idem_record_expires_at (expires_at)
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4";
 
-/// The insert after its `INSERT` keyword, so a bounded variant can put
-/// a hint between the two.
-macro_rules! into_record {
-    () => {
-        "INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
-    };
-}
-
 const Q: Queries = Queries {
-    insert: concat!("INSERT ", into_record!()),
+    insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
     mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ? WHERE biz_type = ? AND idem_key = ?",
     find: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ? LOCK IN SHARE MODE",
     lookup: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
@@ -57,26 +49,29 @@ impl Backend for MySql {
     }
 
     async fn begin_bounded(pool: &Pool<Self>, _wait: Duration) -> Result<Transaction<'static, Self>, sqlx::Error> {
-        // The bound rides on the insert itself.
+        // The bound rides on each record statement: see `bounded`.
         pool.begin().await
     }
 
-    async fn insert_bounded(
-        tx: &mut Transaction<'static, Self>,
-        rec: &NewRecord<'_>,
-        wait: Duration,
-    ) -> Result<bool, sqlx::Error> {
-        // A bound for this one statement, in one round trip, leaving the
-        // session as it was: MariaDB runs the `/*M! ... */` comment
-        // (`SET STATEMENT ... FOR`), MySQL 8 the `SET_VAR` hint; each
-        // ignores the other's. Built from an integer only.
-        let secs = wait.as_secs().max(1);
-        let sql = format!(
-            "/*M! SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {secs}) */ {}",
-            into_record!()
-        );
-        let done = bind_record!(sqlx::query(AssertSqlSafe(sql)), rec).execute(&mut **tx).await;
-        inserted(done.map(|d| d.rows_affected()))
+    async fn end_bound(_tx: &mut Transaction<'static, Self>) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    /// MariaDB bounds one statement with `SET STATEMENT ... FOR`, written in
+    /// a `/*M! */` comment that only MariaDB runs: the session's own setting
+    /// is never touched, even if the call is dropped halfway. MySQL has no
+    /// per-statement form for this InnoDB variable (its `SET_VAR` hint does
+    /// not accept it) and waits `innodb_lock_wait_timeout` instead. Whole
+    /// seconds, at least 1; built from an integer only.
+    fn bounded(sql: &'static str, wait: Option<Duration>) -> SqlStr {
+        match wait {
+            Some(wait) => {
+                let secs = wait.as_secs().max(1);
+                AssertSqlSafe(format!("/*M! SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ {sql}"))
+                    .into_sql_str()
+            }
+            None => sql.into_sql_str(),
+        }
     }
 
     record_queries!(Q);

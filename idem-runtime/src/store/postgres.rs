@@ -5,7 +5,7 @@ use std::time::Duration;
 use sqlx::postgres::Postgres;
 use sqlx::{AssertSqlSafe, Pool, Transaction};
 
-use super::{Backend, Failure, NewRecord, Queries, is_unique_violation, record_queries};
+use super::{Backend, Failure, Queries, is_unique_violation, record_queries};
 
 // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide in the catalog,
 // so migrations take a transaction-scoped advisory lock first.
@@ -59,21 +59,22 @@ impl Backend for Postgres {
     }
 
     async fn begin_bounded(pool: &Pool<Self>, wait: Duration) -> Result<Transaction<'static, Self>, sqlx::Error> {
-        // `SET LOCAL` is per transaction; sent with `BEGIN`, it costs no
-        // round trip of its own. Built from an integer only.
+        // `lock_timeout` is set per transaction (`is_local`), after saving
+        // the session's own value; sent with `BEGIN`, this costs no round
+        // trip of its own. Built from an integer only.
         let ms = wait.as_millis().max(1);
-        pool.begin_with(AssertSqlSafe(format!("BEGIN; SET LOCAL lock_timeout = {ms}"))).await
+        pool.begin_with(AssertSqlSafe(format!(
+            "BEGIN; SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true); \
+             SET LOCAL lock_timeout = {ms}"
+        )))
+        .await
     }
 
-    async fn insert_bounded(
-        tx: &mut Transaction<'static, Self>,
-        rec: &NewRecord<'_>,
-        _wait: Duration,
-    ) -> Result<bool, sqlx::Error> {
-        let inserted = Self::insert(tx, rec).await?;
-        // The body's lock waits go back to the server's setting.
-        sqlx::query("SET LOCAL lock_timeout = DEFAULT").execute(&mut **tx).await?;
-        Ok(inserted)
+    async fn end_bound(tx: &mut Transaction<'static, Self>) -> Result<(), sqlx::Error> {
+        sqlx::query("SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true)")
+            .execute(&mut **tx)
+            .await
+            .map(drop)
     }
 
     record_queries!(Q);

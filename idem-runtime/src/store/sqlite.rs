@@ -5,7 +5,7 @@ use std::time::Duration;
 use sqlx::sqlite::Sqlite;
 use sqlx::{Pool, Transaction};
 
-use super::{Backend, Failure, NewRecord, Queries, is_unique_violation, record_queries};
+use super::{Backend, Failure, Queries, is_unique_violation, record_queries};
 
 const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
         id INTEGER PRIMARY KEY,
@@ -49,17 +49,13 @@ impl Backend for Sqlite {
     }
 
     async fn begin_bounded(pool: &Pool<Self>, _wait: Duration) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        // `BEGIN IMMEDIATE` serializes us behind any duplicate, and the
+        // pool's busy timeout bounds that wait.
         Self::begin(pool).await
     }
 
-    async fn insert_bounded(
-        tx: &mut Transaction<'static, Self>,
-        rec: &NewRecord<'_>,
-        _wait: Duration,
-    ) -> Result<bool, sqlx::Error> {
-        // `BEGIN IMMEDIATE` already serialized us behind any duplicate, and
-        // the pool's busy timeout bounded that wait.
-        Self::insert(tx, rec).await
+    async fn end_bound(_tx: &mut Transaction<'static, Self>) -> Result<(), sqlx::Error> {
+        Ok(())
     }
 
     record_queries!(Q);
