@@ -434,11 +434,11 @@ where
             break tx;
         }
         let record = call.record(PROCESSING, None);
-        let claimed_row = match insert_record(&mut tx, call, &record, Some(inner.lock_wait)).await {
+        let inserted = match insert_record(&mut tx, call, &record, Some(inner.lock_wait)).await {
             Ok(Taken::No) => DB::end_bound(&mut tx).await.map(|()| Taken::No),
             other => other,
         };
-        match claimed_row {
+        match inserted {
             Ok(Taken::No) => break tx,
             Ok(Taken::By(row)) => {
                 rollback(tx).await;
@@ -474,7 +474,7 @@ where
     let written = if claimed {
         insert_record(&mut tx, call, &record, None).await
     } else {
-        DB::mark_succeeded(&mut tx, call.spec.biz, call.key, &response, record.now_ms).await.map(|()| Taken::No)
+        DB::mark_succeeded(&mut tx, &record).await.map(|()| Taken::No)
     };
     let failure = match written {
         Ok(Taken::No) => match tx.commit().await {

@@ -121,14 +121,13 @@ pub trait Backend: sqlx::Database + Sized {
         wait: Option<Duration>,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
-    /// Stores the response in the row this transaction inserted.
+    /// Stores the response in the row this transaction inserted, with the
+    /// status, `updated_at` and `expires_at` of `rec` (the ttl counts from
+    /// the end of the body, as when the record goes in last).
     #[doc(hidden)]
     fn mark_succeeded(
         tx: &mut Transaction<'static, Self>,
-        biz: &str,
-        key: &str,
-        response: &str,
-        now_ms: i64,
+        rec: &NewRecord<'_>,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
     /// Reads the latest committed row of a key (a locking read where the
@@ -211,17 +210,15 @@ macro_rules! record_queries {
 
         async fn mark_succeeded(
             tx: &mut ::sqlx::Transaction<'static, Self>,
-            biz: &str,
-            key: &str,
-            response: &str,
-            now_ms: i64,
+            rec: &$crate::store::NewRecord<'_>,
         ) -> Result<(), ::sqlx::Error> {
             ::sqlx::query($q.mark_succeeded)
-                .bind($crate::store::SUCCEEDED)
-                .bind(response)
-                .bind(now_ms)
-                .bind(biz)
-                .bind(key)
+                .bind(rec.status)
+                .bind(rec.response)
+                .bind(rec.now_ms)
+                .bind(rec.expires_ms)
+                .bind(rec.biz)
+                .bind(rec.key)
                 .execute(&mut **tx)
                 .await
                 .map(drop)

@@ -33,7 +33,7 @@ const DDL: [&str; 3] = [
 // transaction can still replace an expired row.
 const Q: Queries = Queries {
     insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (biz_type, idem_key) DO NOTHING",
-    mark_succeeded: "UPDATE idem_record SET status = $1, response = $2, updated_at = $3 WHERE biz_type = $4 AND idem_key = $5",
+    mark_succeeded: "UPDATE idem_record SET status = $1, response = $2, updated_at = $3, expires_at = $4 WHERE biz_type = $5 AND idem_key = $6",
     find: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
     lookup: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = $1 AND idem_key = $2 AND expires_at <= $3",

@@ -25,7 +25,7 @@ const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
 
 const Q: Queries = Queries {
     insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-    mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ? WHERE biz_type = ? AND idem_key = ?",
+    mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ?, expires_at = ? WHERE biz_type = ? AND idem_key = ?",
     find: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
     lookup: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ? AND expires_at <= ?",
