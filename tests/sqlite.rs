@@ -34,6 +34,12 @@ async fn open(name: &str, max_connections: u32) -> Option<sqlx::Pool<Db>> {
     Some(pool)
 }
 
+/// A pool whose database cannot be opened (a file in a folder that does not exist).
+fn dead_pool() -> sqlx::Pool<Db> {
+    let options = SqliteConnectOptions::new().filename("/nonexistent-idem-dir/none.db").create_if_missing(false);
+    SqlitePoolOptions::new().acquire_timeout(std::time::Duration::from_secs(2)).connect_lazy_with(options)
+}
+
 async fn prepare(pool: &sqlx::Pool<Db>) {
     sqlx::raw_sql(LEDGER_DDL).execute(pool).await.expect("ledger table");
 }

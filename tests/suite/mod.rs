@@ -531,6 +531,38 @@ async fn claim_left_by_a_call_that_died_after_commit_replays_from_the_record() {
     assert_eq!(probe.runs(), 1);
 }
 
+async fn unreachable_database_is_a_storage_error(redis: Redis) {
+    let mut builder = Idem::builder(dead_pool());
+    let client = match redis {
+        Redis::On => {
+            let Some(client) = common::redis_client().await else { return };
+            builder = builder.redis(client.clone());
+            Some(client)
+        }
+        _ => None,
+    };
+    let idem = builder.build();
+    let probe = Probe::default();
+    let k = common::unique("nodb");
+    let r = pay(&idem, k.clone(), 1, &probe, Mode::Ok).await;
+    assert!(matches!(r, Err(TestError::Idem(idem::Error::Storage(_)))), "{r:?}");
+    assert_eq!(probe.runs(), 0, "no body without a transaction");
+    if let Some(client) = client {
+        // The claim taken before the database failed was released.
+        assert!(!common::redis_exists(&client, &format!("idem:t_pay:{k}")).await);
+    }
+}
+
+#[tokio::test]
+async fn unreachable_database_is_a_storage_error_and_runs_nothing() {
+    unreachable_database_is_a_storage_error(Redis::Off).await;
+}
+
+#[tokio::test]
+async fn unreachable_database_is_a_storage_error_and_runs_nothing_with_redis() {
+    unreachable_database_is_a_storage_error(Redis::On).await;
+}
+
 async fn key_reuse_is_refused(redis: Redis) {
     let Some(idem) = engine(&common::unique("db"), 4, redis).await else { return };
     let probe = Probe::default();
