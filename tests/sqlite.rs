@@ -15,6 +15,10 @@ const COUNT_RECORDS: &str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = ?
 const COUNT_RECORDS_KEY: &str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = ? AND idem_key = ?";
 /// Whether a duplicate's wait on the record is bounded by `lock_wait`.
 const LOCK_WAIT_BOUNDED: bool = false;
+/// Two rows to lock, for the error-classification test (row-locking servers only).
+const CLASSIFY_DDL: &str = "";
+/// Makes the next lock wait of this transaction give up within a second.
+const SHORT_LOCK_WAIT: &str = "";
 const CORRUPT: &str = "UPDATE idem_record SET response = ? WHERE biz_type = ? AND idem_key = ?";
 
 async fn open(name: &str, max_connections: u32) -> Option<sqlx::Pool<Db>> {

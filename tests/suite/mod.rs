@@ -822,3 +822,45 @@ async fn status_reports_each_stage() {
     assert_eq!(status.response::<Receipt>().unwrap().unwrap(), receipt);
     assert!(matches!(idem.status("t_pay", "no such key").await, Err(idem::Error::InvalidKey(_))));
 }
+
+/// Errors are classified by their server code, checked on real errors: a
+/// duplicate key, a lock wait past its bound, a deadlock. (SQLite has no row
+/// locks to deadlock on; its busy case has its own test.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_errors_are_classified_by_code() {
+    use idem::Backend;
+    if !LOCK_WAIT_BOUNDED {
+        return;
+    }
+    let Some(pool) = open("classify", 4).await else { return };
+    sqlx::raw_sql(CLASSIFY_DDL).execute(&pool).await.unwrap();
+    let class = |e: &sqlx::Error| format!("{:?}", <Db as Backend>::classify(e));
+    let lock = |id: i32| if id == 1 { "UPDATE idem_classify SET v = v + 1 WHERE id = 1" } else { "UPDATE idem_classify SET v = v + 1 WHERE id = 2" };
+
+    let dup = sqlx::raw_sql("INSERT INTO idem_classify VALUES (1, 0)").execute(&pool).await.unwrap_err();
+    assert_eq!(class(&dup), "Duplicate");
+
+    let mut a = pool.begin().await.unwrap();
+    let mut b = pool.begin().await.unwrap();
+    sqlx::raw_sql(lock(1)).execute(&mut *a).await.unwrap();
+    sqlx::raw_sql(SHORT_LOCK_WAIT).execute(&mut *b).await.unwrap();
+    let waited = sqlx::raw_sql(lock(1)).execute(&mut *b).await.unwrap_err();
+    assert_eq!(class(&waited), "LockTimeout");
+    drop(b);
+
+    let mut b = pool.begin().await.unwrap();
+    sqlx::raw_sql(lock(2)).execute(&mut *b).await.unwrap();
+    let a_waits = tokio::spawn(async move {
+        let r = sqlx::raw_sql(lock(2)).execute(&mut *a).await;
+        (a, r)
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let b_result = sqlx::raw_sql(lock(1)).execute(&mut *b).await;
+    let (a, a_result) = a_waits.await.unwrap();
+    let deadlock = match (a_result, b_result) {
+        (Err(e), _) | (_, Err(e)) => e,
+        (Ok(_), Ok(_)) => panic!("no deadlock"),
+    };
+    assert_eq!(class(&deadlock), "Conflict");
+    drop((a, b));
+}
