@@ -20,6 +20,7 @@ const CLASSIFY_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_classify (id INT PRI
 /// Makes the next lock wait of this transaction give up within a second.
 const SHORT_LOCK_WAIT: &str = "SET SESSION innodb_lock_wait_timeout = 1";
 const CORRUPT: &str = "UPDATE idem_record SET response = ? WHERE biz_type = ? AND idem_key = ?";
+const BIZ_NO: &str = "SELECT biz_no FROM idem_record WHERE biz_type = ? AND idem_key = ?";
 
 async fn open(_name: &str, max_connections: u32) -> Option<sqlx::Pool<Db>> {
     common::reach("mysql", || async {

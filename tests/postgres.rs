@@ -20,6 +20,7 @@ const CLASSIFY_DDL: &str = "SELECT pg_advisory_xact_lock(7306232718293614); CREA
 /// Makes the next lock wait of this transaction give up within a second.
 const SHORT_LOCK_WAIT: &str = "SET LOCAL lock_timeout = 300";
 const CORRUPT: &str = "UPDATE idem_record SET response = $1 WHERE biz_type = $2 AND idem_key = $3";
+const BIZ_NO: &str = "SELECT biz_no FROM idem_record WHERE biz_type = $1 AND idem_key = $2";
 
 async fn open(_name: &str, max_connections: u32) -> Option<sqlx::Pool<Db>> {
     common::reach("postgres", || async {

@@ -20,6 +20,7 @@ const CLASSIFY_DDL: &str = "";
 /// Makes the next lock wait of this transaction give up within a second.
 const SHORT_LOCK_WAIT: &str = "";
 const CORRUPT: &str = "UPDATE idem_record SET response = ? WHERE biz_type = ? AND idem_key = ?";
+const BIZ_NO: &str = "SELECT biz_no FROM idem_record WHERE biz_type = ? AND idem_key = ?";
 
 async fn open(name: &str, max_connections: u32) -> Option<sqlx::Pool<Db>> {
     let dir = std::env::temp_dir().join("idem-tests");
@@ -63,8 +64,10 @@ async fn busy_past_the_busy_timeout_is_in_progress() {
         .busy_timeout(Duration::from_millis(200));
     let pool = SqlitePoolOptions::new().max_connections(2).connect_with(options).await.expect("sqlite file");
     prepare(&pool).await;
-    let idem = Idem::new(pool);
+    let idem = Idem::new(pool.clone());
     idem.migrate().await.expect("migrate");
+    // Another instance: a duplicate on the same engine would wait in memory.
+    let elsewhere = Idem::new(pool);
     let probe = Arc::new(Probe::default());
     let k = common::unique("busy");
 
@@ -73,7 +76,7 @@ async fn busy_past_the_busy_timeout_is_in_progress() {
         tokio::spawn(async move { pay(&idem, k, 6, &probe, Mode::Slow(1_500)).await })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let second = pay(&idem, k.clone(), 6, &probe, Mode::Ok).await;
+    let second = pay(&elsewhere, k.clone(), 6, &probe, Mode::Ok).await;
     assert!(is_in_progress(&second), "{second:?}");
     assert!(!first.is_finished());
     let first = first.await.unwrap().unwrap();

@@ -15,6 +15,7 @@ use crate::claim::{Claim, Claims, Held, Target};
 use crate::clock;
 use crate::error::{Error, KeyError};
 use crate::fingerprint::Fingerprint;
+use crate::inflight::{Entered, InFlight};
 use crate::key::validate_key;
 use crate::outcome::{self, Outcome};
 use crate::status::Status;
@@ -49,6 +50,7 @@ struct Inner<DB: Backend> {
     #[cfg(feature = "redis")]
     claims: Option<Arc<Claims>>,
     lock_wait: Duration,
+    in_flight: InFlight,
 }
 
 impl<DB: Backend> Clone for Idem<DB> {
@@ -128,6 +130,7 @@ impl<DB: Backend> Builder<DB> {
                 #[cfg(feature = "redis")]
                 claims,
                 lock_wait: self.lock_wait,
+                in_flight: InFlight::default(),
             }),
         }
     }
@@ -343,8 +346,25 @@ where
     #[cfg(not(feature = "redis"))]
     let claim: Option<ClaimGuard> = None;
 
+    // Without a claim, a duplicate running in this process is waited for
+    // here rather than on the unique index: the same wait, bounded alike.
+    let first = match claim {
+        Some(_) => None,
+        None => match engine.inner.in_flight.enter(spec.biz, key, engine.inner.lock_wait).await {
+            Entered::First(first) => Some(first),
+            Entered::Answered(shared) => {
+                let value = call.replay(&shared.fingerprint, &shared.response)?;
+                return Ok(Done { value, outcome: Outcome::Replayed });
+            }
+            Entered::Busy => return Err(call.in_progress().into()),
+        },
+    };
+
     let result = transact(&engine.inner, &call, claim.is_some(), body).await;
 
+    if let (Some(first), Ok(recorded)) = (first, &result) {
+        first.finish(&fingerprint, &recorded.response);
+    }
     if let Some(mut guard) = claim {
         match &result {
             Ok(Recorded { response, expires_ms, .. }) => {
@@ -454,7 +474,7 @@ where
         }
     };
 
-    let (mut tx, result) = body(tx).await;
+    let (tx, result) = body(tx).await;
     let value = match result {
         Ok(value) => value,
         Err(e) => {
@@ -471,38 +491,61 @@ where
     };
 
     let record = call.record(SUCCEEDED, Some(&response));
-    let written = if claimed {
-        insert_record(&mut tx, call, &record, None).await
-    } else {
-        DB::mark_succeeded(&mut tx, &record).await.map(|()| Taken::No)
+    let expires_ms = record.expires_ms;
+    let failure = match commit_record(tx, call, &record, claimed).await {
+        Ok(None) => return Ok(Recorded { value, response, expires_ms, outcome: Outcome::Executed }),
+        // The lease ran out and a duplicate finished first: ours is undone.
+        Ok(Some(row)) => return replay_row(call, row),
+        Err(e) => e,
     };
-    let failure = match written {
-        Ok(Taken::No) => match tx.commit().await {
-            Ok(()) => {
-                let expires_ms = record.expires_ms;
-                return Ok(Recorded { value, response, expires_ms, outcome: Outcome::Executed });
-            }
-            Err(e) => e,
-        },
-        Ok(Taken::By(row)) => {
-            // The lease ran out and a duplicate finished first: ours is undone.
-            rollback(tx).await;
-            return replay_row(call, row);
-        }
-        Err(e) => {
-            rollback(tx).await;
-            e
-        }
-    };
-    // Our transaction is gone. If a duplicate won the conflict, its result
-    // is the answer; otherwise the call may be retried: it executes, or
-    // replays whatever did commit.
+    // Our transaction is gone. If a duplicate won the conflict (or the
+    // unique index), its result is the answer; otherwise the call may be
+    // retried: it executes, or replays whatever did commit.
     match DB::classify(&failure) {
-        Failure::Conflict => match find_live(inner, call).await? {
+        Failure::Conflict | Failure::Duplicate => match find_live(inner, call).await? {
             Some(row) => replay_row(call, row),
             None => Err(Error::Storage(failure).into()),
         },
         _ => Err(db_error::<DB, E>(call, failure)),
+    }
+}
+
+/// Writes the finished record (inserted with a claim, completed without)
+/// and commits: `Ok(None)`. `Ok(Some(row))`: a duplicate's committed row
+/// holds the key, and ours is rolled back, as on `Err`.
+async fn commit_record<DB: Backend>(
+    mut tx: Transaction<'static, DB>,
+    call: &Call<'_>,
+    record: &NewRecord<'_>,
+    claimed: bool,
+) -> Result<Option<StoredRecord>, sqlx::Error> {
+    // Where the backend can, the record travels with `COMMIT`.
+    let batched =
+        if claimed { DB::commit_inserting(&mut tx, record).await } else { DB::commit_marking(&mut tx, record).await };
+    match batched {
+        // Dropping `tx` rolls back the empty transaction the batch left open.
+        Ok(true) => return Ok(None),
+        Ok(false) => {}
+        Err(e) => {
+            rollback(tx).await;
+            return Err(e);
+        }
+    }
+    let written = if claimed {
+        insert_record(&mut tx, call, record, None).await
+    } else {
+        DB::mark_succeeded(&mut tx, record).await.map(|()| Taken::No)
+    };
+    match written {
+        Ok(Taken::No) => tx.commit().await.map(|()| None),
+        Ok(Taken::By(row)) => {
+            rollback(tx).await;
+            Ok(Some(row))
+        }
+        Err(e) => {
+            rollback(tx).await;
+            Err(e)
+        }
     }
 }
 

@@ -18,6 +18,7 @@ mod error;
 pub mod fingerprint;
 #[cfg(feature = "axum")]
 pub mod http;
+mod inflight;
 pub mod key;
 mod outcome;
 mod status;

@@ -381,15 +381,18 @@ async fn dropped_call_leaves_nothing_behind_with_redis() {
     dropped_call_leaves_nothing(Redis::On).await;
 }
 
-/// Without Redis, a duplicate waits on the record's unique index; past
-/// `lock_wait` it answers `InProgress` while the first call still runs.
-/// (SQLite serializes writers instead: the duplicate waits its turn under the
-/// busy timeout, then replays.)
+/// Without Redis, a duplicate waits for the first call: in memory when both
+/// run on one engine, on the record's unique index when the duplicate runs
+/// on another (another instance). Past `lock_wait` it answers `InProgress`
+/// while the first call still runs. (SQLite serializes writers instead:
+/// another engine's duplicate waits its turn under the busy timeout, then
+/// replays.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_waiting_past_the_lock_bound_is_in_progress() {
     let Some(pool) = open(&common::unique("db"), 4).await else { return };
     prepare(&pool).await;
-    let idem = Idem::builder(pool).lock_wait(Duration::from_secs(1)).build();
+    let idem = Idem::builder(pool.clone()).lock_wait(Duration::from_secs(1)).build();
+    let elsewhere = Idem::builder(pool).lock_wait(Duration::from_secs(1)).build();
     idem.migrate().await.expect("migrate");
     let probe = Arc::new(Probe::default());
     let k = common::unique("lockwait");
@@ -399,7 +402,9 @@ async fn duplicate_waiting_past_the_lock_bound_is_in_progress() {
         tokio::spawn(async move { pay(&idem, k, 4, &probe, Mode::Slow(4_000)).await })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let second = pay(&idem, k.clone(), 4, &probe, Mode::Ok).await;
+    let same_engine = pay(&idem, k.clone(), 4, &probe, Mode::Ok).await;
+    assert!(is_in_progress(&same_engine), "{same_engine:?}");
+    let second = pay(&elsewhere, k.clone(), 4, &probe, Mode::Ok).await;
     if LOCK_WAIT_BOUNDED {
         assert!(is_in_progress(&second), "{second:?}");
         assert!(!first.is_finished(), "the duplicate waited for the whole first call");
@@ -413,13 +418,64 @@ async fn duplicate_waiting_past_the_lock_bound_is_in_progress() {
     assert_eq!(ledger_rows(&idem, &k).await, 1);
 }
 
-/// The same wait, when the first call is replacing an expired record: every
-/// record statement stays under the bound, not only the first insert.
+/// Without Redis, duplicates on one engine wait for the first call in
+/// memory and take its result: they never ask the pool for a connection.
+/// The pool's only connection is the first call's for longer than the pool
+/// lets anyone wait for it, so a duplicate that asked would fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_on_one_engine_wait_in_memory_without_a_connection() {
+    let Some(opened) = open(&common::unique("db"), 1).await else { return };
+    prepare(&opened).await;
+    let options = (*opened.connect_options()).clone();
+    opened.close().await;
+    let pool = sqlx::pool::PoolOptions::<Db>::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_with(options)
+        .await
+        .expect("pool of one");
+    let idem = Idem::new(pool);
+    idem.migrate().await.expect("migrate");
+    let probe = Arc::new(Probe::default());
+    let k = common::unique("inmemory");
+
+    let first = {
+        let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { pay(&idem, k, 7, &probe, Mode::Slow(1_500)).await })
+    };
+    while probe.runs() == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The first call is in its body, on the pool's only connection.
+    let barrier = Arc::new(Barrier::new(20));
+    let duplicates: Vec<_> = (0..20)
+        .map(|_| {
+            let (idem, k, probe, barrier) = (idem.clone(), k.clone(), probe.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                idem::observe(pay(&idem, k, 7, &probe, Mode::Ok)).await
+            })
+        })
+        .collect();
+    let first = first.await.unwrap().unwrap();
+    for duplicate in duplicates {
+        let (result, outcome) = duplicate.await.unwrap();
+        assert_eq!(result.unwrap(), first);
+        assert_eq!(outcome, Some(idem::Outcome::Replayed));
+    }
+    assert_eq!(probe.runs(), 1);
+    assert_eq!(ledger_rows(&idem, &k).await, 1);
+}
+
+/// The same wait on another engine, when the first call is replacing an
+/// expired record: every record statement stays under the bound, not only
+/// the first insert.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_of_a_call_replacing_an_expired_record_is_bounded_too() {
     let Some(pool) = open(&common::unique("db"), 4).await else { return };
     prepare(&pool).await;
-    let idem = Idem::builder(pool).lock_wait(Duration::from_secs(1)).build();
+    let idem = Idem::builder(pool.clone()).lock_wait(Duration::from_secs(1)).build();
+    let elsewhere = Idem::builder(pool).lock_wait(Duration::from_secs(1)).build();
     idem.migrate().await.expect("migrate");
     let probe = Arc::new(Probe::default());
     let k = common::unique("lockwait-expired");
@@ -434,7 +490,7 @@ async fn duplicate_of_a_call_replacing_an_expired_record_is_bounded_too() {
         tokio::spawn(async move { pay_short_ttl(&idem, k, &probe, Mode::Slow(body_ms)).await })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let second = pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok).await;
+    let second = pay_short_ttl(&elsewhere, k.clone(), &probe, Mode::Ok).await;
     if LOCK_WAIT_BOUNDED {
         assert!(is_in_progress(&second), "{second:?}");
         assert!(!first.is_finished(), "the duplicate waited for the whole first call");
@@ -719,10 +775,46 @@ async fn hostile_arguments_are_stored_and_replayed_byte_for_byte() {
         assert_eq!(&echo(&plain, k.clone(), note.clone(), &probe).await.unwrap(), note, "replayed from the record");
         let Status::Completed { response } = idem.status("t_echo", &k).await.unwrap() else { panic!("not stored") };
         assert_eq!(response, serde_json::to_string(note).unwrap());
+        // Executed without Redis (the record goes in first, completed with its response).
+        let k = common::unique("echo-plain");
+        assert_eq!(&echo(&plain, k.clone(), note.clone(), &probe).await.unwrap(), note);
+        assert_eq!(&echo(&idem, k.clone(), note.clone(), &probe).await.unwrap(), note, "replayed from the record");
     }
-    assert_eq!(probe.runs(), notes.len());
+    assert_eq!(probe.runs(), 2 * notes.len());
     let tables: i64 = sqlx::query_scalar(COUNT_RECORDS).bind("t_echo").fetch_one(idem.pool()).await.unwrap();
     assert!(tables >= notes.len() as i64, "idem_record is still there");
+}
+
+#[idempotent(key = "<k>", ttl = "1h", biz = "t_bizno", biz_no = "<no>")]
+async fn with_biz_no(
+    idem: &Idem<Db>,
+    tx: &mut Transaction<'_, Db>,
+    k: String,
+    no: String,
+    #[idem(skip)] probe: &Probe,
+) -> Result<usize, TestError> {
+    body(tx, &k, 1, probe, Mode::Ok).await
+}
+
+/// `biz_no` is free text: whatever it holds lands in its column unchanged,
+/// with Redis (record inserted last) and without (record completed last).
+#[tokio::test]
+async fn biz_no_is_stored_exactly() {
+    let name = common::unique("db");
+    let Some(claimed) = engine(&name, 4, Redis::On).await else { return };
+    let Some(plain) = engine(&name, 4, Redis::Off).await else { return };
+    let probe = Probe::default();
+    let numbers = ["o'1", "back\\slash \\' \"", "caf\u{e9} \u{1f4b8}", "", "--; DROP TABLE idem_record"];
+    for idem in [&claimed, &plain] {
+        for no in numbers {
+            let k = common::unique("bizno");
+            with_biz_no(idem, k.clone(), no.to_owned(), &probe).await.unwrap();
+            let stored: Option<String> =
+                sqlx::query_scalar(BIZ_NO).bind("t_bizno").bind(&k).fetch_one(idem.pool()).await.unwrap();
+            assert_eq!(stored.as_deref(), Some(no));
+        }
+    }
+    assert_eq!(probe.runs(), 2 * numbers.len());
 }
 
 async fn falsy_values_replay_exactly(redis: Redis) {

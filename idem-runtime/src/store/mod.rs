@@ -130,6 +130,36 @@ pub trait Backend: sqlx::Database + Sized {
         rec: &NewRecord<'_>,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
+    /// Inserts `rec` and commits, in the round trip of the `COMMIT` where the
+    /// backend can send several statements at once. `Ok(true)`: committed,
+    /// and `tx` must be dropped, not committed: the server is already in a
+    /// fresh, empty transaction that the drop rolls back. `Ok(false)`:
+    /// nothing was sent or written (the backend cannot batch, the response is
+    /// too large to inline, or, on MySQL, the key is taken); `tx` is as it
+    /// was: write the record with [`insert`](Backend::insert) and commit.
+    /// An `Err` that [`classify`](Backend::classify) calls `Duplicate`: a
+    /// committed row holds the key and the transaction is lost.
+    #[doc(hidden)]
+    fn commit_inserting(
+        tx: &mut Transaction<'static, Self>,
+        rec: &NewRecord<'_>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send {
+        let _ = (tx, rec);
+        async { Ok(false) }
+    }
+
+    /// [`mark_succeeded`](Backend::mark_succeeded) and `COMMIT` in one round
+    /// trip, as [`commit_inserting`](Backend::commit_inserting) does for the
+    /// insert. `Ok(false)`: nothing was sent; mark and commit the usual way.
+    #[doc(hidden)]
+    fn commit_marking(
+        tx: &mut Transaction<'static, Self>,
+        rec: &NewRecord<'_>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send {
+        let _ = (tx, rec);
+        async { Ok(false) }
+    }
+
     /// Reads the latest committed row of a key (a locking read where the
     /// isolation level would otherwise show an older snapshot).
     #[doc(hidden)]
@@ -279,4 +309,95 @@ pub(crate) fn inserted(result: Result<u64, sqlx::Error>) -> Result<bool, sqlx::E
 /// The part of [`Backend::classify`] all backends share.
 pub(crate) fn is_unique_violation(error: &sqlx::Error) -> bool {
     error.as_database_error().is_some_and(|e| e.kind() == sqlx::error::ErrorKind::UniqueViolation)
+}
+
+/// Responses longer than this are written with placeholders, the usual way:
+/// inlined, they would travel twice their size (hex) to save one round trip.
+#[cfg(any(feature = "mysql", feature = "postgres"))]
+pub(crate) const MAX_INLINE_RESPONSE: usize = 64 * 1024;
+
+/// How a backend writes a text value as a literal. Batches sent with
+/// `COMMIT` go over the text protocol, which has no placeholders, so values
+/// are written so that no character of them can end the literal.
+#[cfg(any(feature = "mysql", feature = "postgres"))]
+pub(crate) trait Literals {
+    /// Writes `text` as a literal of a text column.
+    fn text(out: &mut String, text: &str);
+
+    /// Writes `text`, or `NULL`.
+    fn opt_text(out: &mut String, text: Option<&str>) {
+        match text {
+            Some(t) => Self::text(out, t),
+            None => out.push_str("NULL"),
+        }
+    }
+}
+
+/// Lower-case hex of `bytes`, appended to `out`.
+#[cfg(feature = "mysql")]
+pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    out.reserve(bytes.len() * 2);
+    for &b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+    }
+}
+
+/// The record-insert statement with `rec`'s values inlined.
+#[cfg(any(feature = "mysql", feature = "postgres"))]
+pub(crate) fn insert_literal<L: Literals>(out: &mut String, rec: &NewRecord<'_>) {
+    use std::fmt::Write;
+    out.push_str(
+        "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, \
+         expires_at) VALUES (",
+    );
+    L::text(out, rec.biz);
+    out.push_str(", ");
+    L::text(out, rec.key);
+    out.push_str(", ");
+    L::opt_text(out, rec.biz_no);
+    out.push_str(", ");
+    L::text(out, rec.params_hash);
+    let _ = write!(out, ", {}, ", rec.status);
+    L::opt_text(out, rec.response);
+    let _ = write!(out, ", {now}, {now}, {})", rec.expires_ms, now = rec.now_ms);
+}
+
+/// The `mark_succeeded` statement with `rec`'s values inlined.
+#[cfg(any(feature = "mysql", feature = "postgres"))]
+pub(crate) fn mark_literal<L: Literals>(out: &mut String, rec: &NewRecord<'_>) {
+    use std::fmt::Write;
+    let _ = write!(out, "UPDATE idem_record SET status = {}, response = ", rec.status);
+    L::opt_text(out, rec.response);
+    let _ = write!(out, ", updated_at = {}, expires_at = {} WHERE biz_type = ", rec.now_ms, rec.expires_ms);
+    L::text(out, rec.biz);
+    out.push_str(" AND idem_key = ");
+    L::text(out, rec.key);
+}
+
+/// Whether `rec` can be inlined: small enough, and free of NUL, which ends
+/// a PostgreSQL query string (and which its text columns refuse anyway).
+#[cfg(any(feature = "mysql", feature = "postgres"))]
+pub(crate) fn inlinable(rec: &NewRecord<'_>) -> bool {
+    let response = rec.response.unwrap_or_default();
+    let texts = [rec.biz, rec.key, rec.biz_no.unwrap_or_default(), rec.params_hash, response];
+    response.len() <= MAX_INLINE_RESPONSE && !texts.iter().any(|t| t.contains('\0'))
+}
+
+/// Runs `statements`, `COMMIT` and a new `BEGIN` in one round trip.
+///
+/// The `BEGIN` keeps the connection as sqlx believes it is, inside the
+/// transaction `tx` opened: dropping `tx` then rolls back an empty
+/// transaction, a statement sqlx queues and the pool sends when it takes the
+/// connection back, off the caller's path. If a statement fails, the server
+/// skips the rest: nothing is committed.
+#[cfg(any(feature = "mysql", feature = "postgres"))]
+pub(crate) async fn batch<DB>(tx: &mut Transaction<'static, DB>, mut statements: String) -> Result<(), sqlx::Error>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    statements.push_str("; COMMIT; BEGIN");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(statements)).execute(&mut **tx).await.map(drop)
 }
