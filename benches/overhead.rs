@@ -67,12 +67,9 @@ struct EndsTransaction(bool);
 
 impl tracing::field::Visit for EndsTransaction {
     fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
-        let v = value.trim_start().to_ascii_uppercase();
-        match field.name() {
-            "summary" => self.0 |= v.starts_with("COMMIT") || v.starts_with("ROLLBACK"),
-            // A statement batched with its `COMMIT` (the record, on MariaDB and PostgreSQL).
-            "db.statement" => self.0 |= v.contains("; COMMIT"),
-            _ => {}
+        if field.name() == "summary" {
+            let v = value.trim_start().to_ascii_uppercase();
+            self.0 |= v.starts_with("COMMIT") || v.starts_with("ROLLBACK");
         }
     }
     fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {

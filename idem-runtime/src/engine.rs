@@ -111,8 +111,10 @@ impl<DB: Backend> Builder<DB> {
     }
 
     /// Without a Redis claim, how long a call waits for a duplicate still
-    /// running in another transaction before answering `InProgress`.
-    /// Default 5 s. PostgreSQL honours it to the millisecond, MariaDB in whole
+    /// running before answering `InProgress`. Default 5 s. A duplicate on
+    /// this engine is waited for in memory, to the millisecond; one on
+    /// another engine (another instance) on the record's unique index:
+    /// PostgreSQL honours the bound to the millisecond, MariaDB in whole
     /// seconds (at least 1); SQLite uses the pool's busy timeout, and MySQL
     /// its `innodb_lock_wait_timeout` (it has no per-statement form).
     pub fn lock_wait(mut self, wait: Duration) -> Self {
@@ -498,11 +500,11 @@ where
         Ok(Some(row)) => return replay_row(call, row),
         Err(e) => e,
     };
-    // Our transaction is gone. If a duplicate won the conflict (or the
-    // unique index), its result is the answer; otherwise the call may be
-    // retried: it executes, or replays whatever did commit.
+    // Our transaction is gone. If a duplicate won the conflict, its result
+    // is the answer; otherwise the call may be retried: it executes, or
+    // replays whatever did commit.
     match DB::classify(&failure) {
-        Failure::Conflict | Failure::Duplicate => match find_live(inner, call).await? {
+        Failure::Conflict => match find_live(inner, call).await? {
             Some(row) => replay_row(call, row),
             None => Err(Error::Storage(failure).into()),
         },
@@ -519,18 +521,6 @@ async fn commit_record<DB: Backend>(
     record: &NewRecord<'_>,
     claimed: bool,
 ) -> Result<Option<StoredRecord>, sqlx::Error> {
-    // Where the backend can, the record travels with `COMMIT`.
-    let batched =
-        if claimed { DB::commit_inserting(&mut tx, record).await } else { DB::commit_marking(&mut tx, record).await };
-    match batched {
-        // Dropping `tx` rolls back the empty transaction the batch left open.
-        Ok(true) => return Ok(None),
-        Ok(false) => {}
-        Err(e) => {
-            rollback(tx).await;
-            return Err(e);
-        }
-    }
     let written = if claimed {
         insert_record(&mut tx, call, record, None).await
     } else {

@@ -778,7 +778,8 @@ async fn hostile_arguments_are_stored_and_replayed_byte_for_byte() {
         // Executed without Redis (the record goes in first, completed with its response).
         let k = common::unique("echo-plain");
         assert_eq!(&echo(&plain, k.clone(), note.clone(), &probe).await.unwrap(), note);
-        assert_eq!(&echo(&idem, k.clone(), note.clone(), &probe).await.unwrap(), note, "replayed from the record");
+        assert_eq!(&echo(&plain, k.clone(), note.clone(), &probe).await.unwrap(), note, "replayed from the record");
+        assert_eq!(ledger_rows(&plain, &k).await, 1);
     }
     assert_eq!(probe.runs(), 2 * notes.len());
     let tables: i64 = sqlx::query_scalar(COUNT_RECORDS).bind("t_echo").fetch_one(idem.pool()).await.unwrap();

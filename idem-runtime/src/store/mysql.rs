@@ -5,10 +5,7 @@ use std::time::Duration;
 use sqlx::mysql::{MySql, MySqlDatabaseError};
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Transaction};
 
-use super::{
-    Backend, Failure, Literals, NewRecord, Queries, batch, inlinable, insert_literal, is_unique_violation,
-    mark_literal, push_hex, record_queries,
-};
+use super::{Backend, Failure, Queries, is_unique_violation, record_queries};
 
 // `find` is a locking read: under REPEATABLE READ a plain SELECT would show
 // the transaction's snapshot, not the duplicate committed since.
@@ -79,31 +76,6 @@ impl Backend for MySql {
 
     record_queries!(Q);
 
-    async fn commit_inserting(tx: &mut Transaction<'static, Self>, rec: &NewRecord<'_>) -> Result<bool, sqlx::Error> {
-        if !inlinable(rec) {
-            return Ok(false);
-        }
-        let mut sql = String::with_capacity(512);
-        insert_literal::<Self>(&mut sql, rec);
-        match batch(tx, sql).await {
-            Ok(()) => Ok(true),
-            // The refused insert stopped the batch before `COMMIT`, and InnoDB
-            // undid that one statement: the body's work is intact, and the
-            // usual way sorts out whether the row in the way has expired.
-            Err(e) if is_unique_violation(&e) => Ok(false),
-            Err(e) => Err(e),
-        }
-    }
-
-    async fn commit_marking(tx: &mut Transaction<'static, Self>, rec: &NewRecord<'_>) -> Result<bool, sqlx::Error> {
-        if !inlinable(rec) {
-            return Ok(false);
-        }
-        let mut sql = String::with_capacity(512);
-        mark_literal::<Self>(&mut sql, rec);
-        batch(tx, sql).await.map(|()| true)
-    }
-
     fn classify(error: &sqlx::Error) -> Failure {
         if is_unique_violation(error) {
             return Failure::Duplicate;
@@ -115,30 +87,5 @@ impl Backend for MySql {
             Some(ER_LOCK_DEADLOCK) => Failure::Conflict,
             _ => Failure::Other,
         }
-    }
-}
-
-impl Literals for MySql {
-    fn text(out: &mut String, text: &str) {
-        // Hex, so no byte can end the literal; the introducer makes it text
-        // in the connection's character set, compared as a bound value is.
-        out.push_str("_utf8mb4 X'");
-        push_hex(out, text.as_bytes());
-        out.push('\'');
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn text_literals_are_hex() {
-        let mut out = String::new();
-        MySql::text(&mut out, "a'\\\u{e9}");
-        assert_eq!(out, "_utf8mb4 X'61275cc3a9'");
-        out.clear();
-        MySql::text(&mut out, "");
-        assert_eq!(out, "_utf8mb4 X''");
     }
 }

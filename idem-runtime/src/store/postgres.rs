@@ -1,15 +1,11 @@
 //! PostgreSQL.
 
-use std::fmt::Write;
 use std::time::Duration;
 
 use sqlx::postgres::Postgres;
 use sqlx::{AssertSqlSafe, Pool, Transaction};
 
-use super::{
-    Backend, Failure, Literals, NewRecord, Queries, batch, inlinable, insert_literal, is_unique_violation,
-    mark_literal, record_queries,
-};
+use super::{Backend, Failure, Queries, is_unique_violation, record_queries};
 
 // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide in the catalog,
 // so migrations take a transaction-scoped advisory lock first.
@@ -83,32 +79,6 @@ impl Backend for Postgres {
 
     record_queries!(Q);
 
-    async fn commit_inserting(tx: &mut Transaction<'static, Self>, rec: &NewRecord<'_>) -> Result<bool, sqlx::Error> {
-        if !inlinable(rec) {
-            return Ok(false);
-        }
-        // A failed statement aborts the whole transaction, so the insert has
-        // no `ON CONFLICT`: an expired row is deleted first, and a live one
-        // refuses the insert, which stops the batch before `COMMIT`.
-        let mut sql = String::with_capacity(768);
-        sql.push_str("DELETE FROM idem_record WHERE biz_type = ");
-        Self::text(&mut sql, rec.biz);
-        sql.push_str(" AND idem_key = ");
-        Self::text(&mut sql, rec.key);
-        let _ = write!(sql, " AND expires_at <= {}; ", rec.now_ms);
-        insert_literal::<Self>(&mut sql, rec);
-        batch(tx, sql).await.map(|()| true)
-    }
-
-    async fn commit_marking(tx: &mut Transaction<'static, Self>, rec: &NewRecord<'_>) -> Result<bool, sqlx::Error> {
-        if !inlinable(rec) {
-            return Ok(false);
-        }
-        let mut sql = String::with_capacity(512);
-        mark_literal::<Self>(&mut sql, rec);
-        batch(tx, sql).await.map(|()| true)
-    }
-
     fn classify(error: &sqlx::Error) -> Failure {
         if is_unique_violation(error) {
             return Failure::Duplicate;
@@ -118,38 +88,5 @@ impl Backend for Postgres {
             Some(DEADLOCK_DETECTED | SERIALIZATION_FAILURE) => Failure::Conflict,
             _ => Failure::Other,
         }
-    }
-}
-
-impl Literals for Postgres {
-    fn text(out: &mut String, text: &str) {
-        // An escape string means the same whatever `standard_conforming_strings`
-        // says: doubling `\` and `'` leaves no way out of the literal. A plain
-        // literal, not a function of hex, so the unique index still serves.
-        out.reserve(text.len() + 3);
-        out.push_str("E'");
-        for c in text.chars() {
-            match c {
-                '\\' => out.push_str("\\\\"),
-                '\'' => out.push_str("''"),
-                c => out.push(c),
-            }
-        }
-        out.push('\'');
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn text_literals_cannot_be_left() {
-        let mut out = String::new();
-        Postgres::text(&mut out, r"a'b\c'; DROP TABLE x; --");
-        assert_eq!(out, r"E'a''b\\c''; DROP TABLE x; --'");
-        out.clear();
-        Postgres::opt_text(&mut out, None);
-        assert_eq!(out, "NULL");
     }
 }
