@@ -5,8 +5,10 @@
 //!
 //! Rows: `bare` (the body in a plain transaction), `first` (a fresh key per
 //! call), `replay` (a finished key again), `storm` (100 concurrent calls on
-//! one new key; executions must be 1). Each row also prints the SQL
-//! statements and Redis commands per call, counted in a separate pass.
+//! one new key; executions must be 1); with one Redis node also `floor`
+//! (the first call's round trips written by hand) and `get` (one plain Redis
+//! `GET`, what a replay's round trip costs at least). Each row also prints
+//! the SQL statements and Redis commands per call, counted in a separate pass.
 //! Results also go to `target/idem-bench.json`.
 
 use std::sync::Arc;
@@ -441,6 +443,24 @@ macro_rules! backend {
                         })
                         .await;
                         push(rows, "replay", timing, counted, None);
+
+                        // get: one plain `GET` through redis-rs, the least a replay's one
+                        // Redis round trip can cost from this client
+                        if let Claims::Single(c) = claims {
+                            let redis = redis::aio::ConnectionManager::new(c.clone()).await.expect("redis");
+                            let timing = drive(tasks, calls, move |i| {
+                                let mut conn = redis.clone();
+                                async move {
+                                    let _: Option<String> = redis::cmd("GET")
+                                        .arg(format!("idem:bench_get:{}", i % 10))
+                                        .query_async(&mut conn)
+                                        .await
+                                        .expect("get");
+                                }
+                            })
+                            .await;
+                            push(rows, "get", timing, (f64::NAN, f64::NAN), None);
+                        }
                     }
 
                     // storm: 100 calls released together on one new key
@@ -591,7 +611,8 @@ fn main() {
     println!(
         "first/bare: how much a first call costs over the plain transaction; floor/bare: the same for the hand-written \
          round trips a first call cannot avoid (claim, record insert, spawned cache write); bare/replay: how much faster a replay is \
-         (p50 latencies, same backend, claims and task count). sql, redis: round trips per call."
+         (p50 latencies, same backend, claims and task count); get: one plain Redis GET, the least a replay's round trip costs. \
+         sql, redis: round trips per call."
     );
 
     let json = serde_json::json!({

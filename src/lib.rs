@@ -41,6 +41,9 @@
 //!    with a random owner token. A finished call with the same fingerprint is
 //!    replayed from Redis without a query; a running one answers
 //!    [`Error::InProgress`]; another fingerprint, [`Error::KeyReused`].
+//!    Without a claim, a duplicate of a call running on the same engine
+//!    waits for it in memory (up to [`Builder::lock_wait`]) and takes its
+//!    result; duplicates elsewhere meet at the unique index.
 //! 3. A transaction opens; the body runs in it, and a row goes into
 //!    `idem_record` — unique on `(biz_type, idem_key)`, the final truth —
 //!    with the serialized result. Commit, then the result is cached in Redis.
