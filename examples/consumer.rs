@@ -139,19 +139,11 @@ impl Store {
             println!("store: MariaDB{}", if std::env::var("IDEM_REDIS_URL").is_ok() { " + Redis" } else { "" });
             return Ok(Store::MySql(idem));
         }
+        let idem = Idem::sqlite_memory().await?;
+        // Claims in front of the same in-memory database, when Redis is configured.
         let idem = match redis {
-            Some(client) => {
-                let pool = sqlx::sqlite::SqlitePoolOptions::new()
-                    .max_connections(1)
-                    .idle_timeout(None)
-                    .max_lifetime(None)
-                    .connect("sqlite::memory:")
-                    .await?;
-                let idem = Idem::builder(pool).redis(client).build();
-                idem.migrate().await?;
-                idem
-            }
-            None => Idem::sqlite_memory().await?,
+            Some(client) => Idem::builder(idem.pool().clone()).redis(client).build(),
+            None => idem,
         };
         sqlx::raw_sql(
             "CREATE TABLE stock (sku TEXT PRIMARY KEY, qty INTEGER NOT NULL);

@@ -257,15 +257,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .busy_timeout(Duration::from_secs(5));
                 sqlx::sqlite::SqlitePoolOptions::new().max_connections(8).connect_with(options).await?
             }
-            // One connection: the in-memory database lives as long as it does.
-            Err(_) => {
-                sqlx::sqlite::SqlitePoolOptions::new()
-                    .max_connections(1)
-                    .idle_timeout(None)
-                    .max_lifetime(None)
-                    .connect("sqlite::memory:")
-                    .await?
-            }
+            Err(_) => Idem::sqlite_memory().await?.pool().clone(),
         };
         let idem = engine(pool, redis);
         idem.migrate().await?;

@@ -63,7 +63,7 @@ fn write_canonical(value: &Value, out: &mut String) {
                 if i > 0 {
                     out.push(',');
                 }
-                out.push_str(&Value::String(k.clone()).to_string());
+                out.push_str(&Value::from(k.as_str()).to_string());
                 out.push(':');
                 write_canonical(v, out);
             }

@@ -163,6 +163,22 @@ falsy_fn!(unit, "t_falsy_unit", (), ());
 falsy_fn!(none, "t_falsy_none", Option<i32>, None);
 falsy_fn!(falsy_false, "t_falsy_bool", bool, false);
 
+/// Runs `$helper` as two tests: the first name without Redis, the second
+/// with it.
+macro_rules! with_and_without_redis {
+    ($(#[$attr:meta])* $without:ident, $with:ident => $helper:ident) => {
+        $(#[$attr])*
+        async fn $without() {
+            $helper(Redis::Off).await;
+        }
+
+        $(#[$attr])*
+        async fn $with() {
+            $helper(Redis::On).await;
+        }
+    };
+}
+
 /// An engine on its own database name (SQLite: its own file), optionally
 /// with Redis; `None` when a server is unreachable (the test then passes
 /// after printing `skipped: ...`).
@@ -255,25 +271,17 @@ async fn storm_two_engines(redis: Redis) {
     storm(vec![a, b], 100).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn storm_of_100_runs_the_body_once() {
-    storm_one_engine(Redis::Off).await;
-}
+with_and_without_redis!(
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    storm_of_100_runs_the_body_once,
+    storm_of_100_runs_the_body_once_with_redis => storm_one_engine
+);
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn storm_of_100_runs_the_body_once_with_redis() {
-    storm_one_engine(Redis::On).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn storm_over_two_engines_runs_the_body_once() {
-    storm_two_engines(Redis::Off).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn storm_over_two_engines_runs_the_body_once_with_redis() {
-    storm_two_engines(Redis::On).await;
-}
+with_and_without_redis!(
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    storm_over_two_engines_runs_the_body_once,
+    storm_over_two_engines_runs_the_body_once_with_redis => storm_two_engines
+);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn storm_with_redis_on_a_dead_port_runs_the_body_once() {
@@ -297,15 +305,11 @@ async fn failed_body_leaves_nothing(redis: Redis) {
     assert_eq!(probe.runs(), 2);
 }
 
-#[tokio::test]
-async fn failed_body_leaves_nothing_behind() {
-    failed_body_leaves_nothing(Redis::Off).await;
-}
-
-#[tokio::test]
-async fn failed_body_leaves_nothing_behind_with_redis() {
-    failed_body_leaves_nothing(Redis::On).await;
-}
+with_and_without_redis!(
+    #[tokio::test]
+    failed_body_leaves_nothing_behind,
+    failed_body_leaves_nothing_behind_with_redis => failed_body_leaves_nothing
+);
 
 async fn panicking_body_leaves_nothing(redis: Redis) {
     let Some(idem) = engine(&common::unique("db"), 4, redis).await else { return };
@@ -332,15 +336,11 @@ async fn panicking_body_leaves_nothing(redis: Redis) {
     assert_eq!(ledger_rows(&idem, &k).await, 1);
 }
 
-#[tokio::test]
-async fn panicking_body_leaves_nothing_behind() {
-    panicking_body_leaves_nothing(Redis::Off).await;
-}
-
-#[tokio::test]
-async fn panicking_body_leaves_nothing_behind_with_redis() {
-    panicking_body_leaves_nothing(Redis::On).await;
-}
+with_and_without_redis!(
+    #[tokio::test]
+    panicking_body_leaves_nothing_behind,
+    panicking_body_leaves_nothing_behind_with_redis => panicking_body_leaves_nothing
+);
 
 async fn dropped_call_leaves_nothing(redis: Redis) {
     let name = common::unique("db");
@@ -371,15 +371,11 @@ async fn dropped_call_leaves_nothing(redis: Redis) {
     assert_eq!(probe.runs(), 2);
 }
 
-#[tokio::test]
-async fn dropped_call_leaves_nothing_behind() {
-    dropped_call_leaves_nothing(Redis::Off).await;
-}
-
-#[tokio::test]
-async fn dropped_call_leaves_nothing_behind_with_redis() {
-    dropped_call_leaves_nothing(Redis::On).await;
-}
+with_and_without_redis!(
+    #[tokio::test]
+    dropped_call_leaves_nothing_behind,
+    dropped_call_leaves_nothing_behind_with_redis => dropped_call_leaves_nothing
+);
 
 /// Without Redis, a duplicate waits for the first call: in memory when both
 /// run on one engine, on the record's unique index when the duplicate runs
@@ -609,15 +605,11 @@ async fn unreachable_database_is_a_storage_error(redis: Redis) {
     }
 }
 
-#[tokio::test]
-async fn unreachable_database_is_a_storage_error_and_runs_nothing() {
-    unreachable_database_is_a_storage_error(Redis::Off).await;
-}
-
-#[tokio::test]
-async fn unreachable_database_is_a_storage_error_and_runs_nothing_with_redis() {
-    unreachable_database_is_a_storage_error(Redis::On).await;
-}
+with_and_without_redis!(
+    #[tokio::test]
+    unreachable_database_is_a_storage_error_and_runs_nothing,
+    unreachable_database_is_a_storage_error_and_runs_nothing_with_redis => unreachable_database_is_a_storage_error
+);
 
 async fn key_reuse_is_refused(redis: Redis) {
     let Some(idem) = engine(&common::unique("db"), 4, redis).await else { return };
@@ -630,15 +622,11 @@ async fn key_reuse_is_refused(redis: Redis) {
     assert_eq!(probe.runs(), 1);
 }
 
-#[tokio::test]
-async fn same_key_other_arguments_is_key_reused() {
-    key_reuse_is_refused(Redis::Off).await;
-}
-
-#[tokio::test]
-async fn same_key_other_arguments_is_key_reused_with_redis() {
-    key_reuse_is_refused(Redis::On).await;
-}
+with_and_without_redis!(
+    #[tokio::test]
+    same_key_other_arguments_is_key_reused,
+    same_key_other_arguments_is_key_reused_with_redis => key_reuse_is_refused
+);
 
 #[tokio::test]
 async fn hashmap_arguments_fingerprint_the_same_in_any_order() {
@@ -844,15 +832,11 @@ async fn falsy_values_replay_exactly(redis: Redis) {
     assert_eq!(stored("t_falsy_bool").await, Status::Completed { response: "false".into() });
 }
 
-#[tokio::test]
-async fn falsy_values_replay_exactly_them() {
-    falsy_values_replay_exactly(Redis::Off).await;
-}
-
-#[tokio::test]
-async fn falsy_values_replay_exactly_them_with_redis() {
-    falsy_values_replay_exactly(Redis::On).await;
-}
+with_and_without_redis!(
+    #[tokio::test]
+    falsy_values_replay_exactly_them,
+    falsy_values_replay_exactly_them_with_redis => falsy_values_replay_exactly
+);
 
 async fn expired_record_executes_again(redis: Redis) {
     let Some(idem) = engine(&common::unique("db"), 4, redis).await else { return };
@@ -873,15 +857,11 @@ async fn record_rows_for(idem: &Idem<Db>, biz: &str, k: &str) -> i64 {
     sqlx::query_scalar(COUNT_RECORDS_KEY).bind(biz).bind(k).fetch_one(idem.pool()).await.expect("count")
 }
 
-#[tokio::test]
-async fn expired_record_lets_the_next_call_execute() {
-    expired_record_executes_again(Redis::Off).await;
-}
-
-#[tokio::test]
-async fn expired_record_lets_the_next_call_execute_with_redis() {
-    expired_record_executes_again(Redis::On).await;
-}
+with_and_without_redis!(
+    #[tokio::test]
+    expired_record_lets_the_next_call_execute,
+    expired_record_lets_the_next_call_execute_with_redis => expired_record_executes_again
+);
 
 #[tokio::test]
 async fn corrupted_stored_response_is_a_replay_error() {
