@@ -346,34 +346,27 @@ macro_rules! backend {
                     idem.migrate().await.expect("migrate");
                     let client = claims.nodes();
                     let label = claims.label();
-                    let run_id = format!(
-                        "{}-{}",
-                        label,
-                        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
-                    );
+                    let run_id = common::unique(label);
                     let executions = Arc::new(AtomicUsize::new(0));
 
                     for tasks in [1, CONCURRENCY] {
                         let calls = if tasks == 1 { seq_calls } else { conc_calls };
-                        let push = |rows: &mut Vec<Row>,
+                        let push =
+                            |rows: &mut Vec<Row>, mode, (wall, lat): (Duration, Vec<Duration>), (sql, redis_cmds)| {
+                                rows.push(Row {
+                                    backend: $name,
+                                    redis: label,
                                     mode,
-                                    (wall, lat): (Duration, Vec<Duration>),
-                                    (sql, redis_cmds),
-                                    executions| {
-                            rows.push(Row {
-                                backend: $name,
-                                redis: label,
-                                mode,
-                                tasks,
-                                calls: lat.len(),
-                                calls_per_sec: lat.len() as f64 / wall.as_secs_f64(),
-                                p50_ms: percentile(&lat, 0.50),
-                                p99_ms: percentile(&lat, 0.99),
-                                sql_per_call: sql,
-                                redis_per_call: redis_cmds,
-                                executions,
-                            });
-                        };
+                                    tasks,
+                                    calls: lat.len(),
+                                    calls_per_sec: lat.len() as f64 / wall.as_secs_f64(),
+                                    p50_ms: percentile(&lat, 0.50),
+                                    p99_ms: percentile(&lat, 0.99),
+                                    sql_per_call: sql,
+                                    redis_per_call: redis_cmds,
+                                    executions: None,
+                                });
+                            };
 
                         // bare (the Redis column does not apply; measured in both passes
                         // so each ratio compares rows of the same moment)
@@ -385,7 +378,7 @@ macro_rules! backend {
                         .await;
                         let counted =
                             round_trips(BEGIN_LOGGED, &[], 50, |i| bare(&pool, (i as i64 % ORDERS) + 1)).await;
-                        push(rows, "bare", timing, counted, None);
+                        push(rows, "bare", timing, counted);
 
                         // first: a fresh key per call
                         let tag = format!("{run_id}-first{tasks}");
@@ -405,7 +398,7 @@ macro_rules! backend {
                             }
                         })
                         .await;
-                        push(rows, "first", timing, counted, None);
+                        push(rows, "first", timing, counted);
 
                         // floor: the same round trips, hand-written, for the first/bare floor
                         if let Claims::Single(c) = claims {
@@ -421,7 +414,7 @@ macro_rules! backend {
                                 floor(&pool, &redis, format!("{t}_{i}"), (i as i64 % ORDERS) + 1)
                             })
                             .await;
-                            push(rows, "floor", timing, counted, None);
+                            push(rows, "floor", timing, counted);
                         }
 
                         // replay: the same 10 finished keys again and again
@@ -442,7 +435,7 @@ macro_rules! backend {
                             }
                         })
                         .await;
-                        push(rows, "replay", timing, counted, None);
+                        push(rows, "replay", timing, counted);
 
                         // get: one plain `GET` through redis-rs, the least a replay's one
                         // Redis round trip can cost from this client
@@ -459,7 +452,7 @@ macro_rules! backend {
                                 }
                             })
                             .await;
-                            push(rows, "get", timing, (f64::NAN, f64::NAN), None);
+                            push(rows, "get", timing, (f64::NAN, f64::NAN));
                         }
                     }
 
@@ -518,7 +511,7 @@ backend!(
     MySql,
     "mariadb",
     true,
-    std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into()),
+    common::mysql_url(),
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT IGNORE INTO bench_orders (id, status) WITH RECURSIVE n (i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) SELECT i, 'PENDING' FROM n",
     "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = ? AND status = 'PENDING'",
@@ -530,7 +523,7 @@ backend!(
     Postgres,
     "postgres",
     false,
-    std::env::var("IDEM_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
+    common::pg_url(),
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT INTO bench_orders (id, status) SELECT i, 'PENDING' FROM generate_series(1, $1) AS i ON CONFLICT DO NOTHING",
     "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = $1 AND status = 'PENDING'",
@@ -548,15 +541,14 @@ fn main() {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
     let started = Instant::now();
     let rows = runtime.block_on(async {
-        let redis_url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let redis_url = common::redis_url();
         let mut passes = vec![Claims::None];
         match redis::Client::open(redis_url) {
             Ok(c) if c.get_multiplexed_async_connection().await.is_ok() => passes.push(Claims::Single(c)),
             _ => println!("skipped: redis unreachable (rows with Redis left out)"),
         }
         // A private 3-master cluster on loopback ports, stopped when dropped.
-        let cluster =
-            if common::servers::redis_server_installed() { common::servers::RedisCluster::start() } else { None };
+        let cluster = common::servers::RedisCluster::start();
         if let Some(cluster) = &cluster {
             let nodes = cluster.urls().into_iter().map(|u| redis::Client::open(u).expect("node url")).collect();
             passes.push(Claims::Cluster(Box::new(cluster.client()), nodes));

@@ -38,6 +38,37 @@ struct Deducted {
     qty: i64,
 }
 
+/// A quantity the test handler panics on, while being called.
+const PANICS: i64 = -7;
+
+/// A handler that panics while being called, before it returns its future,
+/// fails like any other: retried up to the bound, then dead-lettered; the
+/// delivery is never left unsettled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_panicking_before_its_future_is_retried_then_dead_lettered() {
+    let Some(env) = env(100).await else { return };
+    env.publish(&event(order_id(), &env.sku, PANICS), "panics").await;
+
+    let calls = Arc::new(AtomicUsize::new(0));
+    let seen = env
+        .consume(
+            |c| c.max_retries(1).retry_delay(Duration::from_millis(50)),
+            Arc::clone(&calls),
+            |seen| seen.iter().any(|s| matches!(s.action, Action::DeadLetter(_))),
+        )
+        .await;
+
+    let actions: Vec<(Action, u32)> = seen.iter().map(|s| (s.action, s.retries)).collect();
+    assert_eq!(actions, vec![(Action::Retry { retries: 1 }, 0), (Action::DeadLetter(Reason::RetriesExhausted), 1)]);
+    assert!(seen.iter().all(|s| s.outcome.is_none()), "{seen:#?}");
+    assert!(seen.iter().all(|s| s.error.as_deref().is_some_and(|e| e.contains("handler panicked"))), "{seen:#?}");
+    assert_eq!(calls.load(SeqCst), 2, "1 attempt + 1 retry");
+    assert_eq!(env.drain_dead_letters().await.len(), 1);
+    assert_eq!(env.ready(&env.names.queue).await, 0);
+    assert_eq!(env.stock().await, 100);
+    env.cleanup().await;
+}
+
 #[derive(Debug)]
 #[allow(dead_code)] // the fields show in assertion messages through Debug
 enum StockError {
@@ -193,6 +224,9 @@ impl Env {
             move |event: OrderPaid| {
                 let idem = idem.clone();
                 calls.fetch_add(1, SeqCst);
+                if event.qty == PANICS {
+                    panic!("the handler panics before it returns its future");
+                }
                 async move { deduct_stock(&idem, event).await }
             },
         ));

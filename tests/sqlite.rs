@@ -75,7 +75,7 @@ async fn busy_past_the_busy_timeout_is_in_progress() {
         let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
         tokio::spawn(async move { pay(&idem, k, 6, &probe, Mode::Slow(1_500)).await })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    until_started(&probe, 1).await;
     let second = pay(&elsewhere, k.clone(), 6, &probe, Mode::Ok).await;
     assert!(is_in_progress(&second), "{second:?}");
     assert!(!first.is_finished());

@@ -2,16 +2,21 @@
 
 use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
+use syn::meta::ParseNestedMeta;
 use syn::parse::Parser;
 use syn::{Expr, LitStr};
 
-use crate::key::{Template, parse_template};
+use crate::key::{Piece, Template, parse_template};
 use crate::ttl::parse_duration;
 
 const ARGUMENTS: &str = "`key`, `ttl`, `biz`, `lease`, `biz_no`, `engine`";
 /// A Redis claim outlives most bodies by far, and a body outliving it still
 /// commits once (the record decides), so a generous default costs nothing.
 const DEFAULT_LEASE_MS: u64 = 30_000;
+/// Same as `idem_runtime::key::MAX_KEY_LEN` (the `idem_key` column).
+const MAX_KEY_LEN: usize = 255;
+/// Same as `idem_runtime::MAX_BIZ_NO_LEN` (the `biz_no` column).
+const MAX_BIZ_NO_LEN: usize = 64;
 
 /// The checked arguments.
 pub struct Args {
@@ -33,30 +38,19 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
 
     let parser = syn::meta::parser(|meta| {
         let name = meta.path.get_ident().map(ToString::to_string).unwrap_or_default();
-        let taken = match name.as_str() {
-            "key" => key.is_some(),
-            "ttl" => ttl.is_some(),
-            "biz" => biz.is_some(),
-            "lease" => lease.is_some(),
-            "biz_no" => biz_no.is_some(),
-            "engine" => engine.is_some(),
+        let value = || meta.value()?.parse::<LitStr>();
+        match name.as_str() {
+            "key" => set(&mut key, &meta, &name, || template(value()?, MAX_KEY_LEN)),
+            "ttl" => set(&mut ttl, &meta, &name, || duration(value()?, "ttl")),
+            "biz" => set(&mut biz, &meta, &name, || biz_name(value()?)),
+            "lease" => set(&mut lease, &meta, &name, || duration(value()?, "lease")),
+            "biz_no" => set(&mut biz_no, &meta, &name, || template(value()?, MAX_BIZ_NO_LEN)),
+            "engine" => set(&mut engine, &meta, &name, || meta.value()?.parse::<Expr>()),
             _ => {
                 let shown = meta.path.to_token_stream().to_string().replace(' ', "");
-                return Err(meta.error(format!("unknown argument `{shown}`; expected one of {ARGUMENTS}")));
+                Err(meta.error(format!("unknown argument `{shown}`; expected one of {ARGUMENTS}")))
             }
-        };
-        if taken {
-            return Err(meta.error(format!("duplicate argument `{name}`")));
         }
-        match name.as_str() {
-            "key" => key = Some(template(meta.value()?.parse()?)?),
-            "ttl" => ttl = Some(duration(meta.value()?.parse()?, "ttl")?),
-            "biz" => biz = Some(biz_name(meta.value()?.parse()?)?),
-            "lease" => lease = Some(duration(meta.value()?.parse()?, "lease")?),
-            "biz_no" => biz_no = Some(template(meta.value()?.parse()?)?),
-            _ => engine = Some(meta.value()?.parse::<Expr>()?),
-        }
-        Ok(())
     });
     parser.parse2(tokens)?;
 
@@ -78,8 +72,29 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
     })
 }
 
-fn template(lit: LitStr) -> syn::Result<(LitStr, Template)> {
+/// Fills an argument's slot once; a second mention is an error.
+fn set<T>(
+    slot: &mut Option<T>,
+    meta: &ParseNestedMeta<'_>,
+    name: &str,
+    parse: impl FnOnce() -> syn::Result<T>,
+) -> syn::Result<()> {
+    if slot.is_some() {
+        return Err(meta.error(format!("duplicate argument `{name}`")));
+    }
+    *slot = Some(parse()?);
+    Ok(())
+}
+
+/// A template whose literal text alone is longer than what it renders may
+/// hold could only ever render rejected values: refused here.
+fn template(lit: LitStr, max: usize) -> syn::Result<(LitStr, Template)> {
     let t = parse_template(&lit.value()).map_err(|m| syn::Error::new_spanned(&lit, m))?;
+    let literal: usize = t.pieces.iter().map(|p| if let Piece::Text(text) = p { text.len() } else { 0 }).sum();
+    if literal > max {
+        let message = format!("the template's literal text is {literal} bytes; what it renders may hold at most {max}");
+        return Err(syn::Error::new_spanned(&lit, message));
+    }
     Ok((lit, t))
 }
 
@@ -140,5 +155,18 @@ mod tests {
         assert!(err(quote!(key = "a", ttl = "1h")).contains("missing argument `biz`"));
         assert!(err(quote!(key = "a", ttl = "0s", biz = "x")).contains("greater than zero"));
         assert!(err(quote!(key = "a", ttl = "1h", biz = "Pay")).contains("[a-z0-9_]{1,32}"));
+    }
+
+    #[test]
+    fn refuses_literal_text_too_long_to_render() {
+        let key = format!("{}_<id>", "k".repeat(255));
+        assert!(err(quote!(key = #key, ttl = "1h", biz = "b")).contains("literal text is 256 bytes"));
+        let biz_no = format!("{}<id>", "n".repeat(65));
+        assert!(err(quote!(key = "k", ttl = "1h", biz = "b", biz_no = #biz_no)).contains("at most 64"));
+        let key = format!("{}<id>", "k".repeat(255));
+        assert!(
+            parse(quote!(key = #key, ttl = "1h", biz = "b")).is_ok(),
+            "255 bytes of text pass: a placeholder may render empty"
+        );
     }
 }

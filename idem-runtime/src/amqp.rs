@@ -298,7 +298,9 @@ impl Consumer {
         let mut failure = None;
 
         loop {
-            while tasks.try_join_next().is_some() {}
+            while let Some(joined) = tasks.try_join_next() {
+                report_panic(joined);
+            }
             let next = poll_fn(|cx| {
                 if !stopping && shutdown.as_mut().poll(cx).is_ready() {
                     return Poll::Ready(None);
@@ -332,14 +334,24 @@ impl Consumer {
             let shared = Arc::clone(&shared);
             let handler = Arc::clone(&handler);
             tasks.spawn(async move {
-                handle(&shared, delivery, &*handler, permit).await;
+                handle(&shared, delivery, handler, permit).await;
             });
         }
-        while tasks.join_next().await.is_some() {}
+        while let Some(joined) = tasks.join_next().await {
+            report_panic(joined);
+        }
         match failure {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+/// A delivery's task ended by a panic of ours (a handler's own panic is
+/// caught in its task and settled as a failure): say so rather than drop it.
+fn report_panic(joined: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = joined {
+        tracing::error!(error = %e, "idem consumer: a delivery's task panicked; it returns to the queue when the channel closes");
     }
 }
 
@@ -387,11 +399,11 @@ fn verdict(outcome: Option<Outcome>, ok: bool) -> Verdict {
 async fn handle<T, F, Fut, R, E>(
     shared: &Shared,
     delivery: Delivery,
-    handler: &F,
+    handler: Arc<F>,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) where
     T: DeserializeOwned + Send + 'static,
-    F: Fn(T) -> Fut,
+    F: Fn(T) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<R, E>> + Send + 'static,
     R: Send + 'static,
     E: Debug + Send + 'static,
@@ -399,9 +411,10 @@ async fn handle<T, F, Fut, R, E>(
     let (verdict, outcome, error) = match serde_json::from_slice::<T>(&delivery.data) {
         Err(e) => (Verdict::DeadLetter(Reason::Poison), None, Some(format!("payload: {e}"))),
         Ok(message) => {
-            // Its own task, so a panic in the handler becomes a failure
-            // instead of a delivery that is never settled.
-            let call = tokio::spawn(observe(handler(message)));
+            // Its own task, so a panic in the handler (in the call itself or
+            // in its future) becomes a failure instead of a delivery that is
+            // never settled.
+            let call = tokio::spawn(async move { observe(handler(message)).await });
             match call.await {
                 Ok((Ok(_), outcome)) => (verdict(outcome, true), outcome, None),
                 Ok((Err(e), outcome)) => (verdict(outcome, false), outcome, Some(format!("{e:?}"))),

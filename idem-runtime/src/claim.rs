@@ -155,9 +155,7 @@ impl Claims {
                 // connection) deletes nothing. Compare-and-delete on our own
                 // token: repeating it is harmless.
                 let claims = Arc::clone(self);
-                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                    runtime.spawn(async move { claims.release_after_failure(&held).await });
-                }
+                spawn_detached(async move { claims.release_after_failure(&held).await });
                 Claim::Unavailable
             }
         }
@@ -189,10 +187,10 @@ impl Claims {
         }
     }
 
-    /// Replaces our claim by the finished result, kept for `ttl`.
-    pub async fn finish(&self, held: &Held, fingerprint: &str, response: &str, ttl: Duration) {
+    /// Replaces our claim by the finished result ([`done_value`]), kept for `ttl`.
+    pub async fn finish(&self, held: &Held, done: String, ttl: Duration) {
         let mut call = self.finish.key(&held.key);
-        call.arg(&held.value).arg(format!("d:{fingerprint}:{response}")).arg(millis(ttl));
+        call.arg(&held.value).arg(done).arg(millis(ttl));
         let _ = self.run::<i64>(&call, Backoff::Respect).await;
     }
 
@@ -297,6 +295,19 @@ impl redis::aio::ConnectionLike for ConnectionHandle {
     }
 }
 
+/// The value a finished call leaves in Redis; [`parse`] reads it back.
+pub(crate) fn done_value(fingerprint: &str, response: &str) -> String {
+    format!("d:{fingerprint}:{response}")
+}
+
+/// Runs `task` on the current runtime; outside one there is nothing to run
+/// it on, and it is dropped (a claim then ends with its lease).
+pub(crate) fn spawn_detached(task: impl std::future::Future<Output = ()> + Send + 'static) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(task);
+    }
+}
+
 fn parse(found: &str) -> Claim {
     if let Some((fingerprint, response)) = found.strip_prefix("d:").and_then(|rest| rest.split_once(':')) {
         return Claim::Done { fingerprint: fingerprint.to_owned(), response: response.to_owned() };
@@ -337,7 +348,7 @@ mod tests {
 
     #[test]
     fn parses_values() {
-        match parse("d:abc:{\"x\":\"a:b\"}") {
+        match parse(&done_value("abc", "{\"x\":\"a:b\"}")) {
             Claim::Done { fingerprint, response } => {
                 assert_eq!(fingerprint, "abc");
                 assert_eq!(response, "{\"x\":\"a:b\"}");

@@ -11,12 +11,12 @@ use sqlx::{Pool, Transaction};
 use tracing::Instrument;
 
 #[cfg(feature = "redis")]
-use crate::claim::{Claim, Claims, Held, Target};
+use crate::claim::{self, Claim, Claims, Held, Target, spawn_detached};
 use crate::clock;
 use crate::error::{Error, KeyError};
 use crate::fingerprint::Fingerprint;
 use crate::inflight::{Entered, InFlight};
-use crate::key::validate_key;
+use crate::key::{validate_biz, validate_key};
 use crate::outcome::{self, Outcome};
 use crate::status::Status;
 use crate::store::{Backend, Failure, NewRecord, PROCESSING, SUCCEEDED, StoredRecord};
@@ -175,17 +175,19 @@ impl<DB: Backend> Idem<DB> {
     /// ask again later". The database answers first (it is the truth);
     /// a running call is seen through its Redis claim.
     pub async fn status(&self, biz: &str, key: &str) -> Result<Status, Error> {
-        validate_key(biz)?;
+        validate_biz(biz)?;
         validate_key(key)?;
-        match DB::lookup(&self.inner.pool, biz, key).await? {
-            Some(row) if row.expires_ms > now_ms() && row.status == SUCCEEDED => {
+        let recorded = match DB::lookup(&self.inner.pool, biz, key).await? {
+            Some(row) if row.is_live(now_ms()) => {
                 return Ok(Status::Completed { response: row.response.unwrap_or_default() });
             }
-            Some(_) if self.is_claimed(biz, key).await => return Ok(Status::InProgress),
-            Some(_) => return Ok(Status::Expired),
-            None => {}
-        }
-        Ok(if self.is_claimed(biz, key).await { Status::InProgress } else { Status::Absent })
+            row => row.is_some(),
+        };
+        Ok(match (self.is_claimed(biz, key).await, recorded) {
+            (true, _) => Status::InProgress,
+            (false, true) => Status::Expired,
+            (false, false) => Status::Absent,
+        })
     }
 
     #[cfg(feature = "redis")]
@@ -229,12 +231,6 @@ enum Failed<E> {
 impl<E> From<Error> for Failed<E> {
     fn from(e: Error) -> Self {
         Failed::Idem(e)
-    }
-}
-
-impl<E> From<sqlx::Error> for Failed<E> {
-    fn from(e: sqlx::Error) -> Self {
-        Failed::Idem(Error::Storage(e))
     }
 }
 
@@ -362,20 +358,22 @@ where
         },
     };
 
-    let result = transact(&engine.inner, &call, claim.is_some(), body).await;
-
-    if let (Some(first), Ok(recorded)) = (first, &result) {
-        first.finish(&fingerprint, &recorded.response);
-    }
-    if let Some(mut guard) = claim {
-        match &result {
-            Ok(Recorded { response, expires_ms, .. }) => {
-                guard.finish(&fingerprint, response, remaining(*expires_ms));
+    let recorded = match transact(&engine.inner, &call, claim.is_some(), body).await {
+        Ok(recorded) => recorded,
+        Err(e) => {
+            if let Some(mut guard) = claim {
+                guard.release().await;
             }
-            Err(_) => guard.release().await,
+            return Err(e);
         }
+    };
+    // The stored result goes on: to the duplicates waiting here, or to Redis
+    // in place of our claim (never both: waiting here means no claim).
+    if let Some(first) = first {
+        first.finish(fingerprint, recorded.response);
+    } else if let Some(mut guard) = claim {
+        guard.finish(&fingerprint, &recorded.response, remaining(recorded.expires_ms));
     }
-    let recorded = result?;
     Ok(Done { value: recorded.value, outcome: recorded.outcome })
 }
 
@@ -592,7 +590,7 @@ fn replay_row<T: DeserializeOwned, E>(call: &Call<'_>, row: StoredRecord) -> Res
 
 async fn find_live<DB: Backend>(inner: &Inner<DB>, call: &Call<'_>) -> Result<Option<StoredRecord>, Error> {
     let row = DB::lookup(&inner.pool, call.spec.biz, call.key).await?;
-    Ok(row.filter(|r| r.expires_ms > now_ms() && r.status == SUCCEEDED))
+    Ok(row.filter(|r| r.is_live(now_ms())))
 }
 
 async fn rollback<DB: Backend>(tx: Transaction<'static, DB>) {
@@ -628,11 +626,8 @@ impl ClaimGuard {
     fn finish(&mut self, fingerprint: &str, response: &str, ttl: Duration) {
         let Some(held) = self.held.take() else { return };
         let claims = Arc::clone(&self.claims);
-        let (fingerprint, response) = (fingerprint.to_owned(), response.to_owned());
-        let write = async move { claims.finish(&held, &fingerprint, &response, ttl).await };
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(write);
-        }
+        let done = claim::done_value(fingerprint, response);
+        spawn_detached(async move { claims.finish(&held, done, ttl).await });
     }
 
     async fn release(&mut self) {
@@ -646,10 +641,8 @@ impl ClaimGuard {
 impl Drop for ClaimGuard {
     fn drop(&mut self) {
         let Some(held) = self.held.take() else { return };
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let claims = Arc::clone(&self.claims);
-            runtime.spawn(async move { claims.release(&held).await });
-        }
+        let claims = Arc::clone(&self.claims);
+        spawn_detached(async move { claims.release(&held).await });
     }
 }
 

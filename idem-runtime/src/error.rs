@@ -97,6 +97,8 @@ pub enum KeyError {
         /// Maximum allowed.
         max: usize,
     },
+    /// A `biz` outside `[a-z0-9_]{1,32}`.
+    BadBiz,
     /// A character outside `[A-Za-z0-9_.:-]`.
     BadChar {
         /// The offending character.
@@ -115,6 +117,7 @@ impl fmt::Display for KeyError {
             }
             KeyError::TooLong { len, max } => write!(f, "{len} bytes, at most {max} allowed"),
             KeyError::BizNoTooLong { len, max } => write!(f, "biz_no of {len} bytes, at most {max} allowed"),
+            KeyError::BadBiz => f.write_str("biz must match [a-z0-9_]{1,32}"),
             KeyError::BadChar { ch, at } => {
                 write!(f, "character {ch:?} at byte {at}; only A-Z a-z 0-9 _ . : - are allowed")
             }

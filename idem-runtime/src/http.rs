@@ -253,11 +253,12 @@ impl IntoResponse for Problem {
 /// The response for an [`Error`]; see the table in the [module docs](self).
 impl IntoResponse for Error {
     fn into_response(self) -> Response {
-        if self.status_code().is_server_error() {
+        let problem = Problem::from(&self);
+        if problem.status.is_server_error() {
             // The body hides the cause from the caller; the log keeps it.
             tracing::error!(error = %self, "idempotent request failed");
         }
-        Problem::from(&self).into_response()
+        problem.into_response()
     }
 }
 

@@ -53,7 +53,9 @@ impl InFlight {
     pub(crate) async fn enter(&self, biz: &str, key: &str, wait: Duration) -> Entered<'_> {
         // `biz` has no `:`, so the id is unambiguous.
         let id = format!("{biz}:{key}");
-        let deadline = tokio::time::Instant::now() + wait;
+        // A wait too long to add to now never ends: a year stands for it.
+        let now = tokio::time::Instant::now();
+        let deadline = now.checked_add(wait).unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600));
         loop {
             let mut running = {
                 let mut calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
@@ -87,11 +89,10 @@ impl InFlight {
 
 impl Leader<'_> {
     /// Hands the result to the duplicates waiting, if any.
-    pub(crate) fn finish(self, fingerprint: &str, response: &str) {
+    pub(crate) fn finish(self, fingerprint: String, response: String) {
         // One receiver is the map's own: more are waiters.
         if self.answer.receiver_count() > 1 {
-            let shared = Shared { fingerprint: fingerprint.to_owned(), response: response.to_owned() };
-            self.answer.send_replace(Some(Arc::new(shared)));
+            self.answer.send_replace(Some(Arc::new(Shared { fingerprint, response })));
         }
     }
 }
@@ -115,7 +116,7 @@ mod tests {
         let waiters = (0..8).map(|_| flight.enter("pay", "k", WAIT)).collect::<Vec<_>>();
         let finish = async {
             tokio::task::yield_now().await;
-            leader.finish("fp", "{\"a\":1}");
+            leader.finish("fp".into(), "{\"a\":1}".into());
         };
         let (answers, ()) = tokio::join!(futures_join_all(waiters), finish);
         for answer in answers {
@@ -148,6 +149,18 @@ mod tests {
         let Entered::First(_a) = flight.enter("pay", "k", WAIT).await else { panic!() };
         assert!(matches!(flight.enter("pay", "k2", WAIT).await, Entered::First(_)));
         assert!(matches!(flight.enter("refund", "k", WAIT).await, Entered::First(_)));
+    }
+
+    #[tokio::test]
+    async fn an_endless_wait_does_not_overflow() {
+        let flight = InFlight::default();
+        let Entered::First(leader) = flight.enter("pay", "k", Duration::MAX).await else { panic!() };
+        let finish = async {
+            tokio::task::yield_now().await;
+            leader.finish("fp".into(), "1".into());
+        };
+        let (answer, ()) = tokio::join!(flight.enter("pay", "k", Duration::MAX), finish);
+        assert!(matches!(answer, Entered::Answered(shared) if shared.response == "1"));
     }
 
     #[tokio::test(start_paused = true)]

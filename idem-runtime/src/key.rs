@@ -13,6 +13,18 @@ pub fn validate_key(key: &str) -> Result<(), Error> {
     check(key, 1, MAX_KEY_LEN).map_err(Error::InvalidKey)
 }
 
+/// Longest `biz`: the `biz_type` column is `VARCHAR(32)`.
+pub const MAX_BIZ_LEN: usize = 32;
+
+/// Checks a business action name: `[a-z0-9_]{1,32}`, the rule the
+/// attribute enforces on `biz` at compile time. Without `:`, `biz` and key
+/// can never run together into another pair's Redis key.
+pub fn validate_biz(biz: &str) -> Result<(), Error> {
+    let ok = (1..=MAX_BIZ_LEN).contains(&biz.len())
+        && biz.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if ok { Ok(()) } else { Err(Error::InvalidKey(KeyError::BadBiz)) }
+}
+
 /// Checks an `Idempotency-Key` header value: `[A-Za-z0-9_.:-]{8,255}`.
 pub fn validate_header_key(key: &str) -> Result<(), Error> {
     check(key, MIN_HEADER_KEY_LEN, MAX_KEY_LEN).map_err(Error::InvalidKey)
@@ -69,6 +81,15 @@ mod tests {
         assert_eq!(rejects("a\nb"), KeyError::BadChar { ch: '\n', at: 1 });
         assert_eq!(rejects("café"), KeyError::BadChar { ch: 'é', at: 3 });
         assert_eq!(rejects("a\0"), KeyError::BadChar { ch: '\0', at: 1 });
+    }
+
+    #[test]
+    fn biz_names_are_lower_case_words() {
+        validate_biz("pay").unwrap();
+        validate_biz(&"a".repeat(32)).unwrap();
+        for bad in ["", "Pay", "a:b", "a-b", "a.b", "café", &"a".repeat(33)] {
+            assert!(matches!(validate_biz(bad), Err(Error::InvalidKey(KeyError::BadBiz))), "{bad:?}");
+        }
     }
 
     #[test]

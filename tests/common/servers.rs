@@ -119,10 +119,6 @@ impl RedisServer {
         Some(Self { port, process: Mutex::new(Process::spawn(port, Vec::new())) })
     }
 
-    pub fn port(&self) -> u16 {
-        self.port
-    }
-
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
@@ -142,11 +138,6 @@ impl RedisServer {
         let mut p = self.process.lock().unwrap();
         p.kill();
         p.start();
-    }
-
-    /// How many keys it holds.
-    pub fn dbsize(&self) -> redis::RedisResult<i64> {
-        query(self.port, &redis::cmd("DBSIZE"))
     }
 }
 

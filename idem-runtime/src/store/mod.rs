@@ -46,18 +46,23 @@ pub struct StoredRecord {
     pub params_hash: String,
     pub status: i16,
     pub response: Option<String>,
-    pub created_ms: i64,
     pub expires_ms: i64,
+}
+
+impl StoredRecord {
+    /// Whether the row answers duplicates at `now_ms`: finished and not expired.
+    pub fn is_live(&self, now_ms: i64) -> bool {
+        self.status == SUCCEEDED && self.expires_ms > now_ms
+    }
 }
 
 #[doc(hidden)]
 /// The columns `find` and `lookup` select, in order.
-#[doc(hidden)]
-pub type RecordRow = (String, i16, Option<String>, i64, i64);
+pub type RecordRow = (String, i16, Option<String>, i64);
 
 impl From<RecordRow> for StoredRecord {
-    fn from((params_hash, status, response, created_ms, expires_ms): RecordRow) -> Self {
-        StoredRecord { params_hash, status, response, created_ms, expires_ms }
+    fn from((params_hash, status, response, expires_ms): RecordRow) -> Self {
+        StoredRecord { params_hash, status, response, expires_ms }
     }
 }
 
@@ -84,25 +89,35 @@ pub trait Backend: sqlx::Database + Sized {
 
     /// Opens the transaction the record and the body share.
     #[doc(hidden)]
-    fn begin(pool: &Pool<Self>) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
+    fn begin(pool: &Pool<Self>) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send {
+        pool.begin()
+    }
 
     /// Opens a transaction for a call without a Redis claim: its record
     /// statements ([`insert`](Backend::insert), [`find`](Backend::find),
     /// [`delete_expired`](Backend::delete_expired) with `Some(wait)`) may
     /// wait at most `wait` on a duplicate still in flight, until
     /// [`end_bound`](Backend::end_bound). A backend that bounds lock waits
-    /// per transaction sets the bound here, in the same round trip as `BEGIN`.
+    /// per transaction sets the bound here, in the same round trip as `BEGIN`;
+    /// by default the bound rides on each statement (see
+    /// [`bounded`](Backend::bounded)), or is the server's own.
     #[doc(hidden)]
     fn begin_bounded(
         pool: &Pool<Self>,
         wait: Duration,
-    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send {
+        let _ = wait;
+        Self::begin(pool)
+    }
 
     /// Ends the bound of [`begin_bounded`](Backend::begin_bounded) before
     /// the body runs, putting back the session's own setting, so the body's
-    /// own lock waits are left alone.
+    /// own lock waits are left alone. Nothing to end by default.
     #[doc(hidden)]
-    fn end_bound(tx: &mut Transaction<'static, Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    fn end_bound(tx: &mut Transaction<'static, Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send {
+        let _ = tx;
+        async { Ok(()) }
+    }
 
     /// `sql` as sent: with `Some(wait)`, a backend that bounds lock waits
     /// per statement says so in the statement itself.

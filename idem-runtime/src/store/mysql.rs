@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use sqlx::mysql::{MySql, MySqlDatabaseError};
-use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Transaction};
+use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr};
 
 use super::{Backend, Failure, Queries, is_unique_violation, record_queries};
 
@@ -30,31 +30,20 @@ const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
 const Q: Queries = Queries {
     insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
     mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ?, expires_at = ? WHERE biz_type = ? AND idem_key = ?",
-    find: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ? LOCK IN SHARE MODE",
-    lookup: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
+    find: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ? LOCK IN SHARE MODE",
+    lookup: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ? AND expires_at <= ?",
     purge_expired: "DELETE FROM idem_record WHERE expires_at <= ? LIMIT ?",
 };
 
+/// The largest `innodb_lock_wait_timeout` the server takes (2^30 s).
+const MAX_LOCK_WAIT_SECS: u64 = 1 << 30;
 const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
 const ER_LOCK_DEADLOCK: u16 = 1213;
 
 impl Backend for MySql {
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
         sqlx::raw_sql(DDL).execute(pool).await.map(drop)
-    }
-
-    async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
-        pool.begin().await
-    }
-
-    async fn begin_bounded(pool: &Pool<Self>, _wait: Duration) -> Result<Transaction<'static, Self>, sqlx::Error> {
-        // The bound rides on each record statement: see `bounded`.
-        pool.begin().await
-    }
-
-    async fn end_bound(_tx: &mut Transaction<'static, Self>) -> Result<(), sqlx::Error> {
-        Ok(())
     }
 
     /// MariaDB bounds one statement with `SET STATEMENT ... FOR`, written in
@@ -66,7 +55,7 @@ impl Backend for MySql {
     fn bounded(sql: &'static str, wait: Option<Duration>) -> SqlStr {
         match wait {
             Some(wait) => {
-                let secs = wait.as_secs().max(1);
+                let secs = wait.as_secs().clamp(1, MAX_LOCK_WAIT_SECS);
                 AssertSqlSafe(format!("/*M! SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ {sql}"))
                     .into_sql_str()
             }

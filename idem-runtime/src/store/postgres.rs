@@ -34,8 +34,8 @@ const DDL: [&str; 3] = [
 const Q: Queries = Queries {
     insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (biz_type, idem_key) DO NOTHING",
     mark_succeeded: "UPDATE idem_record SET status = $1, response = $2, updated_at = $3, expires_at = $4 WHERE biz_type = $5 AND idem_key = $6",
-    find: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
-    lookup: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
+    find: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
+    lookup: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = $1 AND idem_key = $2 AND expires_at <= $3",
     purge_expired: "DELETE FROM idem_record WHERE id IN (SELECT id FROM idem_record WHERE expires_at <= $1 LIMIT $2)",
 };
@@ -54,15 +54,12 @@ impl Backend for Postgres {
         tx.commit().await
     }
 
-    async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
-        pool.begin().await
-    }
-
     async fn begin_bounded(pool: &Pool<Self>, wait: Duration) -> Result<Transaction<'static, Self>, sqlx::Error> {
         // `lock_timeout` is set per transaction (`is_local`), after saving
         // the session's own value; sent with `BEGIN`, this costs no round
         // trip of its own. Built from an integer only.
-        let ms = wait.as_millis().max(1);
+        // `lock_timeout` takes at most `i32::MAX` ms (24 days).
+        let ms = wait.as_millis().clamp(1, i32::MAX as u128);
         pool.begin_with(AssertSqlSafe(format!(
             "BEGIN; SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true); \
              SET LOCAL lock_timeout = {ms}"

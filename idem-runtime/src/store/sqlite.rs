@@ -1,7 +1,5 @@
 //! SQLite, embedded.
 
-use std::time::Duration;
-
 use sqlx::sqlite::Sqlite;
 use sqlx::{Pool, Transaction};
 
@@ -26,8 +24,8 @@ const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
 const Q: Queries = Queries {
     insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
     mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ?, expires_at = ? WHERE biz_type = ? AND idem_key = ?",
-    find: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
-    lookup: "SELECT params_hash, status, response, created_at, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
+    find: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
+    lookup: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ? AND expires_at <= ?",
     purge_expired: "DELETE FROM idem_record WHERE id IN (SELECT id FROM idem_record WHERE expires_at <= ? LIMIT ?)",
 };
@@ -44,18 +42,9 @@ impl Backend for Sqlite {
     async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
         // Take the write lock up front: a deferred transaction that reads
         // first and writes later can fail with SQLITE_BUSY mid-body instead
-        // of waiting its turn under the busy timeout.
+        // of waiting its turn under the busy timeout. That wait is also the
+        // bound on a duplicate without a claim (the default `begin_bounded`).
         pool.begin_with("BEGIN IMMEDIATE").await
-    }
-
-    async fn begin_bounded(pool: &Pool<Self>, _wait: Duration) -> Result<Transaction<'static, Self>, sqlx::Error> {
-        // `BEGIN IMMEDIATE` serializes us behind any duplicate, and the
-        // pool's busy timeout bounds that wait.
-        Self::begin(pool).await
-    }
-
-    async fn end_bound(_tx: &mut Transaction<'static, Self>) -> Result<(), sqlx::Error> {
-        Ok(())
     }
 
     record_queries!(Q);
