@@ -63,7 +63,7 @@ async fn handler_panicking_before_its_future_is_retried_then_dead_lettered() {
     assert!(seen.iter().all(|s| s.outcome.is_none()), "{seen:#?}");
     assert!(seen.iter().all(|s| s.error.as_deref().is_some_and(|e| e.contains("handler panicked"))), "{seen:#?}");
     assert_eq!(calls.load(SeqCst), 2, "1 attempt + 1 retry");
-    assert_eq!(env.drain_dead_letters().await.len(), 1);
+    assert_eq!(env.drain_dead_letters(1).await.len(), 1);
     assert_eq!(env.ready(&env.names.queue).await, 0);
     assert_eq!(env.stock().await, 100);
     env.cleanup().await;
@@ -254,11 +254,22 @@ impl Env {
         self.channel.queue_declare(queue.into(), passive, FieldTable::default()).await.expect("passive").message_count()
     }
 
-    /// Takes every message out of the dead-letter queue.
-    async fn drain_dead_letters(&self) -> Vec<lapin::message::Delivery> {
-        // Dead-lettering happens in the broker after the reject.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+    /// Takes every message out of the dead-letter queue: waits (up to 10 s)
+    /// for the `expected` ones, since dead-lettering happens in the broker
+    /// after the reject, then 300 ms more so that any beyond them show too.
+    async fn drain_dead_letters(&self, expected: usize) -> Vec<lapin::message::Delivery> {
         let mut out = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while out.len() < expected && tokio::time::Instant::now() < deadline {
+            self.take_dead_letters(&mut out).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        self.take_dead_letters(&mut out).await;
+        out
+    }
+
+    async fn take_dead_letters(&self, out: &mut Vec<lapin::message::Delivery>) {
         while let Some(msg) = self
             .channel
             .basic_get(self.names.dead_letter_queue.as_str().into(), BasicGetOptions::default())
@@ -268,7 +279,6 @@ impl Env {
             msg.delivery.ack(BasicAckOptions::default()).await.expect("ack dead letter");
             out.push(msg.delivery);
         }
-        out
     }
 
     async fn stock(&self) -> i64 {
@@ -360,7 +370,7 @@ async fn duplicates_and_a_redelivery_deduct_once() {
     assert_eq!(env.stock().await, 97);
     assert_eq!(env.moves().await, 1);
     assert_eq!(env.ready(&env.names.queue).await, 0, "every delivery acked");
-    assert!(env.drain_dead_letters().await.is_empty());
+    assert!(env.drain_dead_letters(0).await.is_empty());
     env.cleanup().await;
 }
 
@@ -392,7 +402,7 @@ async fn duplicate_during_the_body_is_requeued_then_replayed() {
     assert_eq!(env.stock().await, 98);
     assert_eq!(env.moves().await, 1);
     assert_eq!(env.ready(&env.names.queue).await, 0);
-    assert!(env.drain_dead_letters().await.is_empty());
+    assert!(env.drain_dead_letters(0).await.is_empty());
     env.cleanup().await;
 }
 
@@ -428,7 +438,7 @@ async fn poison_and_key_reused_are_dead_lettered() {
     assert_eq!(seen.len(), 3, "nothing requeued: {seen:#?}");
     assert_eq!(calls.load(SeqCst), 2, "the poison message never reached the handler");
 
-    let dead = env.drain_dead_letters().await;
+    let dead = env.drain_dead_letters(2).await;
     let mut got: Vec<(String, Vec<u8>)> =
         dead.iter().map(|d| (d.properties.message_id().as_ref().unwrap().to_string(), d.data.clone())).collect();
     got.sort();
@@ -474,7 +484,7 @@ async fn failing_body_is_retried_up_to_the_bound_then_dead_lettered() {
     assert!(seen.iter().all(|s| s.error.as_deref().is_some_and(|e| e.contains("UnknownSku"))), "{seen:#?}");
     assert_eq!(calls.load(SeqCst), 3, "1 attempt + 2 retries");
 
-    let dead = env.drain_dead_letters().await;
+    let dead = env.drain_dead_letters(1).await;
     assert_eq!(dead.len(), 1);
     let retries =
         dead[0].properties.headers().as_ref().and_then(|h| h.inner().get(idem::amqp::RETRIES_HEADER).cloned());
