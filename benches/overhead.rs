@@ -168,6 +168,62 @@ where
     (wall, all)
 }
 
+/// One plain `GET` per call, through redis-rs (`get`) and hand-written on
+/// plain sockets the calling tasks own (`tcp`, no client library in between),
+/// in alternating slices so that both see the same moments of the machine.
+async fn plain_gets(
+    client: &redis::Client,
+    tasks: usize,
+    calls: usize,
+) -> Vec<(&'static str, (Duration, Vec<Duration>))> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const SLICES: usize = 100;
+    let redis = redis::aio::ConnectionManager::new(client.clone()).await.expect("redis");
+    let get = Arc::new(move |i: usize| {
+        let mut conn = redis.clone();
+        async move {
+            let _: Option<String> =
+                redis::cmd("GET").arg(format!("idem:bench_get:{}", i % 10)).query_async(&mut conn).await.expect("get");
+        }
+    });
+    let redis::ConnectionAddr::Tcp(host, port) = client.get_connection_info().addr() else { return Vec::new() };
+    let mut sockets = Vec::new();
+    for _ in 0..tasks {
+        let socket = tokio::net::TcpStream::connect((host.as_str(), *port)).await.expect("tcp connect");
+        socket.set_nodelay(true).expect("nodelay");
+        sockets.push(tokio::sync::Mutex::new(socket));
+    }
+    let sockets = Arc::new(sockets);
+    let tcp = Arc::new(move |i: usize| {
+        let sockets = sockets.clone();
+        async move {
+            let mut socket = sockets[i % sockets.len()].lock().await;
+            let key = format!("idem:bench_get:{}", i % 10);
+            let request = format!("*2\r\n$3\r\nGET\r\n${}\r\n{key}\r\n", key.len());
+            socket.write_all(request.as_bytes()).await.expect("tcp write");
+            // The key is absent: the whole reply is the null bulk string.
+            let mut reply = [0u8; 5];
+            socket.read_exact(&mut reply).await.expect("tcp read");
+            assert_eq!(&reply, b"$-1\r\n", "unexpected reply");
+        }
+    });
+    let mut totals = [(Duration::ZERO, Vec::new()), (Duration::ZERO, Vec::new())];
+    for _ in 0..SLICES {
+        let (g, t) = (get.clone(), tcp.clone());
+        for (total, (wall, lat)) in totals
+            .iter_mut()
+            .zip([drive(tasks, calls / SLICES, move |i| g(i)).await, drive(tasks, calls / SLICES, move |i| t(i)).await])
+        {
+            total.0 += wall;
+            total.1.extend(lat);
+        }
+    }
+    let [mut get, mut tcp] = totals;
+    get.1.sort();
+    tcp.1.sort();
+    vec![("get", get), ("tcp", tcp)]
+}
+
 /// Round trips our Redis layer made so far: every one is a script call
 /// (`EVALSHA`, or `EVAL`/`SCRIPT LOAD` the first time). Commands that scripts
 /// run inside Redis (`GET`, `SET`) are not round trips and are not counted.
@@ -437,22 +493,11 @@ macro_rules! backend {
                         .await;
                         push(rows, "replay", timing, counted);
 
-                        // get: one plain `GET` through redis-rs, the least a replay's one
-                        // Redis round trip can cost from this client
+                        // get and tcp: the least a replay's one Redis round trip costs
                         if let Claims::Single(c) = claims {
-                            let redis = redis::aio::ConnectionManager::new(c.clone()).await.expect("redis");
-                            let timing = drive(tasks, calls, move |i| {
-                                let mut conn = redis.clone();
-                                async move {
-                                    let _: Option<String> = redis::cmd("GET")
-                                        .arg(format!("idem:bench_get:{}", i % 10))
-                                        .query_async(&mut conn)
-                                        .await
-                                        .expect("get");
-                                }
-                            })
-                            .await;
-                            push(rows, "get", timing, (f64::NAN, f64::NAN));
+                            for (mode, timing) in plain_gets(c, tasks, calls).await {
+                                push(rows, mode, timing, (f64::NAN, f64::NAN));
+                            }
                         }
                     }
 
@@ -603,7 +648,8 @@ fn main() {
     println!(
         "first/bare: how much a first call costs over the plain transaction; floor/bare: the same for the hand-written \
          round trips a first call cannot avoid (claim, record insert, spawned cache write); bare/replay: how much faster a replay is \
-         (p50 latencies, same backend, claims and task count); get: one plain Redis GET, the least a replay's round trip costs. \
+         (p50 latencies, same backend, claims and task count); get: one plain Redis GET through redis-rs, the least a replay's round trip costs; \
+         tcp: the same GET hand-written on a plain socket, the machine's own round trip. \
          sql, redis: round trips per call."
     );
 

@@ -1,7 +1,7 @@
 //! Fault-injection soak with reconciliation, on MariaDB and PostgreSQL, each
 //! with two engines (two pools) sharing a private `redis-server` that is
 //! killed and restarted mid-run. The short soak runs in every `cargo test`;
-//! the full one (20,000 calls) with
+//! the full ones (20,000 calls over 14,000 keys, and over 2,000) with
 //! `cargo test --release --all-features --test soak -- --ignored --nocapture`.
 //! Set `IDEM_SOAK_SEED` to replay a schedule. See `common/soak.rs`.
 
@@ -35,6 +35,12 @@ macro_rules! soak_suite {
             async fn full_soak_keeps_exactly_once_under_faults() {
                 run(Config::full("soakfull")).await;
             }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            #[ignore = "minutes long: run with --release -- --ignored"]
+            async fn crowded_soak_keeps_exactly_once_under_faults() {
+                run(Config::crowded("soakcrowd")).await;
+            }
         }
     };
 }
@@ -53,6 +59,15 @@ fn schedule_uses_every_key_with_thirty_percent_repeats() {
         let late = plans.iter().filter(|p| !p.delay.is_zero()).count();
         assert!(late > 0, "no duplicate arrives after a slow body's lease");
     }
+}
+
+/// The crowded schedule spreads 20,000 calls over exactly 2,000 keys.
+#[test]
+fn crowded_schedule_uses_two_thousand_keys() {
+    let cfg = Config::crowded("c");
+    let plans = soak::schedule(&cfg, &mut soak::Rng::new(cfg.seed));
+    let distinct: std::collections::HashSet<usize> = plans.iter().map(|p| p.key).collect();
+    assert_eq!((plans.len(), distinct.len()), (20_000, 2_000));
 }
 
 /// The reconciliation is not vacuous: each kind of violation is reported.

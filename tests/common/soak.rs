@@ -57,6 +57,12 @@ impl Config {
     pub fn full(label: &'static str) -> Self {
         Self { calls: 20_000, keys: 14_000, redis_kills: 6, ..Self::short(label) }
     }
+
+    /// The `--ignored` crowd: 20,000 calls over only 2,000 keys (90% repeat
+    /// a key, about ten calls per key), for the contention `full` lacks.
+    pub fn crowded(label: &'static str) -> Self {
+        Self { keys: 2_000, ..Self::full(label) }
+    }
 }
 
 /// `IDEM_SOAK_SEED`, or one from the clock (printed, so a schedule can be replayed).
