@@ -37,6 +37,18 @@ fn free_port() -> u16 {
     listener.local_addr().expect("local addr").port()
 }
 
+/// A cluster node also listens on its port + 10 000 (the cluster bus), so
+/// Redis refuses ports above 55 535; the ephemeral range here reaches 60 999.
+fn free_cluster_port() -> u16 {
+    const BUS_OFFSET: u16 = 10_000;
+    loop {
+        let port = free_port();
+        if port <= u16::MAX - BUS_OFFSET && TcpListener::bind(("127.0.0.1", port + BUS_OFFSET)).is_ok() {
+            return port;
+        }
+    }
+}
+
 /// Runs one command on `port` over a fresh connection.
 fn query<T: redis::FromRedisValue>(port: u16, cmd: &redis::Cmd) -> redis::RedisResult<T> {
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
@@ -161,8 +173,9 @@ impl RedisCluster {
         std::fs::create_dir_all(&dir).expect("cluster dir");
         let mut ports: Vec<u16> = Vec::new();
         while ports.len() < 3 {
-            let p = free_port();
-            if !ports.contains(&p) {
+            let p = free_cluster_port();
+            // Neither the same port nor one on another node's bus port.
+            if !ports.iter().any(|&q| q == p || q.abs_diff(p) == 10_000) {
                 ports.push(p);
             }
         }
