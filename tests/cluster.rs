@@ -8,26 +8,38 @@ mod common;
 #[path = "common/soak.rs"]
 mod soak;
 
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use common::servers::RedisCluster;
 use soak::{Config, RedisSetup, Tag};
 
 const INSTANCES: usize = 4;
 
-/// How many of the run's claim/result keys (`idem:<biz>:<run>.*`) node `i` holds.
-fn keys_on_node(cluster: &RedisCluster, i: usize, pattern: &str) -> usize {
-    let (mut cursor, mut n) = (0u64, 0);
+/// The run's claim/result keys (`idem:<biz>:<run>.*`) node `i` holds, with
+/// their values.
+fn keys_on_node(cluster: &RedisCluster, i: usize, pattern: &str) -> Vec<(String, String)> {
+    let (mut cursor, mut found) = (0u64, Vec::new());
     loop {
         let (next, keys): (u64, Vec<String>) = cluster
             .query_node(i, redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(pattern).arg("COUNT").arg(1000))
             .expect("SCAN");
-        n += keys.len();
+        for key in keys {
+            let value: String = cluster.query_node(i, redis::cmd("GET").arg(&key)).expect("GET");
+            found.push((key, value));
+        }
         if next == 0 {
-            return n;
+            return found;
         }
         cursor = next;
     }
+}
+
+/// The response part of a finished result, `d:<fingerprint>:<response>`;
+/// `None` for a claim still running (`p:...`).
+fn cached_response(value: &str) -> Option<&str> {
+    value.strip_prefix("d:")?.split_once(':').map(|(_, response)| response)
 }
 
 macro_rules! cluster_suite {
@@ -55,13 +67,30 @@ macro_rules! cluster_suite {
 
                 // Distinct keys spread over the three masters.
                 let n = 300;
-                let run = soak::$backend::distinct_keys(&engines, n).await;
+                let (run, stored) = soak::$backend::distinct_keys(&engines, n).await;
                 let pattern = format!("idem:{}:{run}.*", soak::BIZ);
-                let per_node: Vec<usize> =
-                    (0..cluster.ports().len()).map(|i| keys_on_node(&cluster, i, &pattern)).collect();
-                println!("cluster {}: {n} keys per master {per_node:?}", stringify!($backend));
-                assert!(per_node.iter().all(|&k| k > 0), "a master holds none of the keys: {per_node:?}");
-                assert_eq!(per_node.iter().sum::<usize>(), n, "every finished key is cached exactly once");
+                // A claim becomes its result after the commit, off the
+                // caller's path: poll until every key holds one.
+                let deadline = Instant::now() + Duration::from_secs(10);
+                let per_node = loop {
+                    let per_node: Vec<Vec<(String, String)>> =
+                        (0..cluster.ports().len()).map(|i| keys_on_node(&cluster, i, &pattern)).collect();
+                    let finished = per_node.iter().flatten().filter(|(_, v)| cached_response(v).is_some()).count();
+                    if finished == n || Instant::now() > deadline {
+                        break per_node;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                };
+                let counts: Vec<usize> = per_node.iter().map(Vec::len).collect();
+                println!("cluster {}: {n} keys per master {counts:?}", stringify!($backend));
+                assert!(counts.iter().all(|&k| k > 0), "a master holds none of the keys: {counts:?}");
+                assert_eq!(counts.iter().sum::<usize>(), n, "one cached entry per key");
+                // Each holds its key's stored response: what a replay returns.
+                let cached: HashMap<String, Option<&str>> =
+                    per_node.iter().flatten().map(|(k, v)| (k.clone(), cached_response(v))).collect();
+                let expected: HashMap<String, Option<&str>> =
+                    stored.iter().map(|(k, r)| (format!("idem:{}:{k}", soak::BIZ), Some(r.as_str()))).collect();
+                assert_eq!(cached, expected, "every key caches its stored response");
                 drop(engines);
 
                 // A short soak through the cluster, one master killed once.

@@ -138,6 +138,11 @@ impl Plan {
     pub fn ok(key: usize, sleep: Duration) -> Self {
         Self { key, fault: Fault::None, short_lease: false, sleep, reuse: false, delay: Duration::ZERO }
     }
+
+    /// The amount the call passes: distinct per key, and other with `reuse`.
+    pub fn amount(&self) -> i64 {
+        100 + self.key as i64 + i64::from(self.reuse)
+    }
 }
 
 /// The whole run's calls, decided up front from the seed.
@@ -311,13 +316,15 @@ pub enum CallEnd {
 pub struct KeyLog {
     /// JSON of the first `Ok` returned for the key.
     pub first_ok: Option<String>,
-    pub oks: u32,
+    /// Every `Ok`: the amount its call passed, and the receipt it got.
+    pub oks: Vec<(i64, Receipt)>,
     /// Calls that reported `Outcome::Executed`.
     pub executed: u32,
     /// `Ok` values that differ from the first.
     pub mismatches: Vec<String>,
     pub reuse_calls: u32,
-    pub key_reused: u32,
+    /// The amount each call answered `KeyReused` passed.
+    pub key_reused: Vec<i64>,
 }
 
 /// Counts of one soak.
@@ -369,7 +376,7 @@ impl Tally {
                     other => self.unexpected.push(format!("Ok with outcome {other:?}: {receipt:?}")),
                 }
                 let json = serde_json::to_string(&receipt).expect("receipt json");
-                log.oks += 1;
+                log.oks.push((plan.amount(), receipt));
                 match &log.first_ok {
                     None => log.first_ok = Some(json),
                     Some(first) if *first == json => {}
@@ -380,7 +387,7 @@ impl Tally {
                 SoakError::Idem(idem::Error::InProgress { .. }) => self.in_progress += 1,
                 SoakError::Idem(idem::Error::KeyReused { .. }) => {
                     self.key_reused += 1;
-                    log.key_reused += 1;
+                    log.key_reused.push(plan.amount());
                 }
                 SoakError::Idem(idem::Error::Storage(_)) => self.storage += 1,
                 SoakError::Db(_) => self.body_db += 1,
@@ -442,7 +449,9 @@ pub fn reconcile(ctx: &Ctx, logs: &[KeyLog], tables: &Tables) -> Vec<String> {
                 let receipt = response.and_then(|r| serde_json::from_str::<Receipt>(r).ok());
                 match receipt {
                     Some(r) if *status == 1 && rows.len() == 1 => {
-                        if (r.payment_id, r.amount, r.exec as i64, r.order_updated) != (id, amount, exec, true) {
+                        if (r.key.as_str(), r.payment_id, r.amount, r.exec as i64, r.order_updated)
+                            != (*k, id, amount, exec, true)
+                        {
                             bad.push(format!(
                                 "{k}: record says {r:?}, ledger says id {id} amount {amount} exec {exec}"
                             ));
@@ -488,8 +497,32 @@ pub fn reconcile(ctx: &Ctx, logs: &[KeyLog], tables: &Tables) -> Vec<String> {
         if log.executed > 1 {
             bad.push(format!("{k}: {} calls reported Executed", log.executed));
         }
-        if log.key_reused > 0 && log.reuse_calls == 0 {
-            bad.push(format!("{k}: KeyReused {} times, yet every call had the same arguments", log.key_reused));
+        // The winner's amount: the stored response's, or the first Ok's
+        // when nothing was stored (which the check above reports).
+        let stored = match records.get(k.as_str()) {
+            Some((1, Some(response))) => serde_json::from_str::<Receipt>(response).ok(),
+            _ => None,
+        };
+        let winner = stored.as_ref().or(log.oks.first().map(|(_, r)| r)).map(|r| r.amount);
+        // An Ok carries the call's key and the winner's amount, which must
+        // be the call's own: other arguments are answered KeyReused.
+        for (asked, r) in &log.oks {
+            if r.key != k {
+                bad.push(format!("{k}: Ok with a receipt for key {}", r.key));
+            }
+            if r.amount != *asked {
+                bad.push(format!("{k}: a call with amount {asked} got Ok for amount {} (other arguments)", r.amount));
+            }
+            if Some(r.amount) != winner {
+                bad.push(format!("{k}: Ok for amount {}, the winner's is {winner:?}", r.amount));
+            }
+        }
+        // KeyReused is only answered from a committed result (the record),
+        // and only to other arguments than the ones it stored.
+        for asked in &log.key_reused {
+            if winner.is_none_or(|w| w == *asked) {
+                bad.push(format!("{k}: KeyReused for amount {asked}, the winner's is {winner:?}"));
+            }
         }
     }
     bad
@@ -622,14 +655,15 @@ impl Report {
         );
     }
 
-    /// Every fault kind must actually have happened.
-    pub fn assert_faults(&self) {
+    /// Every fault kind must actually have happened; the Redis kills, due
+    /// at fixed points of progress the run always passes, all of them.
+    pub fn assert_faults(&self, cfg: &Config) {
+        assert_eq!(self.redis_kills, cfg.redis_kills, "Redis kills");
         let t = &self.tally;
         let kinds = [
             ("body error", t.failed),
             ("panic", t.panicked),
             ("cancellation", t.cancelled),
-            ("redis kill", self.redis_kills as u64),
             ("db connection kill", self.db_kills),
             ("slow body past its lease", self.slow_bodies),
         ];
@@ -712,10 +746,6 @@ macro_rules! soak_backend {
                 body(tx, &k, amount, ctx, plan).await
             }
 
-            fn amount(plan: &Plan) -> i64 {
-                100 + plan.key as i64 + i64::from(plan.reuse)
-            }
-
             /// One call in its own task (a panic stays there), cut by its
             /// deadline if it has one.
             pub async fn call(engine: Idem<Db>, ctx: Arc<Ctx>, plan: Plan) -> CallEnd {
@@ -725,7 +755,7 @@ macro_rules! soak_backend {
                 };
                 let task = tokio::spawn(async move {
                     let k = ctx.key(plan.key);
-                    let amount = amount(&plan);
+                    let amount = plan.amount();
                     let call = async {
                         if plan.short_lease {
                             pay_short_lease(&engine, k, amount, &ctx, plan).await
@@ -890,7 +920,7 @@ macro_rules! soak_backend {
                     bad.len(),
                     bad.iter().take(50).cloned().collect::<Vec<_>>().join("\n")
                 );
-                report.assert_faults();
+                report.assert_faults(cfg);
                 cleanup(&admin, &ctx.run).await;
                 Some(report)
             }
@@ -963,8 +993,9 @@ macro_rules! soak_backend {
             }
 
             /// Executes `n` distinct new keys (healthy servers: each runs
-            /// once); returns the run, whose keys are `<run>.<i>`.
-            pub async fn distinct_keys(engines: &[Idem<Db>], n: usize) -> String {
+            /// once); returns the run, whose keys are `<run>.<i>`, and each
+            /// key's stored response.
+            pub async fn distinct_keys(engines: &[Idem<Db>], n: usize) -> (String, HashMap<String, String>) {
                 let ctx = Arc::new(Ctx::new(crate::common::unique("spread")));
                 orders(engines[0].pool(), &ctx.run, n).await;
                 let mut tasks = Vec::new();
@@ -985,7 +1016,8 @@ macro_rules! soak_backend {
                 let tables = tables(engines[0].pool(), &ctx.run).await;
                 assert_eq!((tables.ledger.len(), tables.records.len()), (n, n));
                 cleanup(engines[0].pool(), &ctx.run).await;
-                ctx.run.clone()
+                let responses = tables.records.into_iter().map(|(k, _, r)| (k, r.expect("a response"))).collect();
+                (ctx.run.clone(), responses)
             }
         }
     };
