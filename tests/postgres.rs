@@ -11,14 +11,16 @@ const LEDGER_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_test_ledger (
     id BIGSERIAL PRIMARY KEY, k VARCHAR(300) NOT NULL, amount BIGINT NOT NULL)";
 const INSERT_LEDGER: &str = "INSERT INTO idem_test_ledger (k, amount) VALUES ($1, $2)";
 const COUNT_LEDGER: &str = "SELECT COUNT(*) FROM idem_test_ledger WHERE k = $1";
-const COUNT_RECORDS: &str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = $1";
 const COUNT_RECORDS_KEY: &str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = $1 AND idem_key = $2";
 /// Whether a duplicate's wait on the record is bounded by `lock_wait`.
 const LOCK_WAIT_BOUNDED: bool = true;
+/// One writer at a time: a second transaction waits for the first to end.
+const ONE_WRITER: bool = false;
 /// Two rows to lock, for the error-classification test (row-locking servers only).
 const CLASSIFY_DDL: &str = "SELECT pg_advisory_xact_lock(7306232718293614); CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); INSERT INTO idem_classify VALUES (1, 0), (2, 0) ON CONFLICT DO NOTHING";
 /// Makes the next lock wait of this transaction give up within a second.
 const SHORT_LOCK_WAIT: &str = "SET LOCAL lock_timeout = 300";
+const DELETE_RECORD: &str = "DELETE FROM idem_record WHERE biz_type = $1 AND idem_key = $2";
 const CORRUPT: &str = "UPDATE idem_record SET response = $1 WHERE biz_type = $2 AND idem_key = $3";
 const BIZ_NO: &str = "SELECT biz_no FROM idem_record WHERE biz_type = $1 AND idem_key = $2";
 

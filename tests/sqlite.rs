@@ -11,14 +11,16 @@ const LEDGER_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_test_ledger (
     id INTEGER PRIMARY KEY, k TEXT NOT NULL, amount INTEGER NOT NULL)";
 const INSERT_LEDGER: &str = "INSERT INTO idem_test_ledger (k, amount) VALUES (?, ?)";
 const COUNT_LEDGER: &str = "SELECT COUNT(*) FROM idem_test_ledger WHERE k = ?";
-const COUNT_RECORDS: &str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = ?";
 const COUNT_RECORDS_KEY: &str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = ? AND idem_key = ?";
 /// Whether a duplicate's wait on the record is bounded by `lock_wait`.
 const LOCK_WAIT_BOUNDED: bool = false;
+/// One writer at a time: a second transaction waits for the first to end.
+const ONE_WRITER: bool = true;
 /// Two rows to lock, for the error-classification test (row-locking servers only).
 const CLASSIFY_DDL: &str = "";
 /// Makes the next lock wait of this transaction give up within a second.
 const SHORT_LOCK_WAIT: &str = "";
+const DELETE_RECORD: &str = "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ?";
 const CORRUPT: &str = "UPDATE idem_record SET response = ? WHERE biz_type = ? AND idem_key = ?";
 const BIZ_NO: &str = "SELECT biz_no FROM idem_record WHERE biz_type = ? AND idem_key = ?";
 

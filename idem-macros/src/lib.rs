@@ -47,7 +47,8 @@ mod ttl;
 /// # Durations
 ///
 /// A number and a unit, repeated: `ms`, `s`, `m`, `h`, `d`, e.g. `"500ms"`,
-/// `"30s"`, `"15m"`, `"24h"`, `"7d"`, `"1h30m"`. Zero is refused.
+/// `"30s"`, `"15m"`, `"24h"`, `"7d"`, `"1h30m"`. Zero is refused, and so is
+/// anything longer than 100 years (`"36500d"`).
 ///
 /// # Parameters
 ///

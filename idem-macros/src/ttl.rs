@@ -1,5 +1,9 @@
 //! Durations written as `"30s"`, `"15m"`, `"24h"`, `"7d"`, `"1h30m"`, `"500ms"`.
 
+/// The longest ttl or lease: 100 years. Far beyond any use, and far below
+/// what Redis (`PX`) and the record's epoch-ms `BIGINT` can hold.
+const MAX_MS: u64 = 36_500 * 86_400_000;
+
 /// Milliseconds in `text`, or a message saying what is wrong with it.
 pub fn parse_duration(text: &str) -> Result<u64, String> {
     const EXPECTED: &str =
@@ -35,6 +39,9 @@ pub fn parse_duration(text: &str) -> Result<u64, String> {
     if total == 0 {
         return Err(format!("`{text}` is zero; a duration must be greater than zero"));
     }
+    if total > MAX_MS {
+        return Err(format!("`{text}` is longer than the longest duration, 100 years (\"36500d\")"));
+    }
     Ok(total)
 }
 
@@ -60,5 +67,8 @@ mod tests {
         }
         assert!(parse_duration("5x").unwrap_err().contains("unknown unit `x`"));
         assert!(parse_duration("0s").unwrap_err().contains("greater than zero"));
+        assert_eq!(parse_duration("36500d"), Ok(3_153_600_000_000));
+        assert!(parse_duration("36500d1ms").unwrap_err().contains("100 years"));
+        assert!(parse_duration("99999999999999999999d").unwrap_err().contains("too long a duration"));
     }
 }

@@ -29,9 +29,11 @@ pub const BACKOFF: Duration = Duration::from_secs(1);
 const RELEASE_TRIES: usize = 20;
 
 // GET and SET NX in one step; the reply is the value found, or nil when
-// the claim was taken.
+// the claim is ours. Our own value counts as ours: a client that resends
+// the script after a lost reply (the cluster client does) finds it.
 const CLAIM: &str = r"
 local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then return false end
 if v then return v end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return false";
@@ -142,28 +144,26 @@ impl Claims {
         let held = Held { key: redis_key(biz, key), value: format!("p:{}:{fingerprint}", token()) };
         let mut call = self.claim.key(&held.key);
         call.arg(&held.value).arg(millis(lease));
-        match self.run::<Option<String>>(&call, Backoff::Respect).await {
-            Ok(None) => Claim::Acquired(held),
-            Ok(Some(found)) => parse(&found),
-            Err(Missed::Skipped) => Claim::Unavailable,
-            Err(Missed::Failed) => {
-                // The script may still run, its answer lost: drop the claim we
-                // may hold, or retries would see it running until the lease
-                // ends. Off the caller's path and past the back-off this very
-                // failure started; retried until Redis answers, since a
-                // release that overtakes the late claim (say, on a fresh
-                // connection) deletes nothing. Compare-and-delete on our own
-                // token: repeating it is harmless.
-                let claims = Arc::clone(self);
-                spawn_detached(async move { claims.release_after_failure(&held).await });
-                Claim::Unavailable
-            }
+        let mut unanswered = Unanswered { claims: self, held: Some(held) };
+        let answer = self.run::<Option<String>>(&call, Backoff::Respect).await;
+        if matches!(answer, Err(Missed::Failed)) {
+            return Claim::Unavailable; // `unanswered` releases what may have landed
+        }
+        match (answer, unanswered.held.take()) {
+            (Ok(None), Some(held)) => Claim::Acquired(held),
+            (Ok(Some(found)), _) => parse(&found),
+            _ => Claim::Unavailable, // skipped while Redis backs off: never sent
         }
     }
 
     /// Drops our claim so the next call may execute (after a failed body).
-    pub async fn release(&self, held: &Held) {
-        let _ = self.release_with(held, Backoff::Respect).await;
+    /// Unanswered, or skipped while Redis backs off, it is retried off the
+    /// caller's path rather than left to run out its lease.
+    pub async fn release(self: &Arc<Self>, held: &Held) {
+        if self.release_with(held, Backoff::Respect).await.is_err() {
+            let (claims, held) = (Arc::clone(self), held.clone());
+            spawn_detached(async move { claims.release_after_failure(&held).await });
+        }
     }
 
     async fn release_with(&self, held: &Held, backoff: Backoff) -> Result<i64, Missed> {
@@ -264,6 +264,25 @@ impl Claims {
     }
 }
 
+/// A claim sent but not answered. Dropped so (the answer failed or timed
+/// out, or the caller's future was dropped while waiting), the script may
+/// still run and set our claim: it is released off the caller's path and
+/// past the back-off, and retried until Redis answers, since a release that
+/// overtakes the late claim (say, on a fresh connection) deletes nothing.
+/// Compare-and-delete on our own token: repeating it is harmless.
+struct Unanswered<'a> {
+    claims: &'a Arc<Claims>,
+    held: Option<Held>,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        let Some(held) = self.held.take() else { return };
+        let claims = Arc::clone(self.claims);
+        spawn_detached(async move { claims.release_after_failure(&held).await });
+    }
+}
+
 /// A cloned connection, usable as `redis::aio::ConnectionLike`.
 struct ConnectionHandle(Connection);
 
@@ -357,6 +376,31 @@ mod tests {
         }
         assert!(matches!(parse("p:t:f"), Claim::Running));
         assert!(matches!(parse("garbage"), Claim::Running));
+    }
+
+    /// Against a real Redis; skipped when none answers, unless
+    /// `IDEM_REQUIRE_SERVICES` is set.
+    #[test]
+    fn claim_script_counts_our_own_value_as_ours() {
+        let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let conn = redis::Client::open(url).and_then(|c| c.get_connection_with_timeout(Duration::from_secs(2)));
+        let mut conn = match conn {
+            Ok(conn) => conn,
+            Err(e) => {
+                assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "redis unreachable: {e}");
+                eprintln!("skipped: redis unreachable ({e})");
+                return;
+            }
+        };
+        let key = format!("idem:t_unit:{}", token());
+        let script = Script::new(CLAIM);
+        let mut claim = |value: &str| -> Option<String> {
+            script.key(&key).arg(value).arg(60_000).invoke(&mut conn).expect("claim script")
+        };
+        assert_eq!(claim("p:ours:f"), None, "taken");
+        assert_eq!(claim("p:ours:f"), None, "sent again after a lost reply: still ours");
+        assert_eq!(claim("p:theirs:f").as_deref(), Some("p:ours:f"), "someone else's is reported");
+        let _: i64 = redis::cmd("DEL").arg(&key).query(&mut conn).expect("DEL");
     }
 
     #[test]

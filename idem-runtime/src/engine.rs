@@ -23,9 +23,9 @@ use crate::store::{Backend, Failure, NewRecord, PROCESSING, SUCCEEDED, StoredRec
 
 /// Longest `biz_no`: the column is `VARCHAR(64)`.
 pub const MAX_BIZ_NO_LEN: usize = 64;
-/// How many times a deadlock or serialization failure before the body runs
-/// is retried.
-const CONFLICT_RETRIES: u32 = 3;
+/// How many attempts a deadlock or serialization failure before the body
+/// runs gets: the first and two retries.
+const CONFLICT_ATTEMPTS: u32 = 3;
 
 /// What one annotated fn declares; built by the attribute at compile time.
 #[doc(hidden)]
@@ -116,7 +116,9 @@ impl<DB: Backend> Builder<DB> {
     /// another engine (another instance) on the record's unique index:
     /// PostgreSQL honours the bound to the millisecond, MariaDB in whole
     /// seconds (at least 1); SQLite uses the pool's busy timeout, and MySQL
-    /// its `innodb_lock_wait_timeout` (it has no per-statement form).
+    /// its `innodb_lock_wait_timeout` (it has no per-statement form). A call
+    /// that waited in memory for a duplicate that then failed goes ahead as
+    /// if first, and may wait once more on the database.
     pub fn lock_wait(mut self, wait: Duration) -> Self {
         self.lock_wait = wait;
         self
@@ -467,7 +469,7 @@ where
             Err(e) => {
                 rollback(tx).await;
                 match DB::classify(&e) {
-                    Failure::Conflict if attempt < CONFLICT_RETRIES => continue,
+                    Failure::Conflict if attempt < CONFLICT_ATTEMPTS => continue,
                     _ => return Err(db_error::<DB, E>(call, e)),
                 }
             }
@@ -479,11 +481,18 @@ where
         Ok(value) => value,
         Err(e) => {
             rollback(tx).await;
+            // With a claim the record goes in last, so a body can run after a
+            // duplicate committed (its lease ran out, or Redis lost the cached
+            // result) and fail on the state that duplicate left, such as an
+            // order already paid. The committed result is then the answer.
+            if claimed && let Ok(Some(row)) = find_live(inner, call).await {
+                return replay_row(call, row);
+            }
             return Err(Failed::Body(e));
         }
     };
-    let response = match serde_json::to_string(&value) {
-        Ok(r) => r,
+    let (value, response) = match stored_form(&value) {
+        Ok(stored) => stored,
         Err(e) => {
             rollback(tx).await;
             return Err(Error::Serialize(e).into());
@@ -508,6 +517,14 @@ where
         },
         _ => Err(db_error::<DB, E>(call, failure)),
     }
+}
+
+/// The result as it is stored, and read back from there: the first caller
+/// gets what every replay will (a skipped field, a float that JSON cannot
+/// hold), and a result that cannot replay fails before anything commits.
+fn stored_form<T: Serialize + DeserializeOwned>(value: &T) -> Result<(T, String), serde_json::Error> {
+    let response = serde_json::to_string(value)?;
+    Ok((serde_json::from_str(&response)?, response))
 }
 
 /// Writes the finished record (inserted with a claim, completed without)
@@ -631,8 +648,10 @@ impl ClaimGuard {
     }
 
     async fn release(&mut self) {
-        if let Some(held) = self.held.take() {
-            self.claims.release(&held).await;
+        // Settled only once released: dropped meanwhile, `Drop` releases.
+        if let Some(held) = &self.held {
+            self.claims.release(held).await;
+            self.held = None;
         }
     }
 }

@@ -50,7 +50,9 @@ pub enum Error {
         source: serde_json::Error,
     },
 
-    /// An argument or the result could not be serialized to JSON.
+    /// An argument or the result could not be serialized to JSON, or the
+    /// result could not be read back from it (say, a float NaN, which JSON
+    /// stores as `null`): nothing was committed.
     #[error("cannot serialize for idempotency: {0}")]
     Serialize(#[source] serde_json::Error),
 }

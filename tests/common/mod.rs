@@ -100,6 +100,50 @@ pub async fn redis_set(client: &redis::Client, key: &str, value: &str, ttl_ms: u
     let _: () = redis::cmd("SET").arg(key).arg(value).arg("PX").arg(ttl_ms).query_async(&mut conn).await.expect("SET");
 }
 
+/// Deletes `key` (tests where Redis lost what it held).
+pub async fn redis_del(client: &redis::Client, key: &str) {
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let _: i64 = redis::cmd("DEL").arg(key).query_async(&mut conn).await.expect("DEL");
+}
+
+/// Polls `key` until it is gone or `deadline` passes; what it held last.
+/// A paused Redis may time a `GET` out: that is asked again.
+pub async fn redis_value_after(client: &redis::Client, key: &str, deadline: Duration) -> Option<String> {
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let start = std::time::Instant::now();
+    loop {
+        let value: redis::RedisResult<Option<String>> = redis::cmd("GET").arg(key).query_async(&mut conn).await;
+        match value {
+            Ok(None) => return None,
+            Ok(Some(v)) if start.elapsed() > deadline => return Some(v),
+            Err(e) if start.elapsed() > deadline => panic!("GET {key}: {e}"),
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+/// Polls `key` until it holds a finished result (`d:<fingerprint>:<response>`,
+/// written after the commit from a spawned task); returns the response part.
+pub async fn redis_cached_response(client: &redis::Client, key: &str) -> String {
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let start = std::time::Instant::now();
+    loop {
+        let value: Option<String> = redis::cmd("GET").arg(key).query_async(&mut conn).await.expect("GET");
+        if let Some(response) = value.as_deref().and_then(|v| v.strip_prefix("d:")).and_then(|v| v.split_once(':')) {
+            return response.1.to_owned();
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{key} not cached: {value:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Makes Redis hold every command for `ms` (`CLIENT PAUSE`): answered as
+/// soon as the pause has begun, so what follows is held for certain.
+pub async fn redis_pause(client: &redis::Client, ms: u64) {
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let _: () = redis::cmd("CLIENT").arg("PAUSE").arg(ms).arg("ALL").query_async(&mut conn).await.expect("PAUSE");
+}
+
 /// A key nobody else uses: this process, this instant, a counter.
 pub fn unique(prefix: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);

@@ -49,6 +49,10 @@ enum Mode {
     Fail,
     Panic,
     Slow(u64),
+    /// Waits for `Probe::open`, then succeeds.
+    HeldThenOk,
+    /// Waits for `Probe::open`, then fails.
+    HeldThenFail,
 }
 
 /// Waits until `runs` bodies have started (the first call holds its key).
@@ -77,15 +81,26 @@ where
     answer
 }
 
-/// Counts how many times a body started.
-#[derive(Default)]
+/// Counts how many times a body started, and holds `Held*` bodies.
 struct Probe {
     runs: AtomicUsize,
+    gate: tokio::sync::Semaphore,
+}
+
+impl Default for Probe {
+    fn default() -> Self {
+        Self { runs: AtomicUsize::new(0), gate: tokio::sync::Semaphore::new(0) }
+    }
 }
 
 impl Probe {
     fn runs(&self) -> usize {
         self.runs.load(SeqCst)
+    }
+
+    /// Lets one held body go on.
+    fn open(&self) {
+        self.gate.add_permits(1);
     }
 }
 
@@ -103,6 +118,12 @@ async fn body(
         Mode::Fail => return Err(TestError::Body),
         Mode::Panic => panic!("the body panics"),
         Mode::Slow(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+        Mode::HeldThenOk | Mode::HeldThenFail => {
+            probe.gate.acquire().await.expect("gate").forget();
+            if matches!(mode, Mode::HeldThenFail) {
+                return Err(TestError::Body);
+            }
+        }
     }
     Ok(run)
 }
@@ -138,8 +159,9 @@ async fn pay_short_lease(
     tx: &mut Transaction<'_, Db>,
     k: String,
     #[idem(skip)] probe: &Probe,
+    #[idem(skip)] mode: Mode,
 ) -> Result<Receipt, TestError> {
-    let run = body(tx, &k, 1, probe, Mode::Slow(600)).await?;
+    let run = body(tx, &k, 1, probe, mode).await?;
     Ok(Receipt { key: k, amount: 1, run })
 }
 
@@ -195,6 +217,27 @@ falsy_fn!(unit, "t_falsy_unit", (), ());
 falsy_fn!(none, "t_falsy_none", Option<i32>, None);
 falsy_fn!(falsy_false, "t_falsy_bool", bool, false);
 
+/// A result whose stored form differs from the value: a field left out of
+/// the JSON, and a float JSON cannot hold when `amount` is 0.
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct Shown {
+    ratio: f64,
+    #[serde(skip_serializing, default)]
+    note: String,
+}
+
+#[idempotent(key = "<k>", ttl = "1h", biz = "t_shown")]
+async fn shown(
+    idem: &Idem<Db>,
+    tx: &mut Transaction<'_, Db>,
+    k: String,
+    amount: i64,
+    #[idem(skip)] probe: &Probe,
+) -> Result<Shown, TestError> {
+    body(tx, &k, amount, probe, Mode::Ok).await?;
+    Ok(Shown { ratio: if amount == 0 { f64::NAN } else { amount as f64 }, note: "not stored".into() })
+}
+
 /// Runs `$helper` as two tests: the first name without Redis, the second
 /// with it.
 macro_rules! with_and_without_redis {
@@ -237,10 +280,6 @@ enum Redis {
 
 async fn ledger_rows(idem: &Idem<Db>, k: &str) -> i64 {
     sqlx::query_scalar(COUNT_LEDGER).bind(k).fetch_one(idem.pool()).await.expect("count ledger")
-}
-
-async fn record_rows(idem: &Idem<Db>, biz: &str) -> i64 {
-    sqlx::query_scalar(COUNT_RECORDS).bind(biz).fetch_one(idem.pool()).await.expect("count records")
 }
 
 fn is_in_progress(r: &Result<Receipt, TestError>) -> bool {
@@ -527,54 +566,141 @@ async fn claim_whose_answer_came_too_late_is_released() {
     let probe = Probe::default();
     pay(&idem, common::unique("warm"), 1, &probe, Mode::Ok).await.unwrap(); // connected, scripts loaded
 
-    // Keep the private Redis busy for 600 ms: our claim waits in its queue,
-    // times out on our side, then runs.
-    let stall = {
-        let client = server.client();
-        tokio::task::spawn_blocking(move || {
-            let mut conn = client.get_connection().expect("redis");
-            let busy = "local t = redis.call('TIME') local s = t[1] * 1000000 + t[2] \
-                        repeat local n = redis.call('TIME') until n[1] * 1000000 + n[2] - s > tonumber(ARGV[1]) return 1";
-            let _: i64 = redis::cmd("EVAL").arg(busy).arg(0).arg(600_000).query(&mut conn).expect("stall");
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Redis holds commands for 600 ms: our claim waits in its queue, times
+    // out on our side, then runs.
+    common::redis_pause(&server.client(), 600).await;
     let k = common::unique("late");
     let failed = pay(&idem, k.clone(), 2, &probe, Mode::Fail).await;
     assert!(matches!(failed, Err(TestError::Body)), "{failed:?}");
-    stall.await.unwrap();
 
     // The release follows within a few Redis timeouts; the lease is 30 s.
-    let mut conn = server.client().get_multiplexed_async_connection().await.expect("redis");
-    let mut left: Option<String> = Some(String::new());
-    for _ in 0..30 {
-        left = redis::cmd("GET").arg(format!("idem:t_pay:{k}")).query_async(&mut conn).await.unwrap();
-        if left.is_none() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let left = common::redis_value_after(&server.client(), &format!("idem:t_pay:{k}"), Duration::from_secs(15)).await;
     assert_eq!(left, None, "the late claim was released");
+}
+
+/// Regression: a call dropped while its claim is on the way to Redis (its
+/// client gave up) may still have claimed the key; that claim is released
+/// rather than left for the whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_of_a_call_dropped_while_redis_is_slow_is_released() {
+    let Some(server) = common::servers::RedisServer::start() else { return };
+    let Some(pool) = open(&common::unique("db"), 4).await else { return };
+    prepare(&pool).await;
+    let idem = Idem::builder(pool).redis(server.client()).redis_timeout(Duration::from_secs(2)).build();
+    idem.migrate().await.expect("migrate");
+    let probe = Probe::default();
+    pay(&idem, common::unique("warm"), 1, &probe, Mode::Ok).await.unwrap(); // connected, scripts loaded
+
+    common::redis_pause(&server.client(), 600).await;
+    let k = common::unique("dropped");
+    let dropped = tokio::time::timeout(Duration::from_millis(100), pay(&idem, k.clone(), 2, &probe, Mode::Ok)).await;
+    assert!(dropped.is_err(), "the call was still waiting for Redis: {dropped:?}");
+    assert_eq!(probe.runs(), 1, "its body never started");
+
+    // After the pause the claim lands; it is gone well before its 30 s lease.
+    let left = common::redis_value_after(&server.client(), &format!("idem:t_pay:{k}"), Duration::from_secs(15)).await;
+    assert_eq!(left, None, "the dropped call's claim was released");
+    let (again, outcome) = idem::observe(pay(&idem, k.clone(), 2, &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap().run, outcome), (2, Some(idem::Outcome::Executed)));
+}
+
+/// Regression: a failed body's release that meets the Redis back-off (another
+/// call's Redis operation just timed out) is retried, not skipped: the
+/// claim would otherwise answer `InProgress` to every retry for the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_during_the_redis_back_off_is_retried() {
+    let Some(server) = common::servers::RedisServer::start() else { return };
+    let Some(pool) = open(&common::unique("db"), 4).await else { return };
+    prepare(&pool).await;
+    let idem = Idem::builder(pool).redis(server.client()).redis_timeout(Duration::from_millis(200)).build();
+    idem.migrate().await.expect("migrate");
+    let probe = Arc::new(Probe::default());
+    pay(&idem, common::unique("warm"), 1, &probe, Mode::Ok).await.unwrap(); // connected, scripts loaded
+
+    let k = common::unique("backoff");
+    let held = {
+        let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { pay(&idem, k, 2, &probe, Mode::HeldThenFail).await })
+    };
+    until_started(&probe, 2).await; // it holds its claim
+    // Another Redis operation times out (a status query: it needs no write
+    // lock, which SQLite's held transaction keeps): Redis is left alone for
+    // the next second.
+    common::redis_pause(&server.client(), 400).await;
+    let status = idem.status("t_pay", &common::unique("other")).await.unwrap();
+    assert_eq!(status, Status::Absent);
+    // The held body fails inside that second; its release meets the back-off.
+    probe.open();
+    assert!(matches!(held.await.unwrap(), Err(TestError::Body)));
+
+    let left = common::redis_value_after(&server.client(), &format!("idem:t_pay:{k}"), Duration::from_secs(15)).await;
+    assert_eq!(left, None, "the failed call's claim was released");
+}
+
+/// Regression: with a claim the record goes in last, so when Redis lost a
+/// finished call's cached result, a duplicate runs its body; if that body
+/// fails on what the first call left (an order already paid), the caller
+/// still gets the first result, not the body's error.
+#[tokio::test]
+async fn duplicate_whose_body_fails_after_redis_lost_the_result_replays() {
+    let Some(idem) = engine(&common::unique("db"), 4, Redis::On).await else { return };
+    let Some(client) = common::redis_client().await else { return };
+    let probe = Probe::default();
+    let k = common::unique("lost");
+    let first = pay(&idem, k.clone(), 5, &probe, Mode::Ok).await.unwrap();
+    common::redis_del(&client, &format!("idem:t_pay:{k}")).await; // evicted, flushed, restarted
+
+    let (again, outcome) = idem::observe(pay(&idem, k.clone(), 5, &probe, Mode::Fail)).await;
+    assert_eq!((again.unwrap(), outcome), (first, Some(idem::Outcome::Replayed)));
+    common::redis_del(&client, &format!("idem:t_pay:{k}")).await;
+    let reused = pay(&idem, k.clone(), 6, &probe, Mode::Fail).await;
+    assert!(matches!(reused, Err(TestError::Idem(idem::Error::KeyReused { .. }))), "{reused:?}");
+    assert_eq!(probe.runs(), 3, "both duplicates ran their bodies, which failed");
+    assert_eq!(ledger_rows(&idem, &k).await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_after_the_lease_still_commits_once() {
     let Some(idem) = engine(&common::unique("db"), 4, Redis::On).await else { return };
+    let Some(client) = common::redis_client().await else { return };
     let probe = Arc::new(Probe::default());
     let k = common::unique("lease");
 
     let first = {
         let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
-        tokio::spawn(async move { pay_short_lease(&idem, k, &probe).await })
+        tokio::spawn(async move { pay_short_lease(&idem, k, &probe, Mode::HeldThenOk).await })
     };
-    // Past the 100 ms lease, while the first body (600 ms) still runs.
-    tokio::time::sleep(Duration::from_millis(250)).await;
-    let second = pay_short_lease(&idem, k.clone(), &probe).await.unwrap();
-    let first = first.await.unwrap().unwrap();
+    until_started(&probe, 1).await;
+    // Its 100 ms lease runs out while its body is held.
+    let claim = common::redis_value_after(&client, &format!("idem:t_lease:{k}"), Duration::from_secs(10)).await;
+    assert_eq!(claim, None, "the lease ran out");
+    assert!(!first.is_finished());
 
-    assert_eq!(first, second, "the duplicate replays the first result");
+    let second = {
+        let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { idem::observe(pay_short_lease(&idem, k, &probe, Mode::Ok)).await })
+    };
+    let (first, second) = if ONE_WRITER {
+        // SQLite: the duplicate waits for the write lock, so the first commits
+        // first and the duplicate's record meets it.
+        probe.open();
+        let first = first.await.unwrap().unwrap();
+        let (second, outcome) = second.await.unwrap();
+        assert_eq!((first.run, outcome), (1, Some(idem::Outcome::Replayed)));
+        (first, second.unwrap())
+    } else {
+        // The duplicate claims the key, runs its body and commits; the first,
+        // let go, meets that record at its own insert, rolls back and replays.
+        let (second, outcome) = second.await.unwrap();
+        assert_eq!(outcome, Some(idem::Outcome::Executed));
+        probe.open();
+        (first.await.unwrap().unwrap(), second.unwrap())
+    };
+    assert_eq!(first, second, "both callers got the committed result");
+    assert_eq!(probe.runs(), 2, "both bodies ran");
     assert_eq!(ledger_rows(&idem, &k).await, 1, "one committed business write");
-    assert_eq!(pay_short_lease(&idem, k.clone(), &probe).await.unwrap(), first);
+    assert_eq!(pay_short_lease(&idem, k.clone(), &probe, Mode::Ok).await.unwrap(), first);
+    assert_eq!(probe.runs(), 2);
 }
 
 /// Regression: a call that committed but died before its cache write leaves
@@ -662,72 +788,115 @@ async fn hashmap_arguments_fingerprint_the_same_in_any_order() {
 
 /// Hostile keys, each rendered through `bad_<k>`: every one must be refused
 /// with `InvalidKey` before any Redis or database write.
-fn hostile_keys() -> Vec<(&'static str, String)> {
-    let mut keys: Vec<(&'static str, String)> = vec![
-        ("256 bytes", "k".repeat(252)),
-        ("10k bytes", "k".repeat(10_000)),
-        ("space", "with space".into()),
-        ("tab", "a\tb".into()),
-        ("newline", "new\nline".into()),
-        ("carriage return", "a\rb".into()),
-        ("redis CRLF injection", "x\r\nSET pwned 1\r\n".into()),
-        ("NUL", "nul\0".into()),
-        ("escape", "a\u{1b}[31m".into()),
-        ("DEL", "a\u{7f}".into()),
-        ("glob *", "star*".into()),
-        ("glob ?", "what?".into()),
-        ("glob []", "[ab]".into()),
-        ("hash tag {}", "{brace}".into()),
-        ("single quote", "o'brien".into()),
-        ("double quote", "say\"hi\"".into()),
-        ("sql comment", "a;--".into()),
-        ("sql injection", "1' OR '1'='1".into()),
-        ("backslash", "a\\b".into()),
-        ("percent", "100%".into()),
-        ("slash", "a/b".into()),
-        ("hash", "a#b".into()),
-        ("at", "a@b".into()),
-        ("plus", "a+b".into()),
-        ("comma", "a,b".into()),
-        ("equals", "a=b".into()),
-        ("latin accent", "caf\u{e9}".into()),
-        ("cyrillic lookalike a", "b\u{430}d".into()),
-        ("fullwidth k", "\u{ff4b}ey".into()),
-        ("zero-width space", "a\u{200b}b".into()),
-        ("right-to-left override", "a\u{202e}b".into()),
-        ("combining accent", "e\u{301}".into()),
-        ("emoji", "pay\u{1f4b8}".into()),
-    ];
-    keys.push(("only spaces", "   ".into()));
-    keys
+/// Hostile values of `k` in the key template `bad_<k>`, each with the
+/// refusal it must get (offsets count the `bad_` prefix).
+fn hostile_keys() -> Vec<(&'static str, String, idem::KeyError)> {
+    use idem::KeyError::{BadChar, TooLong};
+    let bad = |ch: char, in_k: usize| BadChar { ch, at: "bad_".len() + in_k };
+    vec![
+        ("256 bytes", "k".repeat(252), TooLong { len: 256, max: 255 }),
+        ("10k bytes", "k".repeat(10_000), TooLong { len: 10_004, max: 255 }),
+        ("space", "with space".into(), bad(' ', 4)),
+        ("only spaces", "   ".into(), bad(' ', 0)),
+        ("tab", "a\tb".into(), bad('\t', 1)),
+        ("newline", "new\nline".into(), bad('\n', 3)),
+        ("carriage return", "a\rb".into(), bad('\r', 1)),
+        ("redis CRLF injection", "x\r\nSET pwned 1\r\n".into(), bad('\r', 1)),
+        ("NUL", "nul\0".into(), bad('\0', 3)),
+        ("escape", "a\u{1b}[31m".into(), bad('\u{1b}', 1)),
+        ("DEL", "a\u{7f}".into(), bad('\u{7f}', 1)),
+        ("glob *", "star*".into(), bad('*', 4)),
+        ("glob ?", "what?".into(), bad('?', 4)),
+        ("glob []", "[ab]".into(), bad('[', 0)),
+        ("hash tag {}", "{brace}".into(), bad('{', 0)),
+        ("single quote", "o'brien".into(), bad('\'', 1)),
+        ("double quote", "say\"hi\"".into(), bad('"', 3)),
+        ("sql comment", "a;--".into(), bad(';', 1)),
+        ("sql injection", "1' OR '1'='1".into(), bad('\'', 1)),
+        ("backslash", "a\\b".into(), bad('\\', 1)),
+        ("percent", "100%".into(), bad('%', 3)),
+        ("slash", "a/b".into(), bad('/', 1)),
+        ("hash", "a#b".into(), bad('#', 1)),
+        ("at", "a@b".into(), bad('@', 1)),
+        ("plus", "a+b".into(), bad('+', 1)),
+        ("comma", "a,b".into(), bad(',', 1)),
+        ("equals", "a=b".into(), bad('=', 1)),
+        ("latin accent", "caf\u{e9}".into(), bad('\u{e9}', 3)),
+        ("cyrillic lookalike a", "b\u{430}d".into(), bad('\u{430}', 1)),
+        ("fullwidth k", "\u{ff4b}ey".into(), bad('\u{ff4b}', 0)),
+        ("zero-width space", "a\u{200b}b".into(), bad('\u{200b}', 1)),
+        ("right-to-left override", "a\u{202e}b".into(), bad('\u{202e}', 1)),
+        ("combining accent", "e\u{301}".into(), bad('\u{301}', 1)),
+        ("emoji", "pay\u{1f4b8}".into(), bad('\u{1f4b8}', 3)),
+    ]
+}
+
+/// Whether `r` is exactly the refusal `expected`.
+fn refused_with<T: std::fmt::Debug>(r: &Result<T, TestError>, expected: &idem::KeyError) -> bool {
+    matches!(r, Err(TestError::Idem(idem::Error::InvalidKey(e))) if e == expected)
 }
 
 #[tokio::test]
 async fn hostile_keys_are_refused_before_any_write() {
     let Some(idem) = engine(&common::unique("db"), 4, Redis::On).await else { return };
+    // The same engine over servers that never answer: a refusal that touched
+    // either would come out as `Storage` instead.
+    let unreachable = Idem::builder(dead_pool()).redis(redis::Client::open("redis://127.0.0.1:1").unwrap()).build();
     let probe = Probe::default();
     let hostile = hostile_keys();
     assert!(hostile.len() >= 30);
-    for (what, k) in &hostile {
-        let r = with_bad_key(&idem, k.clone(), &probe).await;
-        assert!(matches!(r, Err(TestError::Idem(idem::Error::InvalidKey(_)))), "{what}: {r:?}");
+    for (what, k, expected) in &hostile {
+        for engine in [&idem, &unreachable] {
+            let r = with_bad_key(engine, k.clone(), &probe).await;
+            assert!(refused_with(&r, expected), "{what}: {r:?}, expected {expected:?}");
+        }
     }
-    let empty = with_empty_key(&idem, String::new(), &probe).await;
-    assert!(matches!(empty, Err(TestError::Idem(idem::Error::InvalidKey(idem::KeyError::Missing)))), "{empty:?}");
+    for engine in [&idem, &unreachable] {
+        let empty = with_empty_key(engine, String::new(), &probe).await;
+        assert!(refused_with(&empty, &idem::KeyError::Missing), "{empty:?}");
+    }
     assert_eq!(probe.runs(), 0, "no body ran");
     // (Some keys cannot even be looked up: MySQL's key column is ASCII, and
     // PostgreSQL text refuses NUL. The engine never sends them.)
-    for (_, k) in hostile.iter().filter(|(_, k)| k.is_ascii() && !k.contains('\0')) {
+    for (_, k, _) in hostile.iter().filter(|(_, k, _)| k.is_ascii() && !k.contains('\0')) {
         assert_eq!(record_rows_for(&idem, "t_badkey", &format!("bad_{k}")).await, 0);
         assert_eq!(ledger_rows(&idem, k).await, 0);
     }
-    assert_eq!(record_rows(&idem, "t_bad_empty").await, 0);
+    assert_eq!(record_rows_for(&idem, "t_bad_empty", "").await, 0);
     if let Some(client) = common::redis_client().await {
-        for (what, k) in &hostile {
+        for (what, k, _) in &hostile {
             assert!(!common::redis_exists(&client, &format!("idem:t_badkey:bad_{k}")).await, "{what}");
         }
         assert!(!common::redis_exists(&client, "idem:t_bad_empty:").await);
+        assert!(!common::redis_exists(&client, "pwned").await, "no command was injected");
     }
+}
+
+/// The shortest key, one byte, end to end.
+#[idempotent(key = "<k>", ttl = "1h", biz = "t_one")]
+async fn with_one_byte_key(
+    idem: &Idem<Db>,
+    tx: &mut Transaction<'_, Db>,
+    k: String,
+    #[idem(skip)] probe: &Probe,
+) -> Result<usize, TestError> {
+    body(tx, "t_one", 1, probe, Mode::Ok).await
+}
+
+#[tokio::test]
+async fn one_byte_key_works_end_to_end() {
+    let Some(idem) = engine(&common::unique("db"), 4, Redis::On).await else { return };
+    let Some(client) = common::redis_client().await else { return };
+    // One key shared by every run on the shared servers: start from nothing.
+    sqlx::query(DELETE_RECORD).bind("t_one").bind("x").execute(idem.pool()).await.expect("delete");
+    common::redis_del(&client, "idem:t_one:x").await;
+    let probe = Probe::default();
+    let (first, outcome) = idem::observe(with_one_byte_key(&idem, "x".into(), &probe)).await;
+    assert_eq!((first.unwrap(), outcome), (1, Some(idem::Outcome::Executed)));
+    let (again, outcome) = idem::observe(with_one_byte_key(&idem, "x".into(), &probe)).await;
+    assert_eq!((again.unwrap(), outcome), (1, Some(idem::Outcome::Replayed)));
+    assert_eq!(record_rows_for(&idem, "t_one", "x").await, 1);
+    assert_eq!(probe.runs(), 1);
 }
 
 #[tokio::test]
@@ -761,6 +930,7 @@ async fn hostile_arguments_are_stored_and_replayed_byte_for_byte() {
     let name = common::unique("db");
     let Some(idem) = engine(&name, 4, Redis::On).await else { return };
     let Some(plain) = engine(&name, 4, Redis::Off).await else { return };
+    let Some(client) = common::redis_client().await else { return };
     let probe = Probe::default();
     let notes = [
         "'; DROP TABLE idem_record; --".to_string(),
@@ -773,6 +943,8 @@ async fn hostile_arguments_are_stored_and_replayed_byte_for_byte() {
     for note in &notes {
         let k = common::unique("echo");
         assert_eq!(&echo(&idem, k.clone(), note.clone(), &probe).await.unwrap(), note);
+        let cached = common::redis_cached_response(&client, &format!("idem:t_echo:{k}")).await;
+        assert_eq!(cached, serde_json::to_string(note).unwrap(), "cached byte for byte");
         assert_eq!(&echo(&idem, k.clone(), note.clone(), &probe).await.unwrap(), note, "replayed from Redis");
         assert_eq!(&echo(&plain, k.clone(), note.clone(), &probe).await.unwrap(), note, "replayed from the record");
         let Status::Completed { response } = idem.status("t_echo", &k).await.unwrap() else { panic!("not stored") };
@@ -785,6 +957,7 @@ async fn hostile_arguments_are_stored_and_replayed_byte_for_byte() {
         assert_eq!(record_rows_for(&plain, "t_echo", &k).await, 1);
     }
     assert_eq!(probe.runs(), 2 * notes.len());
+    assert!(!common::redis_exists(&client, "pwned").await, "no command was injected");
 }
 
 #[idempotent(key = "<k>", ttl = "1h", biz = "t_bizno", biz_no = "<no>")]
@@ -849,6 +1022,32 @@ with_and_without_redis!(
     #[tokio::test]
     falsy_values_replay_exactly_them,
     falsy_values_replay_exactly_them_with_redis => falsy_values_replay_exactly
+);
+
+/// The first caller gets the result as its duplicates will (read back from
+/// its stored form), and a result that could not replay commits nothing.
+async fn first_result_is_the_replayed_one(redis: Redis) {
+    let Some(idem) = engine(&common::unique("db"), 4, redis).await else { return };
+    let probe = Probe::default();
+    let k = common::unique("shown");
+    let first = shown(&idem, k.clone(), 3, &probe).await.unwrap();
+    assert_eq!(first, Shown { ratio: 3.0, note: String::new() }, "the skipped field is left out for everyone");
+    assert_eq!(shown(&idem, k.clone(), 3, &probe).await.unwrap(), first);
+
+    let nan = common::unique("nan");
+    for attempt in 1..=2 {
+        let refused = shown(&idem, nan.clone(), 0, &probe).await;
+        assert!(matches!(refused, Err(TestError::Idem(idem::Error::Serialize(_)))), "attempt {attempt}: {refused:?}");
+    }
+    assert_eq!(probe.runs(), 3, "one execution, then two that could not be stored");
+    assert_eq!(ledger_rows(&idem, &nan).await, 0, "nothing of theirs committed");
+    assert_eq!(record_rows_for(&idem, "t_shown", &nan).await, 0);
+}
+
+with_and_without_redis!(
+    #[tokio::test]
+    first_result_is_the_replayed_one_without_redis,
+    first_result_is_the_replayed_one_with_redis => first_result_is_the_replayed_one
 );
 
 async fn expired_record_executes_again(redis: Redis) {
