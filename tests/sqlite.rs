@@ -75,12 +75,13 @@ async fn busy_past_the_busy_timeout_is_in_progress() {
 
     let first = {
         let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
-        tokio::spawn(async move { pay(&idem, k, 6, &probe, Mode::Slow(1_500)).await })
+        tokio::spawn(async move { pay(&idem, k, 6, &probe, Mode::HeldThenOk).await })
     };
     until_started(&probe, 1).await;
     let second = pay(&elsewhere, k.clone(), 6, &probe, Mode::Ok).await;
     assert!(is_in_progress(&second), "{second:?}");
     assert!(!first.is_finished());
+    probe.open();
     let first = first.await.unwrap().unwrap();
     assert_eq!(pay(&idem, k.clone(), 6, &probe, Mode::Ok).await.unwrap(), first);
     assert_eq!(probe.runs(), 1);

@@ -63,15 +63,15 @@ async fn until_started(probe: &Probe, runs: usize) {
 }
 
 /// Calls until the answer is no longer `InProgress`: a claim left by a
-/// failed or dropped call is released from a spawned task (up to 50 tries,
-/// 20 ms apart).
+/// failed or dropped call is released from a spawned task (up to 500 tries,
+/// 20 ms apart: far less than the 30 s lease).
 async fn past_the_release<F, Fut>(call: F) -> Result<Receipt, TestError>
 where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = Result<Receipt, TestError>>,
 {
     let mut answer = call().await;
-    for _ in 0..50 {
+    for _ in 0..500 {
         if !is_in_progress(&answer) {
             break;
         }
@@ -416,7 +416,7 @@ async fn dropped_call_leaves_nothing(redis: Redis) {
 
     // Dropped as soon as its body has started.
     tokio::select! {
-        cut = pay(&idem, k.clone(), 9, &probe, Mode::Slow(5_000)) => panic!("the call finished: {cut:?}"),
+        cut = pay(&idem, k.clone(), 9, &probe, Mode::HeldThenOk) => panic!("the call finished: {cut:?}"),
         () = until_started(&probe, 1) => {}
     }
     assert_eq!(probe.runs(), 1);
@@ -453,20 +453,26 @@ async fn duplicate_waiting_past_the_lock_bound_is_in_progress() {
 
     let first = {
         let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
-        tokio::spawn(async move { pay(&idem, k, 4, &probe, Mode::Slow(4_000)).await })
+        tokio::spawn(async move { pay(&idem, k, 4, &probe, Mode::HeldThenOk).await })
     };
     until_started(&probe, 1).await;
     let same_engine = pay(&idem, k.clone(), 4, &probe, Mode::Ok).await;
     assert!(is_in_progress(&same_engine), "{same_engine:?}");
-    let second = pay(&elsewhere, k.clone(), 4, &probe, Mode::Ok).await;
+    let second = {
+        let (elsewhere, k, probe) = (elsewhere.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { pay(&elsewhere, k, 4, &probe, Mode::Ok).await })
+    };
     if LOCK_WAIT_BOUNDED {
+        let second = second.await.unwrap();
         assert!(is_in_progress(&second), "{second:?}");
-        assert!(!first.is_finished(), "the duplicate waited for the whole first call");
+        assert!(!first.is_finished(), "the first call is still held");
+        probe.open();
         let first = first.await.unwrap().unwrap();
         assert_eq!(pay(&idem, k.clone(), 4, &probe, Mode::Ok).await.unwrap(), first);
     } else {
+        probe.open();
         let first = first.await.unwrap().unwrap();
-        assert_eq!(second.unwrap(), first);
+        assert_eq!(second.await.unwrap().unwrap(), first);
     }
     assert_eq!(probe.runs(), 1);
     assert_eq!(ledger_rows(&idem, &k).await, 1);
@@ -534,21 +540,27 @@ async fn duplicate_of_a_call_replacing_an_expired_record_is_bounded_too() {
     pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1_100)).await; // the record expires
 
-    // Past the 1 s bound where there is one; within the 1 s ttl on SQLite,
-    // whose duplicate waits for the commit and must then find a live row.
-    let body_ms = if LOCK_WAIT_BOUNDED { 4_000 } else { 500 };
     let first = {
         let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
-        tokio::spawn(async move { pay_short_ttl(&idem, k, &probe, Mode::Slow(body_ms)).await })
+        tokio::spawn(async move { pay_short_ttl(&idem, k, &probe, Mode::HeldThenOk).await })
     };
     until_started(&probe, 2).await;
-    let second = pay_short_ttl(&elsewhere, k.clone(), &probe, Mode::Ok).await;
+    let second = {
+        let (elsewhere, k, probe) = (elsewhere.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { pay_short_ttl(&elsewhere, k, &probe, Mode::Ok).await })
+    };
     if LOCK_WAIT_BOUNDED {
+        let second = second.await.unwrap();
         assert!(is_in_progress(&second), "{second:?}");
-        assert!(!first.is_finished(), "the duplicate waited for the whole first call");
+        assert!(!first.is_finished(), "the first call is still held");
+        probe.open();
         first.await.unwrap().unwrap();
     } else {
-        assert_eq!(second.unwrap(), first.await.unwrap().unwrap());
+        // SQLite: the duplicate waits for the commit, then finds its row
+        // live (the 1 s ttl counts from the commit).
+        probe.open();
+        let first = first.await.unwrap().unwrap();
+        assert_eq!(second.await.unwrap().unwrap(), first);
     }
     assert_eq!(probe.runs(), 2, "the first call and the one after expiry");
     assert_eq!(ledger_rows(&idem, &k).await, 2);
@@ -1098,10 +1110,11 @@ async fn status_reports_each_stage() {
     assert_eq!(idem.status("t_pay", &k).await.unwrap(), Status::Absent);
     let running = {
         let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
-        tokio::spawn(async move { pay(&idem, k, 3, &probe, Mode::Slow(500)).await })
+        tokio::spawn(async move { pay(&idem, k, 3, &probe, Mode::HeldThenOk).await })
     };
     until_started(&probe, 1).await;
     assert_eq!(idem.status("t_pay", &k).await.unwrap(), Status::InProgress);
+    probe.open();
     let receipt = running.await.unwrap().unwrap();
     let status = idem.status("t_pay", &k).await.unwrap();
     assert_eq!(status.response::<Receipt>().unwrap().unwrap(), receipt);
