@@ -566,17 +566,24 @@ async fn duplicate_of_a_call_replacing_an_expired_record_is_bounded_too() {
     assert_eq!(ledger_rows(&idem, &k).await, 2);
 }
 
+/// An engine whose Redis is a private `redis-server` (a test may pause it),
+/// connected and its scripts loaded by one call.
+async fn engine_on_private_redis(redis_timeout: Duration) -> Option<(common::servers::RedisServer, Idem<Db>)> {
+    let server = common::servers::RedisServer::start()?;
+    let pool = open(&common::unique("db"), 4).await?;
+    prepare(&pool).await;
+    let idem = Idem::builder(pool).redis(server.client()).redis_timeout(redis_timeout).build();
+    idem.migrate().await.expect("migrate");
+    pay(&idem, common::unique("warm"), 1, &Probe::default(), Mode::Ok).await.unwrap();
+    Some((server, idem))
+}
+
 /// Regression: when Redis answers too late, the claim script may still have
 /// run; that claim is released so retries do not wait out the lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_whose_answer_came_too_late_is_released() {
-    let Some(server) = common::servers::RedisServer::start() else { return };
-    let Some(pool) = open(&common::unique("db"), 4).await else { return };
-    prepare(&pool).await;
-    let idem = Idem::builder(pool).redis(server.client()).redis_timeout(Duration::from_millis(100)).build();
-    idem.migrate().await.expect("migrate");
+    let Some((server, idem)) = engine_on_private_redis(Duration::from_millis(100)).await else { return };
     let probe = Probe::default();
-    pay(&idem, common::unique("warm"), 1, &probe, Mode::Ok).await.unwrap(); // connected, scripts loaded
 
     // Redis holds commands for 600 ms: our claim waits in its queue, times
     // out on our side, then runs.
@@ -595,25 +602,20 @@ async fn claim_whose_answer_came_too_late_is_released() {
 /// rather than left for the whole lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_of_a_call_dropped_while_redis_is_slow_is_released() {
-    let Some(server) = common::servers::RedisServer::start() else { return };
-    let Some(pool) = open(&common::unique("db"), 4).await else { return };
-    prepare(&pool).await;
-    let idem = Idem::builder(pool).redis(server.client()).redis_timeout(Duration::from_secs(2)).build();
-    idem.migrate().await.expect("migrate");
+    let Some((server, idem)) = engine_on_private_redis(Duration::from_secs(2)).await else { return };
     let probe = Probe::default();
-    pay(&idem, common::unique("warm"), 1, &probe, Mode::Ok).await.unwrap(); // connected, scripts loaded
 
     common::redis_pause(&server.client(), 600).await;
     let k = common::unique("dropped");
     let dropped = tokio::time::timeout(Duration::from_millis(100), pay(&idem, k.clone(), 2, &probe, Mode::Ok)).await;
     assert!(dropped.is_err(), "the call was still waiting for Redis: {dropped:?}");
-    assert_eq!(probe.runs(), 1, "its body never started");
+    assert_eq!(probe.runs(), 0, "its body never started");
 
     // After the pause the claim lands; it is gone well before its 30 s lease.
     let left = common::redis_value_after(&server.client(), &format!("idem:t_pay:{k}"), Duration::from_secs(15)).await;
     assert_eq!(left, None, "the dropped call's claim was released");
     let (again, outcome) = idem::observe(pay(&idem, k.clone(), 2, &probe, Mode::Ok)).await;
-    assert_eq!((again.unwrap().run, outcome), (2, Some(idem::Outcome::Executed)));
+    assert_eq!((again.unwrap().run, outcome), (1, Some(idem::Outcome::Executed)));
 }
 
 /// Regression: a failed body's release that meets the Redis back-off (another
@@ -621,20 +623,15 @@ async fn claim_of_a_call_dropped_while_redis_is_slow_is_released() {
 /// claim would otherwise answer `InProgress` to every retry for the lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_during_the_redis_back_off_is_retried() {
-    let Some(server) = common::servers::RedisServer::start() else { return };
-    let Some(pool) = open(&common::unique("db"), 4).await else { return };
-    prepare(&pool).await;
-    let idem = Idem::builder(pool).redis(server.client()).redis_timeout(Duration::from_millis(200)).build();
-    idem.migrate().await.expect("migrate");
+    let Some((server, idem)) = engine_on_private_redis(Duration::from_millis(200)).await else { return };
     let probe = Arc::new(Probe::default());
-    pay(&idem, common::unique("warm"), 1, &probe, Mode::Ok).await.unwrap(); // connected, scripts loaded
 
     let k = common::unique("backoff");
     let held = {
         let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
         tokio::spawn(async move { pay(&idem, k, 2, &probe, Mode::HeldThenFail).await })
     };
-    until_started(&probe, 2).await; // it holds its claim
+    until_started(&probe, 1).await; // it holds its claim
     // Another Redis operation times out (a status query: it needs no write
     // lock, which SQLite's held transaction keeps): Redis is left alone for
     // the next second.
