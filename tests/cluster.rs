@@ -26,8 +26,9 @@ fn keys_on_node(cluster: &RedisCluster, i: usize, pattern: &str) -> Vec<(String,
             .query_node(i, redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(pattern).arg("COUNT").arg(1000))
             .expect("SCAN");
         for key in keys {
-            let value: String = cluster.query_node(i, redis::cmd("GET").arg(&key)).expect("GET");
-            found.push((key, value));
+            // A claim released since the SCAN is gone: nothing to report.
+            let value: Option<String> = cluster.query_node(i, redis::cmd("GET").arg(&key)).expect("GET");
+            found.extend(value.map(|value| (key, value)));
         }
         if next == 0 {
             return found;

@@ -485,7 +485,9 @@ where
             // duplicate committed (its lease ran out, or Redis lost the cached
             // result) and fail on the state that duplicate left, such as an
             // order already paid. The committed result is then the answer.
-            if claimed && let Ok(Some(row)) = find_live(inner, call).await {
+            // Looked up within `lock_wait`: a database in trouble must not
+            // hold back the body's own error for a pool's whole wait.
+            if claimed && let Ok(Ok(Some(row))) = tokio::time::timeout(inner.lock_wait, find_live(inner, call)).await {
                 return replay_row(call, row);
             }
             return Err(Failed::Body(e));

@@ -107,12 +107,15 @@ pub async fn redis_del(client: &redis::Client, key: &str) {
 }
 
 /// Polls `key` until it is gone or `deadline` passes; what it held last.
-/// A paused Redis may time a `GET` out: that is asked again.
+/// A paused Redis may time out a `GET`, or the connection's own set-up:
+/// both are tried again.
 pub async fn redis_value_after(client: &redis::Client, key: &str, deadline: Duration) -> Option<String> {
-    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
     let start = std::time::Instant::now();
     loop {
-        let value: redis::RedisResult<Option<String>> = redis::cmd("GET").arg(key).query_async(&mut conn).await;
+        let value: redis::RedisResult<Option<String>> = match client.get_multiplexed_async_connection().await {
+            Ok(mut conn) => redis::cmd("GET").arg(key).query_async(&mut conn).await,
+            Err(e) => Err(e),
+        };
         match value {
             Ok(None) => return None,
             Ok(Some(v)) if start.elapsed() > deadline => return Some(v),

@@ -585,12 +585,14 @@ async fn claim_whose_answer_came_too_late_is_released() {
     let Some((server, idem)) = engine_on_private_redis(Duration::from_millis(100)).await else { return };
     let probe = Probe::default();
 
-    // Redis holds commands for 600 ms: our claim waits in its queue, times
+    // Redis holds commands for 1.5 s: our claim waits in its queue, times
     // out on our side, then runs.
-    common::redis_pause(&server.client(), 600).await;
+    common::redis_pause(&server.client(), 1_500).await;
     let k = common::unique("late");
+    let started = std::time::Instant::now();
     let failed = pay(&idem, k.clone(), 2, &probe, Mode::Fail).await;
     assert!(matches!(failed, Err(TestError::Body)), "{failed:?}");
+    assert!(started.elapsed() >= Duration::from_millis(100), "the claim timed out (the pause held it)");
 
     // The release follows within a few Redis timeouts; the lease is 30 s.
     let left = common::redis_value_after(&server.client(), &format!("idem:t_pay:{k}"), Duration::from_secs(15)).await;
@@ -635,9 +637,11 @@ async fn release_during_the_redis_back_off_is_retried() {
     // Another Redis operation times out (a status query: it needs no write
     // lock, which SQLite's held transaction keeps): Redis is left alone for
     // the next second.
-    common::redis_pause(&server.client(), 400).await;
+    common::redis_pause(&server.client(), 1_500).await;
+    let started = std::time::Instant::now();
     let status = idem.status("t_pay", &common::unique("other")).await.unwrap();
     assert_eq!(status, Status::Absent);
+    assert!(started.elapsed() >= Duration::from_millis(200), "the status query timed out (the pause held it)");
     // The held body fails inside that second; its release meets the back-off.
     probe.open();
     assert!(matches!(held.await.unwrap(), Err(TestError::Body)));
@@ -689,6 +693,8 @@ async fn duplicate_after_the_lease_still_commits_once() {
         let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
         tokio::spawn(async move { idem::observe(pay_short_lease(&idem, k, &probe, Mode::Ok)).await })
     };
+    // Bounded: a duplicate blocked behind the held body must fail, not hang.
+    let second = async { tokio::time::timeout(Duration::from_secs(30), second).await.expect("the duplicate hung") };
     let (first, second) = if ONE_WRITER {
         // SQLite: the duplicate waits for the write lock, so the first commits
         // first and the duplicate's record meets it.
@@ -894,11 +900,10 @@ async fn with_one_byte_key(
 
 #[tokio::test]
 async fn one_byte_key_works_end_to_end() {
-    let Some(idem) = engine(&common::unique("db"), 4, Redis::On).await else { return };
-    let Some(client) = common::redis_client().await else { return };
-    // One key shared by every run on the shared servers: start from nothing.
+    // A private Redis: the one key is not shared with the other backends' runs.
+    let Some((_server, idem)) = engine_on_private_redis(Duration::from_millis(500)).await else { return };
+    // The database may be shared with earlier runs: start from nothing.
     sqlx::query(DELETE_RECORD).bind("t_one").bind("x").execute(idem.pool()).await.expect("delete");
-    common::redis_del(&client, "idem:t_one:x").await;
     let probe = Probe::default();
     let (first, outcome) = idem::observe(with_one_byte_key(&idem, "x".into(), &probe)).await;
     assert_eq!((first.unwrap(), outcome), (1, Some(idem::Outcome::Executed)));
