@@ -490,20 +490,33 @@ async fn duplicate_waiting_past_the_lock_bound_is_in_progress() {
         let (elsewhere, k, probe) = (elsewhere.clone(), k.clone(), probe.clone());
         tokio::spawn(async move { pay(&elsewhere, k, 4, &probe, Mode::Ok).await })
     };
+    let first = settle_held_and_elsewhere(&probe, first, second).await;
+    assert_eq!(pay(&idem, k.clone(), 4, &probe, Mode::Ok).await.unwrap(), first);
+    assert_eq!(probe.runs(), 1);
+    assert_eq!(ledger_rows(&idem, &k).await, 1);
+}
+
+/// Settles a first call held at its gate and its duplicate on another engine.
+/// Where the record wait is bounded, the duplicate answers `InProgress` while
+/// the first is still held; SQLite's waits for the commit and replays it.
+/// Returns the first call's result.
+async fn settle_held_and_elsewhere(
+    probe: &Probe,
+    first: tokio::task::JoinHandle<Result<Receipt, TestError>>,
+    second: tokio::task::JoinHandle<Result<Receipt, TestError>>,
+) -> Receipt {
     if LOCK_WAIT_BOUNDED {
         let second = second.await.unwrap();
         assert!(is_in_progress(&second), "{second:?}");
         assert!(!first.is_finished(), "the first call is still held");
         probe.open();
-        let first = first.await.unwrap().unwrap();
-        assert_eq!(pay(&idem, k.clone(), 4, &probe, Mode::Ok).await.unwrap(), first);
+        first.await.unwrap().unwrap()
     } else {
         probe.open();
         let first = first.await.unwrap().unwrap();
         assert_eq!(second.await.unwrap().unwrap(), first);
+        first
     }
-    assert_eq!(probe.runs(), 1);
-    assert_eq!(ledger_rows(&idem, &k).await, 1);
 }
 
 /// Without Redis, duplicates on one engine wait for the first call in
@@ -577,19 +590,8 @@ async fn duplicate_of_a_call_replacing_an_expired_record_is_bounded_too() {
         let (elsewhere, k, probe) = (elsewhere.clone(), k.clone(), probe.clone());
         tokio::spawn(async move { pay_short_ttl(&elsewhere, k, &probe, Mode::Ok).await })
     };
-    if LOCK_WAIT_BOUNDED {
-        let second = second.await.unwrap();
-        assert!(is_in_progress(&second), "{second:?}");
-        assert!(!first.is_finished(), "the first call is still held");
-        probe.open();
-        first.await.unwrap().unwrap();
-    } else {
-        // SQLite: the duplicate waits for the commit, then finds its row
-        // live (the 1 s ttl counts from the commit).
-        probe.open();
-        let first = first.await.unwrap().unwrap();
-        assert_eq!(second.await.unwrap().unwrap(), first);
-    }
+    // (On SQLite the duplicate finds the row live: the 1 s ttl counts from the commit.)
+    settle_held_and_elsewhere(&probe, first, second).await;
     assert_eq!(probe.runs(), 2, "the first call and the one after expiry");
     assert_eq!(ledger_rows(&idem, &k).await, 2);
 }
