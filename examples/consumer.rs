@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idem::amqp::{Action, Consumer, Settled};
-use idem::{Idem, idempotent};
+use idem::{Idem, Outcome, idempotent};
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use serde::{Deserialize, Serialize};
@@ -68,6 +68,18 @@ impl From<idem::Error> for StockError {
 impl From<sqlx::Error> for StockError {
     fn from(e: sqlx::Error) -> Self {
         StockError::Db(e)
+    }
+}
+
+/// What the consumer settles by: a database that is down (`Storage`) is
+/// waited out and requeued without spending a retry; a reused or invalid
+/// key goes to the dead-letter queue; the body's own errors are retried.
+impl idem::amqp::AsIdemError for StockError {
+    fn idem_error(&self) -> Option<&idem::Error> {
+        match self {
+            StockError::Idem(e) => Some(e),
+            StockError::Db(_) | StockError::UnknownSku(_) => None,
+        }
     }
 }
 
@@ -187,7 +199,8 @@ impl Store {
 fn describe(s: &Settled) -> String {
     let what = match s.action {
         Action::Ack => "ack".to_string(),
-        Action::Requeue => "in progress elsewhere -> requeued".to_string(),
+        Action::Requeue if s.outcome == Some(Outcome::InProgress) => "in progress elsewhere -> requeued".to_string(),
+        Action::Requeue => "database unavailable -> requeued, not counted".to_string(),
         Action::Retry { retries } => format!("failed -> retry #{retries} republished"),
         Action::DeadLetter(reason) => format!("dead-lettered ({reason:?})"),
         other => format!("{other:?}"),
@@ -254,6 +267,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .max_retries(2)
         .retry_delay(Duration::from_millis(200))
         .in_progress_delay(Duration::from_millis(200))
+        .storage_delay(Duration::from_secs(1))
         .on_settle(move |s| {
             println!("{}", describe(s));
             if count.fetch_add(1, Ordering::SeqCst) + 1 == expected {
@@ -267,14 +281,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
 
     store.report(&[base + 1, base + 2, base + 3]).await?;
-    // Dead-lettering happens in the broker after the reject: give it a moment.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Dead-lettering happens in the broker after the reject: wait (up to 5 s)
+    // for the 3 the demo sends there (evt-5, evt-6, evt-7).
     let mut dead = Vec::new();
-    while let Some(msg) = channel.basic_get(names.dead_letter_queue.as_str().into(), BasicGetOptions::default()).await?
-    {
-        let id = msg.delivery.properties.message_id().as_ref().map(|s| s.to_string()).unwrap_or_default();
-        dead.push(format!("{id}: {}", String::from_utf8_lossy(&msg.delivery.data)));
-        msg.delivery.ack(BasicAckOptions::default()).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while dead.len() < 3 && tokio::time::Instant::now() < deadline {
+        while let Some(msg) =
+            channel.basic_get(names.dead_letter_queue.as_str().into(), BasicGetOptions::default()).await?
+        {
+            let id = msg.delivery.properties.message_id().as_ref().map(|s| s.to_string()).unwrap_or_default();
+            dead.push(format!("{id}: {}", String::from_utf8_lossy(&msg.delivery.data)));
+            msg.delivery.ack(BasicAckOptions::default()).await?;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     println!("dead-letter queue `{}` ({} messages):", names.dead_letter_queue, dead.len());
     for line in dead {

@@ -1,12 +1,21 @@
 //! RabbitMQ consumers (feature `amqp`, through [`lapin`]): a small runner
-//! that calls your handler once per delivery and settles the delivery by the
-//! [`Outcome`] of the `#[idempotent]` call the handler made.
+//! that calls your handler once per delivery and settles the delivery by what
+//! the handler returned and the [`Outcome`] of the `#[idempotent]` call it
+//! made.
 //!
 //! ```ignore
 //! # use idem::{Idem, idempotent};
 //! # use sqlx::{Sqlite, Transaction};
-//! # #[derive(Debug)] struct StockError;
-//! # impl From<idem::Error> for StockError { fn from(_: idem::Error) -> Self { StockError } }
+//! #[derive(Debug)]
+//! enum StockError { Idem(idem::Error), UnknownSku(String) }
+//! # impl From<idem::Error> for StockError { fn from(e: idem::Error) -> Self { StockError::Idem(e) } }
+//! // Lets the runner see an `idem::Error` inside (a database that is down is retried uncounted).
+//! impl idem::amqp::AsIdemError for StockError {
+//!     fn idem_error(&self) -> Option<&idem::Error> {
+//!         match self { StockError::Idem(e) => Some(e), _ => None }
+//!     }
+//! }
+//!
 //! #[derive(serde::Serialize, serde::Deserialize)]
 //! struct OrderPaid { order_id: u64, sku: String, qty: i64 }
 //!
@@ -27,16 +36,20 @@
 //! # }
 //! ```
 //!
-//! How a delivery is settled:
+//! How a delivery is settled. A handler's `Err` is judged by the
+//! [`idem::Error`](crate::Error) it carries ([`AsIdemError`]); one that
+//! carries none, by the [`Outcome`] of the last `#[idempotent]` call the
+//! handler made.
 //!
 //! | what happened | settlement |
 //! |---|---|
-//! | `Executed` or `Replayed`, handler `Ok` | ack |
-//! | handler made no `#[idempotent]` call and returned `Ok` | ack |
-//! | `InProgress` (a duplicate is running elsewhere) | after [`Consumer::in_progress_delay`], nack with requeue; not counted as a retry |
-//! | `KeyReused`, or `Rejected` (invalid key, stored result no longer replayable, unserializable argument) | reject without requeue: to the dead-letter queue |
+//! | the handler returned `Ok` (whatever the outcome of its calls: it handled them) | ack |
+//! | `Err` carrying `Error::Storage` (the database failed or is down) | after [`Consumer::storage_delay`], nack with requeue; not counted as a retry |
+//! | `Err` carrying `Error::InProgress`, or outcome `InProgress` (a duplicate is running elsewhere) | after [`Consumer::in_progress_delay`], nack with requeue; not counted as a retry |
+//! | `Err` carrying any other `idem::Error` (`KeyReused`, `InvalidKey`, `Replay`, `Serialize`: the call can never succeed as sent), or outcome `KeyReused` or `Rejected` | reject without requeue: to the dead-letter queue |
 //! | the payload does not deserialize into the handler's argument (a poison message) | reject without requeue: to the dead-letter queue |
-//! | `Failed` (body `Err`, database error), a handler `Err` without or after the call, or a panic | retry: after [`Consumer::retry_delay`], a copy with header `x-idem-retries` incremented is published to the queue and the original acked; once [`Consumer::max_retries`] retries are spent, reject to the dead-letter queue |
+//! | any other `Err` (the body's own error; outcome `Failed`, `Executed`, `Replayed` or no call), or a panic | retry: after [`Consumer::retry_delay`], a copy with header `x-idem-retries` incremented is published to the queue and the original acked; once [`Consumer::max_retries`] retries are spent, reject to the dead-letter queue |
+//! | a retry copy the broker refuses (nack: say a full queue with `x-overflow = reject-publish`), or whose publish fails while the channel stays open | the retry counts as spent; the next one is tried after [`Consumer::retry_delay`], and once none is left, reject to the dead-letter queue |
 //!
 //! Why a republished copy and not `nack(requeue)`: a requeued message keeps
 //! its headers, so it cannot carry a retry count; and `x-delivery-count`
@@ -47,6 +60,10 @@
 //! confirm mode); a crash in between leaves both, and the key makes the
 //! duplicate harmless. A redelivery by the broker (a consumer that died
 //! before acking) does not count as a retry.
+//!
+//! A database that is down is no fault of the message: its deliveries wait
+//! and come back, uncounted, for as long as the outage lasts, rather than
+//! spending their retries and ending in the dead-letter queue.
 //!
 //! A delivery waiting out a delay stays unacked, so it holds one prefetch
 //! slot (prefetch = [`Consumer::concurrency`]) until it is settled.
@@ -75,10 +92,63 @@ use serde::de::DeserializeOwned;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
+use crate::error::Error;
 use crate::outcome::{Outcome, observe};
 
 /// The header carrying how many times a message was retried after a failure.
 pub const RETRIES_HEADER: &str = "x-idem-retries";
+
+/// What the runner asks of a handler's error: the [`idem::Error`](Error) it
+/// carries, if any, so that a database that is down (`Error::Storage`) is
+/// waited out instead of spending the delivery's retries; see the
+/// [settlement table](self).
+///
+/// Implemented for `idem::Error` itself and for
+/// `Box<dyn std::error::Error + Send + Sync>` (which finds one anywhere in
+/// its `source()` chain). For your own error type, return the `idem::Error`
+/// it wraps:
+///
+/// ```ignore
+/// impl idem::amqp::AsIdemError for StockError {
+///     fn idem_error(&self) -> Option<&idem::Error> {
+///         match self {
+///             StockError::Idem(e) => Some(e),
+///             _ => None,
+///         }
+///     }
+/// }
+/// ```
+///
+/// An error that carries none is settled by the outcome of the handler's
+/// last `#[idempotent]` call, and otherwise retried, counted.
+#[diagnostic::on_unimplemented(
+    message = "the consumer cannot look inside `{Self}` for an `idem::Error`",
+    label = "the handler's error type must implement `idem::amqp::AsIdemError`",
+    note = "implement it for `{Self}`: return the `idem::Error` it wraps, or `None`"
+)]
+pub trait AsIdemError {
+    /// The `idem::Error` this error is or wraps, if any.
+    fn idem_error(&self) -> Option<&Error>;
+}
+
+impl AsIdemError for Error {
+    fn idem_error(&self) -> Option<&Error> {
+        Some(self)
+    }
+}
+
+impl AsIdemError for Box<dyn std::error::Error + Send + Sync> {
+    fn idem_error(&self) -> Option<&Error> {
+        let mut next: Option<&(dyn std::error::Error + 'static)> = Some(self.as_ref());
+        while let Some(e) = next {
+            if let Some(found) = e.downcast_ref::<Error>() {
+                return Some(found);
+            }
+            next = e.source();
+        }
+        None
+    }
+}
 
 /// The names [`declare_with_dead_letter`] declared.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,10 +198,13 @@ pub async fn declare_with_dead_letter(channel: &Channel, queue: &str) -> lapin::
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Action {
-    /// Acked: done (executed now or replayed).
+    /// Acked: the handler returned `Ok` (its call executed or replayed, or
+    /// it dealt with the failure itself).
     Ack,
-    /// Nacked with requeue after [`Consumer::in_progress_delay`]: a duplicate
-    /// was running.
+    /// Nacked with requeue, not counted as a retry: after
+    /// [`Consumer::in_progress_delay`] when a duplicate was running (outcome
+    /// `InProgress`), after [`Consumer::storage_delay`] when the database
+    /// failed (`Error::Storage`).
     Requeue,
     /// Republished with `x-idem-retries` = `retries` after
     /// [`Consumer::retry_delay`], original acked.
@@ -141,7 +214,9 @@ pub enum Action {
     },
     /// Rejected without requeue, to the queue's dead-letter exchange.
     DeadLetter(Reason),
-    /// Nacked with requeue because the runner was stopping.
+    /// Back to the queue unsettled by the handler: nacked with requeue
+    /// because the runner was stopping, or left for the broker to redeliver
+    /// because the channel closed before the delivery could be settled.
     Returned,
 }
 
@@ -155,7 +230,8 @@ pub enum Reason {
     KeyReused,
     /// Invalid key, unreplayable stored result, or unserializable argument.
     Rejected,
-    /// Still failing after [`Consumer::max_retries`] retries.
+    /// Still failing after [`Consumer::max_retries`] retries (a retry copy
+    /// the broker refused counts as one).
     RetriesExhausted,
 }
 
@@ -189,6 +265,7 @@ pub struct Consumer {
     max_retries: u32,
     retry_delay: Duration,
     in_progress_delay: Duration,
+    storage_delay: Duration,
     on_settle: Option<Hook>,
 }
 
@@ -200,6 +277,7 @@ impl Debug for Consumer {
             .field("max_retries", &self.max_retries)
             .field("retry_delay", &self.retry_delay)
             .field("in_progress_delay", &self.in_progress_delay)
+            .field("storage_delay", &self.storage_delay)
             .finish_non_exhaustive()
     }
 }
@@ -216,6 +294,7 @@ impl Consumer {
             max_retries: 3,
             retry_delay: Duration::from_secs(1),
             in_progress_delay: Duration::from_secs(1),
+            storage_delay: Duration::from_secs(1),
             on_settle: None,
         }
     }
@@ -248,6 +327,14 @@ impl Consumer {
         self
     }
 
+    /// How long a delivery whose handler failed with `Error::Storage` (the
+    /// database failed or is down) waits before it is requeued, uncounted.
+    /// Default 1 s.
+    pub fn storage_delay(mut self, delay: Duration) -> Self {
+        self.storage_delay = delay;
+        self
+    }
+
     /// Called after each delivery is settled (for logs, metrics, tests).
     pub fn on_settle(mut self, hook: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
         self.on_settle = Some(Arc::new(hook));
@@ -256,6 +343,9 @@ impl Consumer {
 
     /// Consumes until `shutdown` resolves (or the channel fails), calling
     /// `handler` with each payload deserialized from JSON into `T`.
+    ///
+    /// The handler's error tells the runner, through [`AsIdemError`], whether
+    /// the database was down; see the [settlement table](self).
     ///
     /// On shutdown the consumer is cancelled, deliveries not yet handled are
     /// requeued, and the runner waits for the ones being handled (including
@@ -266,7 +356,7 @@ impl Consumer {
         F: Fn(T) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<R, E>> + Send + 'static,
         R: Send + 'static,
-        E: Debug + Send + 'static,
+        E: AsIdemError + Debug + Send + 'static,
         S: Future,
     {
         let channel = &self.channel;
@@ -288,6 +378,7 @@ impl Consumer {
             max_retries: self.max_retries,
             retry_delay: self.retry_delay,
             in_progress_delay: self.in_progress_delay,
+            storage_delay: self.storage_delay,
             on_settle: self.on_settle.clone(),
         });
         let handler = Arc::new(handler);
@@ -361,6 +452,7 @@ struct Shared {
     max_retries: u32,
     retry_delay: Duration,
     in_progress_delay: Duration,
+    storage_delay: Duration,
     on_settle: Option<Hook>,
 }
 
@@ -378,21 +470,42 @@ impl Settled {
 }
 
 /// What to do with a delivery, before doing it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Verdict {
     Ack,
-    Requeue,
+    Requeue(Wait),
     Retry,
     DeadLetter(Reason),
 }
 
-fn verdict(outcome: Option<Outcome>, ok: bool) -> Verdict {
-    match outcome {
-        Some(Outcome::InProgress) => Verdict::Requeue,
-        Some(Outcome::KeyReused) => Verdict::DeadLetter(Reason::KeyReused),
-        Some(Outcome::Rejected) => Verdict::DeadLetter(Reason::Rejected),
-        Some(Outcome::Failed) => Verdict::Retry,
-        Some(Outcome::Executed | Outcome::Replayed) | None if ok => Verdict::Ack,
-        Some(Outcome::Executed | Outcome::Replayed) | None => Verdict::Retry,
+/// Why a requeued delivery waits, and so for how long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    InProgress,
+    Storage,
+}
+
+/// The settlement of a handler's result: `Ok`, or `Err` with the
+/// `idem::Error` it carries; `outcome` is that of its last call.
+fn verdict(result: Result<(), Option<&Error>>, outcome: Option<Outcome>) -> Verdict {
+    let carried = match result {
+        // The handler dealt with whatever its calls returned.
+        Ok(()) => return Verdict::Ack,
+        Err(carried) => carried,
+    };
+    match carried {
+        Some(Error::Storage(_)) => Verdict::Requeue(Wait::Storage),
+        Some(Error::InProgress { .. }) => Verdict::Requeue(Wait::InProgress),
+        Some(Error::KeyReused { .. }) => Verdict::DeadLetter(Reason::KeyReused),
+        // `InvalidKey`, `Replay`, `Serialize` and the like: the call can
+        // never succeed as sent (the engine's `Outcome::Rejected`).
+        Some(_) => Verdict::DeadLetter(Reason::Rejected),
+        None => match outcome {
+            Some(Outcome::InProgress) => Verdict::Requeue(Wait::InProgress),
+            Some(Outcome::KeyReused) => Verdict::DeadLetter(Reason::KeyReused),
+            Some(Outcome::Rejected) => Verdict::DeadLetter(Reason::Rejected),
+            Some(Outcome::Failed | Outcome::Executed | Outcome::Replayed) | None => Verdict::Retry,
+        },
     }
 }
 
@@ -406,7 +519,7 @@ async fn handle<T, F, Fut, R, E>(
     F: Fn(T) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<R, E>> + Send + 'static,
     R: Send + 'static,
-    E: Debug + Send + 'static,
+    E: AsIdemError + Debug + Send + 'static,
 {
     let (verdict, outcome, error) = match serde_json::from_slice::<T>(&delivery.data) {
         Err(e) => (Verdict::DeadLetter(Reason::Poison), None, Some(format!("payload: {e}"))),
@@ -416,44 +529,58 @@ async fn handle<T, F, Fut, R, E>(
             // never settled.
             let call = tokio::spawn(async move { observe(handler(message)).await });
             match call.await {
-                Ok((Ok(_), outcome)) => (verdict(outcome, true), outcome, None),
-                Ok((Err(e), outcome)) => (verdict(outcome, false), outcome, Some(format!("{e:?}"))),
+                Ok((Ok(_), outcome)) => (verdict(Ok(()), outcome), outcome, None),
+                Ok((Err(e), outcome)) => (verdict(Err(e.idem_error()), outcome), outcome, Some(format!("{e:?}"))),
                 Err(join) => (Verdict::Retry, None, Some(format!("handler panicked: {join}"))),
             }
         }
     };
     drop(permit);
 
-    let retries = retries_of(&delivery);
-    let verdict = match verdict {
-        Verdict::Retry if retries >= shared.max_retries => Verdict::DeadLetter(Reason::RetriesExhausted),
-        v => v,
-    };
     let (action, result) = match verdict {
         Verdict::Ack => (Action::Ack, delivery.ack(BasicAckOptions::default()).await),
-        Verdict::DeadLetter(reason) => {
-            (Action::DeadLetter(reason), delivery.reject(BasicRejectOptions { requeue: false }).await)
-        }
-        Verdict::Requeue => {
-            tokio::time::sleep(shared.in_progress_delay).await;
+        Verdict::DeadLetter(reason) => dead_letter(&delivery, reason).await,
+        Verdict::Requeue(wait) => {
+            tokio::time::sleep(match wait {
+                Wait::InProgress => shared.in_progress_delay,
+                Wait::Storage => shared.storage_delay,
+            })
+            .await;
             (Action::Requeue, delivery.nack(BasicNackOptions { multiple: false, requeue: true }).await)
         }
-        Verdict::Retry => {
-            tokio::time::sleep(shared.retry_delay).await;
-            let retries = retries + 1;
-            match republish(shared, &delivery, retries).await {
-                Ok(true) => (Action::Retry { retries }, delivery.ack(BasicAckOptions::default()).await),
-                // Not confirmed: give it back as is; it is tried again
-                // without counting.
-                Ok(false) => {
-                    (Action::Returned, delivery.nack(BasicNackOptions { multiple: false, requeue: true }).await)
-                }
-                Err(e) => (Action::Returned, Err(e)),
-            }
-        }
+        Verdict::Retry => retry(shared, &delivery).await,
     };
     let settled = Settled::new(&delivery, outcome, action, error);
     settle(shared, result, settled);
+}
+
+async fn dead_letter(delivery: &Delivery, reason: Reason) -> (Action, lapin::Result<bool>) {
+    (Action::DeadLetter(reason), delivery.reject(BasicRejectOptions { requeue: false }).await)
+}
+
+/// Republishes a copy carrying the next retry count and acks the original;
+/// dead-letters it once its retries are spent. A copy the broker refuses
+/// spends its retry too: given back uncounted, a message the queue cannot
+/// take (it is full, with `reject-publish`) would go round forever.
+async fn retry(shared: &Shared, delivery: &Delivery) -> (Action, lapin::Result<bool>) {
+    let mut retries = retries_of(delivery);
+    while retries < shared.max_retries {
+        tokio::time::sleep(shared.retry_delay).await;
+        retries += 1;
+        match republish(shared, delivery, retries).await {
+            Ok(true) => return (Action::Retry { retries }, delivery.ack(BasicAckOptions::default()).await),
+            Ok(false) => {
+                tracing::warn!(queue = %shared.queue, retries, "retry copy refused by the broker; the retry is spent");
+            }
+            Err(e) if shared.channel.status().connected() => {
+                tracing::warn!(queue = %shared.queue, retries, error = %e, "retry copy not published; retry spent");
+            }
+            // The channel is gone, and the delivery with it: the broker
+            // redelivers the message, with the count it had.
+            Err(e) => return (Action::Returned, Err(e)),
+        }
+    }
+    dead_letter(delivery, Reason::RetriesExhausted).await
 }
 
 /// Publishes a copy of `delivery` to this queue with `retries` in its header;
@@ -508,4 +635,92 @@ fn retries_of(delivery: &Delivery) -> u32 {
         _ => 0,
     };
     u32::try_from(n).unwrap_or(if n < 0 { 0 } else { u32::MAX })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::KeyError;
+
+    const EVERY_OUTCOME: [Option<Outcome>; 7] = [
+        None,
+        Some(Outcome::Executed),
+        Some(Outcome::Replayed),
+        Some(Outcome::InProgress),
+        Some(Outcome::KeyReused),
+        Some(Outcome::Rejected),
+        Some(Outcome::Failed),
+    ];
+
+    fn json_error() -> serde_json::Error {
+        serde_json::from_str::<u8>("x").unwrap_err()
+    }
+
+    #[test]
+    fn a_handler_returning_ok_is_acked_whatever_its_calls_returned() {
+        for outcome in EVERY_OUTCOME {
+            assert_eq!(verdict(Ok(()), outcome), Verdict::Ack, "{outcome:?}");
+        }
+    }
+
+    #[test]
+    fn a_storage_error_is_requeued_uncounted_whatever_the_outcome() {
+        let down = Error::Storage(sqlx::Error::PoolTimedOut);
+        for outcome in EVERY_OUTCOME {
+            assert_eq!(verdict(Err(Some(&down)), outcome), Verdict::Requeue(Wait::Storage), "{outcome:?}");
+        }
+    }
+
+    #[test]
+    fn a_carried_error_decides_before_the_outcome() {
+        let in_progress = Error::InProgress { biz: "b", key: "k".into() };
+        let reused = Error::KeyReused { biz: "b", key: "k".into() };
+        let replay = Error::Replay { biz: "b", key: "k".into(), source: json_error() };
+        let outcome = Some(Outcome::Failed);
+        assert_eq!(verdict(Err(Some(&in_progress)), outcome), Verdict::Requeue(Wait::InProgress));
+        assert_eq!(verdict(Err(Some(&reused)), outcome), Verdict::DeadLetter(Reason::KeyReused));
+        for rejected in [Error::InvalidKey(KeyError::Missing), replay, Error::Serialize(json_error())] {
+            assert_eq!(verdict(Err(Some(&rejected)), outcome), Verdict::DeadLetter(Reason::Rejected), "{rejected:?}");
+        }
+    }
+
+    #[test]
+    fn an_error_carrying_nothing_is_settled_by_the_outcome() {
+        let expected = [
+            Verdict::Retry,
+            Verdict::Retry,
+            Verdict::Retry,
+            Verdict::Requeue(Wait::InProgress),
+            Verdict::DeadLetter(Reason::KeyReused),
+            Verdict::DeadLetter(Reason::Rejected),
+            Verdict::Retry,
+        ];
+        for (outcome, expected) in EVERY_OUTCOME.into_iter().zip(expected) {
+            assert_eq!(verdict(Err(None), outcome), expected, "{outcome:?}");
+        }
+    }
+
+    #[test]
+    fn a_boxed_error_finds_the_idem_error_in_its_source_chain() {
+        #[derive(Debug)]
+        struct Wrapper(Error);
+        impl std::fmt::Display for Wrapper {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("wrapped")
+            }
+        }
+        impl std::error::Error for Wrapper {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+
+        let direct: Box<dyn std::error::Error + Send + Sync> = Box::new(Error::Storage(sqlx::Error::PoolTimedOut));
+        assert!(matches!(direct.idem_error(), Some(Error::Storage(_))));
+        let wrapped: Box<dyn std::error::Error + Send + Sync> =
+            Box::new(Wrapper(Error::Storage(sqlx::Error::PoolTimedOut)));
+        assert!(matches!(wrapped.idem_error(), Some(Error::Storage(_))));
+        let other: Box<dyn std::error::Error + Send + Sync> = "no idem error here".into();
+        assert!(other.idem_error().is_none());
+    }
 }
