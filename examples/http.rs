@@ -16,8 +16,11 @@
 //! curl -i -X POST localhost:3000/orders/42/pay -H 'X-User-Id: alice' \
 //!   -H 'Idempotency-Key: 5d0c2a6e-pay-42' -H 'Content-Type: application/json' -d '{"amount":1999}'
 //! ```
-//! The same command again answers the same body plus `Idempotent-Replayed: true`;
-//! with `{"amount":5}` it answers 422 `IDEMPOTENCY_KEY_REUSED`.
+//! The same command again answers the same body plus `Idempotent-Replayed: true`,
+//! and so does `-H 'Idempotency-Key: "5d0c2a6e-pay-42"'` (the quoted form of
+//! the IETF draft: the same key); with `{"amount":5}` it answers 422
+//! `IDEMPOTENCY_KEY_REUSED`, and with `-H 'X-User-Id: alice:x'` 400
+//! `INVALID_PRINCIPAL`.
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -28,7 +31,7 @@ use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router, middleware};
-use idem::http::{IdempotencyKey, Problem, replay_header};
+use idem::http::{IdempotencyKey, Problem, check_principal, replay_header};
 use idem::{Backend, Idem, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{AssertSqlSafe, Transaction};
@@ -102,23 +105,24 @@ fn problem(status: StatusCode, code: &'static str, detail: String) -> Response {
     Problem { status, code, title, detail, retry_after: None }.into_response()
 }
 
-/// The authenticated principal; here simply the `X-User-Id` header. It may
-/// not contain `:`, the separator in the key template, so that two users'
-/// keys can never render the same.
+/// The authenticated principal; here simply the `X-User-Id` header. None
+/// is 401; one that cannot scope a key (`:` in it, the separator in the key
+/// template, or anything outside `[A-Za-z0-9_.-]{1,64}`) is refused by
+/// `check_principal` with 400 `INVALID_PRINCIPAL`, so that two users' keys
+/// can never render the same.
 struct UserId(String);
 
 impl<S: Send + Sync> FromRequestParts<S> for UserId {
     type Rejection = Response;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Response> {
-        let user = parts.headers.get("x-user-id").and_then(|v| v.to_str().ok()).unwrap_or_default();
-        let valid =
-            (1..=64).contains(&user.len()) && user.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-        if !valid {
-            let detail = "send X-User-Id: 1 to 64 characters from A-Z a-z 0-9 _ -".to_owned();
+        let Some(value) = parts.headers.get("x-user-id") else {
+            let detail = "send X-User-Id: 1 to 64 characters from A-Z a-z 0-9 _ . -".to_owned();
             return Err(problem(StatusCode::UNAUTHORIZED, "UNAUTHENTICATED", detail));
-        }
-        Ok(UserId(user.to_owned()))
+        };
+        let user = String::from_utf8_lossy(value.as_bytes());
+        check_principal(&user).map_err(IntoResponse::into_response)?;
+        Ok(UserId(user.into_owned()))
     }
 }
 

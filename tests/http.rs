@@ -1,6 +1,6 @@
 //! End to end over HTTP: an axum app with an `#[idempotent]` handler, bound to
 //! an ephemeral port, driven by a real client (reqwest). MariaDB with and
-//! without Redis, and SQLite without Redis.
+//! without Redis, and SQLite without Redis; a database that is down.
 
 mod common;
 
@@ -9,15 +9,15 @@ use std::time::Duration;
 
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
-use axum::http::{HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router, middleware};
-use idem::http::{IdempotencyKey, replay_header};
+use idem::http::{IDEMPOTENCY_KEY, IdempotencyKey, Problem, check_principal, replay_header};
 use idem::{Idem, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::Transaction;
-use tokio::sync::Barrier;
+use tokio::sync::{Barrier, mpsc, watch};
 
 #[derive(Debug, Serialize, Deserialize)]
 struct PayReq {
@@ -69,15 +69,42 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// The caller, from `X-User-Id`: none is 401; one that cannot scope a key
+/// (`:` in it, say) is refused by `check_principal` with 400.
 struct UserId(String);
 
 impl<S: Send + Sync> FromRequestParts<S> for UserId {
-    type Rejection = StatusCode;
+    type Rejection = Response;
 
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, StatusCode> {
-        let user = parts.headers.get("x-user-id").and_then(|v| v.to_str().ok()).unwrap_or_default();
-        let valid = !user.is_empty() && user.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-        if valid { Ok(UserId(user.to_owned())) } else { Err(StatusCode::UNAUTHORIZED) }
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Response> {
+        let Some(value) = parts.headers.get("x-user-id") else {
+            return Err(StatusCode::UNAUTHORIZED.into_response());
+        };
+        let user = String::from_utf8_lossy(value.as_bytes());
+        check_principal(&user).map_err(IntoResponse::into_response)?;
+        Ok(UserId(user.into_owned()))
+    }
+}
+
+/// Where a payment's body waits until the test opens it, so duplicates
+/// certainly arrive while it runs.
+struct Gate {
+    open: watch::Sender<bool>,
+}
+
+impl Gate {
+    fn new(open: bool) -> Arc<Self> {
+        Arc::new(Gate { open: watch::Sender::new(open) })
+    }
+
+    fn open(&self) {
+        self.open.send_replace(true);
+    }
+
+    async fn pass(&self) {
+        let mut open = self.open.subscribe();
+        // Bounded: a test that never opens it fails on its answers instead of hanging.
+        let _ = tokio::time::timeout(Duration::from_secs(30), open.wait_for(|open| *open)).await;
     }
 }
 
@@ -89,6 +116,7 @@ macro_rules! pay_service {
             #[derive(Clone)]
             pub struct App {
                 pub idem: Idem<$db>,
+                pub gate: Arc<Gate>,
             }
 
             #[idempotent(key = "<user>:<idem_key>", ttl = "1h", biz = "http_test_pay", engine = app.idem)]
@@ -107,8 +135,7 @@ macro_rules! pay_service {
                 if paid.rows_affected() == 0 {
                     return Err(ApiError::NotPayable);
                 }
-                // Long enough for duplicates to arrive while it runs.
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                app.gate.pass().await;
                 sqlx::query("INSERT INTO http_payments (order_id, user_id, amount) VALUES (?, ?, ?)")
                     .bind(order_id)
                     .bind(&user)
@@ -122,11 +149,11 @@ macro_rules! pay_service {
                 Ok(PayResponse { order_id, user, amount: req.amount, payment_id })
             }
 
-            pub fn router(idem: Idem<$db>) -> Router {
+            pub fn router(idem: Idem<$db>, gate: Arc<Gate>) -> Router {
                 Router::new()
                     .route("/orders/{id}/pay", post(pay))
                     .layer(middleware::from_fn(replay_header))
-                    .with_state(App { idem })
+                    .with_state(App { idem, gate })
             }
         }
     };
@@ -202,7 +229,18 @@ async fn serve(router: Router) -> String {
     format!("http://{addr}")
 }
 
-async fn mysql_app(with_redis: bool) -> Option<(String, Db)> {
+/// A running app: its URL, its database, and the gate its payments wait at.
+struct App {
+    base: String,
+    db: Db,
+    gate: Arc<Gate>,
+}
+
+/// How long a duplicate without a Redis claim waits for the running call
+/// (in memory) before it answers 409.
+const LOCK_WAIT: Duration = Duration::from_secs(1);
+
+async fn mysql_app(with_redis: bool, gate: Arc<Gate>) -> Option<App> {
     let pool = common::reach("mysql", || async {
         sqlx::mysql::MySqlPoolOptions::new()
             .max_connections(16)
@@ -212,7 +250,7 @@ async fn mysql_app(with_redis: bool) -> Option<(String, Db)> {
             .ok()
     })
     .await?;
-    let mut builder = Idem::builder(pool.clone());
+    let mut builder = Idem::builder(pool.clone()).lock_wait(LOCK_WAIT);
     if with_redis {
         builder = builder.redis(common::redis_client().await?);
     }
@@ -226,10 +264,10 @@ async fn mysql_app(with_redis: bool) -> Option<(String, Db)> {
     .execute(&pool)
     .await
     .expect("tables");
-    Some((serve(on_mysql::router(idem)).await, Db::My(pool)))
+    Some(App { base: serve(on_mysql::router(idem, Arc::clone(&gate))).await, db: Db::My(pool), gate })
 }
 
-async fn sqlite_app() -> (String, Db) {
+async fn sqlite_app(gate: Arc<Gate>) -> App {
     let dir = std::env::temp_dir().join("idem-tests");
     std::fs::create_dir_all(&dir).expect("temp dir");
     let options = sqlx::sqlite::SqliteConnectOptions::new()
@@ -243,7 +281,7 @@ async fn sqlite_app() -> (String, Db) {
         .connect_with(options)
         .await
         .expect("sqlite file");
-    let idem = Idem::new(pool.clone());
+    let idem = Idem::builder(pool.clone()).lock_wait(LOCK_WAIT).build();
     idem.migrate().await.expect("migrate");
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS http_orders (id INTEGER PRIMARY KEY AUTOINCREMENT, status TEXT NOT NULL);
@@ -253,7 +291,7 @@ async fn sqlite_app() -> (String, Db) {
     .execute(&pool)
     .await
     .expect("tables");
-    (serve(on_sqlite::router(idem)).await, Db::Lite(pool))
+    App { base: serve(on_sqlite::router(idem, Arc::clone(&gate))).await, db: Db::Lite(pool), gate }
 }
 
 /// One answer, read whole.
@@ -273,6 +311,38 @@ impl Answer {
     fn code(&self) -> String {
         self.json()["code"].as_str().unwrap_or_default().to_owned()
     }
+
+    /// Asserts this is `expected`, byte for byte, as `application/problem+json`.
+    fn assert_problem(&self, expected: &Problem) {
+        let body = String::from_utf8_lossy(&self.body);
+        assert_eq!((self.status, self.code()), (expected.status.as_u16(), expected.code.to_owned()), "{body}");
+        assert_eq!(body, expected.body());
+        assert_eq!(self.content_type, "application/problem+json");
+        assert_eq!(self.retry_after, expected.retry_after.map(|s| s.to_string()));
+        assert_eq!(self.replayed, None);
+    }
+}
+
+/// Pays `order` for `amount`, with `headers` as raw bytes.
+async fn send_raw(client: &reqwest::Client, base: &str, order: i64, headers: &[(&str, &[u8])], amount: i64) -> Answer {
+    let mut request = client
+        .post(format!("{base}/orders/{order}/pay"))
+        .header("content-type", "application/json")
+        .body(format!(r#"{{"amount":{amount}}}"#));
+    for (name, value) in headers {
+        request = request.header(*name, HeaderValue::from_bytes(value).expect("a sendable header value"));
+    }
+    let response = request.send().await.expect("request");
+    let header = |name: &str| response.headers().get(name).map(|v| v.to_str().unwrap().to_owned());
+    let (status, replayed, retry_after) =
+        (response.status().as_u16(), header("idempotent-replayed"), header("retry-after"));
+    let content_type = header("content-type").unwrap_or_default();
+    let body = response.bytes().await.expect("body").to_vec();
+    if content_type == "application/problem+json" {
+        // No problem ever carries a control byte or a byte above ASCII.
+        assert!(body.iter().all(|b| (b' '..=b'~').contains(b)), "{:?}", String::from_utf8_lossy(&body));
+    }
+    Answer { status, replayed, retry_after, content_type, body }
 }
 
 async fn send(
@@ -283,56 +353,76 @@ async fn send(
     key: Option<&str>,
     amount: i64,
 ) -> Answer {
-    let mut request = client
-        .post(format!("{base}/orders/{order}/pay"))
-        .header("content-type", "application/json")
-        .body(format!(r#"{{"amount":{amount}}}"#));
+    let mut headers: Vec<(&str, &[u8])> = Vec::new();
     if let Some(user) = user {
-        request = request.header("x-user-id", user);
+        headers.push(("x-user-id", user.as_bytes()));
     }
     if let Some(key) = key {
-        request = request.header("idempotency-key", key);
+        headers.push(("idempotency-key", key.as_bytes()));
     }
-    let response = request.send().await.expect("request");
-    let header = |name: &str| response.headers().get(name).map(|v| v.to_str().unwrap().to_owned());
-    let (status, replayed, retry_after) =
-        (response.status().as_u16(), header("idempotent-replayed"), header("retry-after"));
-    let content_type = header("content-type").unwrap_or_default();
-    let body = response.bytes().await.expect("body").to_vec();
-    Answer { status, replayed, retry_after, content_type, body }
+    send_raw(client, base, order, &headers, amount).await
+}
+
+/// What the extractor answers for an `Idempotency-Key` of these bytes.
+fn key_problem(value: Option<&[u8]>) -> Problem {
+    let mut headers = HeaderMap::new();
+    if let Some(value) = value {
+        headers.insert(IDEMPOTENCY_KEY, HeaderValue::from_bytes(value).unwrap());
+    }
+    IdempotencyKey::from_headers(&headers).unwrap_err()
+}
+
+fn problem_of(error: idem::Error) -> Problem {
+    Problem::from(&error)
+}
+
+fn in_progress() -> Problem {
+    problem_of(idem::Error::InProgress { biz: "http_test_pay", key: String::new() })
+}
+
+/// A user id of letters and digits, unique to this run.
+fn new_user(prefix: &str) -> String {
+    common::unique(prefix).replace('-', "x")
 }
 
 /// Every behaviour of the table in DESIGN.md, over HTTP.
-async fn scenario(base: &str, db: &Db) {
+async fn scenario(app: &App) {
+    let (base, db) = (app.base.as_str(), &app.db);
     let client = reqwest::Client::new();
-    let user = common::unique("u").replace('-', "x");
+    let user = new_user("u");
     let key = common::unique("key");
     let order = db.new_order().await;
 
-    // 50 identical requests released at once: one execution.
+    // 50 identical requests released at once: one execution. Its body waits
+    // at the gate until an answer has arrived, and none can finish before
+    // it, so that first answer is a duplicate's 409.
     let barrier = Arc::new(Barrier::new(50));
-    let mut tasks = Vec::new();
+    let (answered, mut answers) = mpsc::unbounded_channel();
     for _ in 0..50 {
-        let (client, base, user, key, barrier) =
-            (client.clone(), base.to_owned(), user.clone(), key.clone(), Arc::clone(&barrier));
-        tasks.push(tokio::spawn(async move {
+        let (client, base, user, key, barrier, answered) =
+            (client.clone(), base.to_owned(), user.clone(), key.clone(), Arc::clone(&barrier), answered.clone());
+        tokio::spawn(async move {
             barrier.wait().await;
-            send(&client, &base, order, Some(&user), Some(&key), 1999).await
-        }));
+            let _ = answered.send(send(&client, &base, order, Some(&user), Some(&key), 1999).await);
+        });
     }
-    let mut answers = Vec::new();
-    for task in tasks {
-        answers.push(task.await.expect("task"));
+    drop(answered);
+    let early = answers.recv().await.expect("an answer");
+    early.assert_problem(&in_progress());
+    app.gate.open();
+    let mut all = vec![early];
+    while let Some(answer) = answers.recv().await {
+        all.push(answer);
     }
+    assert_eq!(all.len(), 50, "every request answered");
     assert_eq!(db.ledger_rows(order).await, 1, "exactly one payment");
-    let ok: Vec<&Answer> = answers.iter().filter(|a| a.status == 200).collect();
-    let busy: Vec<&Answer> = answers.iter().filter(|a| a.status == 409).collect();
-    assert_eq!(
-        ok.len() + busy.len(),
-        50,
-        "only 200 or 409: {:?}",
-        answers.iter().map(|a| a.status).collect::<Vec<_>>()
-    );
+    let ok: Vec<&Answer> = all.iter().filter(|a| a.status == 200).collect();
+    let busy: Vec<&Answer> = all.iter().filter(|a| a.status == 409).collect();
+    assert_eq!(ok.len() + busy.len(), 50, "only 200 or 409: {:?}", all.iter().map(|a| a.status).collect::<Vec<_>>());
+    assert!(!busy.is_empty(), "at least the answer given while the body waited");
+    for a in &busy {
+        a.assert_problem(&in_progress());
+    }
     let first: Vec<&&Answer> = ok.iter().filter(|a| a.replayed.is_none()).collect();
     assert_eq!(first.len(), 1, "exactly one response executed (no replay header)");
     let body = first[0].body.clone();
@@ -343,32 +433,33 @@ async fn scenario(base: &str, db: &Db) {
     );
     for a in &ok {
         assert_eq!(a.body, body, "every 200 carries the same body");
+        assert_eq!(a.content_type, "application/json");
         assert!(a.replayed.is_none() || a.replayed.as_deref() == Some("true"));
     }
-    for a in &busy {
-        assert_eq!(a.code(), "IDEMPOTENCY_KEY_IN_PROGRESS");
-        assert_eq!(a.content_type, "application/problem+json");
-        assert_eq!(a.retry_after.as_deref(), Some("1"));
-    }
 
-    // A retry after completion: the same bytes, marked as replayed.
+    // A retry after completion: the same bytes, marked as replayed; quoted
+    // as the IETF draft has it, it is the same key.
     let again = send(&client, base, order, Some(&user), Some(&key), 1999).await;
     assert_eq!((again.status, again.replayed.as_deref()), (200, Some("true")));
     assert_eq!(again.body, body, "byte-identical replay");
+    let quoted = send(&client, base, order, Some(&user), Some(&format!("\"{key}\"")), 1999).await;
+    assert_eq!((quoted.status, quoted.replayed.as_deref()), (200, Some("true")));
+    assert_eq!(quoted.body, body, "the quoted key replays the bare one");
 
     // The same key with another amount.
     let reused = send(&client, base, order, Some(&user), Some(&key), 5).await;
-    assert_eq!((reused.status, reused.code().as_str()), (422, "IDEMPOTENCY_KEY_REUSED"));
-    assert_eq!(reused.content_type, "application/problem+json");
-    assert!(reused.replayed.is_none());
+    reused.assert_problem(&problem_of(idem::Error::KeyReused { biz: "http_test_pay", key: String::new() }));
     assert!(!String::from_utf8_lossy(&reused.body).contains(&key), "the key is never echoed");
     assert_eq!(db.ledger_rows(order).await, 1);
 
     // Another user sending the same header value runs their own request:
     // on the same (now paid) order the body runs and refuses...
-    let other = common::unique("v").replace('-', "x");
+    let other = new_user("v");
     let theirs = send(&client, base, order, Some(&other), Some(&key), 1999).await;
-    assert_eq!((theirs.status, theirs.code().as_str(), theirs.replayed.as_deref()), (409, "ORDER_NOT_PAYABLE", None));
+    assert_eq!(
+        (theirs.status, theirs.body.as_slice(), theirs.replayed.as_deref()),
+        (409, &br#"{"code":"ORDER_NOT_PAYABLE"}"#[..], None)
+    );
     // ...and on an order of their own it pays it, with their own payment.
     let their_order = db.new_order().await;
     let theirs = send(&client, base, their_order, Some(&other), Some(&key), 1999).await;
@@ -380,25 +471,22 @@ async fn scenario(base: &str, db: &Db) {
     assert_eq!(db.records_of(&other).await, 1, "the refused request recorded nothing");
 
     // Without a key, with a malformed key, without a user: refused, nothing written.
-    let clean = common::unique("w").replace('-', "x");
+    let clean = new_user("w");
     let fresh = db.new_order().await;
     let missing = send(&client, base, fresh, Some(&clean), None, 1999).await;
-    assert_eq!((missing.status, missing.code().as_str()), (400, "MISSING_IDEMPOTENCY_KEY"));
-    assert_eq!(missing.content_type, "application/problem+json");
+    missing.assert_problem(&key_problem(None));
+    assert_eq!(missing.code(), "MISSING_IDEMPOTENCY_KEY");
     let too_long = "k".repeat(256);
     for bad in ["a b", too_long.as_str(), "{x}", "abcdefg"] {
         let answer = send(&client, base, fresh, Some(&clean), Some(bad), 1999).await;
-        assert_eq!((answer.status, answer.code().as_str()), (400, "INVALID_IDEMPOTENCY_KEY"), "{bad:?}");
-        assert_eq!(answer.content_type, "application/problem+json");
-        let problem = answer.json();
-        assert_eq!(problem["status"], 400);
-        assert!(problem["type"].is_string() && problem["title"].is_string() && problem["detail"].is_string());
+        answer.assert_problem(&key_problem(Some(bad.as_bytes())));
+        assert_eq!(answer.code(), "INVALID_IDEMPOTENCY_KEY", "{bad:?}");
         if bad.len() > 3 {
             assert!(!String::from_utf8_lossy(&answer.body).contains(bad), "the key is never echoed");
         }
     }
     let anonymous = send(&client, base, fresh, None, Some(&common::unique("key")), 1999).await;
-    assert_eq!(anonymous.status, 401);
+    assert_eq!((anonymous.status, anonymous.body.as_slice()), (401, &b""[..]));
     assert_eq!(db.ledger_rows(fresh).await, 0, "nothing paid for refused requests");
     assert_eq!(db.ledger_rows_of(&clean).await, 0);
     assert_eq!(db.records_of(&clean).await, 0, "no idem_record row for refused requests");
@@ -407,18 +495,191 @@ async fn scenario(base: &str, db: &Db) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mysql_with_redis() {
-    let Some((base, db)) = mysql_app(true).await else { return };
-    scenario(&base, &db).await;
+    let Some(app) = mysql_app(true, Gate::new(false)).await else { return };
+    scenario(&app).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mysql_without_redis() {
-    let Some((base, db)) = mysql_app(false).await else { return };
-    scenario(&base, &db).await;
+    let Some(app) = mysql_app(false, Gate::new(false)).await else { return };
+    scenario(&app).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_without_redis() {
-    let (base, db) = sqlite_app().await;
-    scenario(&base, &db).await;
+    let app = sqlite_app(Gate::new(false)).await;
+    scenario(&app).await;
+}
+
+/// `"k"` (a structured-field string, as the IETF draft sends it) and `k`
+/// are one key, whichever comes first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quoted_key_is_the_same_key() {
+    let App { base, db, .. } = sqlite_app(Gate::new(true)).await;
+    let client = reqwest::Client::new();
+    let user = new_user("q");
+    for quoted_first in [false, true] {
+        let key = common::unique("key");
+        let (bare, quoted) = (key.clone(), format!("\"{key}\""));
+        let (first, second) = if quoted_first { (&quoted, &bare) } else { (&bare, &quoted) };
+        let order = db.new_order().await;
+        let executed = send(&client, &base, order, Some(&user), Some(first), 700).await;
+        assert_eq!((executed.status, executed.replayed.as_deref()), (200, None), "{first}");
+        let paid = executed.json();
+        assert_eq!(
+            (paid["order_id"].as_i64(), paid["user"].as_str(), paid["amount"].as_i64()),
+            (Some(order), Some(&*user), Some(700))
+        );
+        let replayed = send(&client, &base, order, Some(&user), Some(second), 700).await;
+        assert_eq!((replayed.status, replayed.replayed.as_deref()), (200, Some("true")), "{second}");
+        assert_eq!(replayed.body, executed.body, "{second} replays {first} byte for byte");
+        let reused = send(&client, &base, order, Some(&user), Some(second), 701).await;
+        reused.assert_problem(&problem_of(idem::Error::KeyReused { biz: "http_test_pay", key: String::new() }));
+        assert_eq!(db.ledger_rows(order).await, 1);
+    }
+    assert_eq!(db.records_of(&user).await, 2, "one record per key, quoted or not");
+    assert_eq!(db.ledger_rows_of(&user).await, 2);
+}
+
+/// Badly quoted keys (unterminated, escapes or quotes inside, parameters,
+/// empty) and quoted content the key rule refuses: 400, nothing written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_quoting_is_refused_and_writes_nothing() {
+    let App { base, db, .. } = sqlite_app(Gate::new(true)).await;
+    let client = reqwest::Client::new();
+    let user = new_user("m");
+    let order = db.new_order().await;
+    let cases: [&str; 11] = [
+        "\"",
+        "\"\"",
+        "\"abcdefgh",
+        "abcdefgh\"",
+        "\"abcd\"efgh\"",
+        "\"abcd\\\"efgh\"",
+        "\"abcd\\\\efgh\"",
+        "\"abcdefgh\";p=1",
+        "\"abcd efgh\"",
+        "\"abcdefg\"",
+        "\"abcd/efgh\"",
+    ];
+    for bad in cases {
+        let answer = send(&client, &base, order, Some(&user), Some(bad), 1999).await;
+        answer.assert_problem(&key_problem(Some(bad.as_bytes())));
+        assert_eq!((answer.status, answer.code().as_str()), (400, "INVALID_IDEMPOTENCY_KEY"), "{bad}");
+    }
+    assert_eq!(db.ledger_rows(order).await, 0, "nothing paid");
+    assert_eq!(db.records_of(&user).await, 0, "no idem_record row");
+    // The order is still payable: the refusals left nothing behind.
+    let good = send(&client, &base, order, Some(&user), Some("\"abcdefgh\""), 1999).await;
+    assert_eq!((good.status, good.replayed.as_deref()), (200, None));
+    assert_eq!((db.ledger_rows(order).await, db.records_of(&user).await), (1, 1));
+}
+
+/// A principal holding the separator could render another caller's key
+/// (`u` + `x:k` and `u:x` + `k` are both `u:x:k`): the extractor refuses it
+/// with 400 `INVALID_PRINCIPAL` before the handler runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn principal_with_the_separator_is_refused_by_the_extractor() {
+    let App { base, db, .. } = sqlite_app(Gate::new(true)).await;
+    let client = reqwest::Client::new();
+    let user = new_user("p");
+    let key = common::unique("key");
+    let order = db.new_order().await;
+    let first = send(&client, &base, order, Some(&user), Some(&format!("x:{key}")), 1999).await;
+    assert_eq!((first.status, first.replayed.as_deref()), (200, None));
+
+    let colliding = format!("{user}:x");
+    let refused = send(&client, &base, order, Some(&colliding), Some(&key), 1999).await;
+    refused.assert_problem(&check_principal(&colliding).unwrap_err());
+    assert_eq!(refused.code(), "INVALID_PRINCIPAL");
+    let detail = refused.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("it holds ':' at byte") && !detail.contains(&user), "{detail}");
+
+    let fresh = db.new_order().await;
+    for principal in [":", "a:b", &format!("{user}:{user}"), "", &"p".repeat(65), "a b", "a@b"] {
+        let answer = send(&client, &base, fresh, Some(principal), Some(&common::unique("key")), 1999).await;
+        answer.assert_problem(&check_principal(principal).unwrap_err());
+    }
+    assert_eq!(db.ledger_rows(order).await, 1, "only the first payment");
+    assert_eq!(db.ledger_rows(fresh).await, 0);
+    assert_eq!(db.ledger_rows_of(&colliding).await, 0);
+    assert_eq!(db.records_of(&user).await, 1, "the first call's record alone");
+}
+
+/// Problem details describe an offending byte (a code point for anything
+/// but visible ASCII) and never carry it, in the key or in the principal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn details_never_echo_raw_bytes() {
+    let App { base, db, .. } = sqlite_app(Gate::new(true)).await;
+    let client = reqwest::Client::new();
+    let user = new_user("r");
+    let order = db.new_order().await;
+    let keys: [(&[u8], Option<&str>); 6] = [
+        (b"abcd\tefgh", Some("character U+0009 at byte 4")),
+        (b"\"abcd\tefgh\"", Some("character U+0009 at byte 5")),
+        (b"abcd\xffefgh", None),
+        ("clé-12345678".as_bytes(), None),
+        ("\"abcdéfgh\"".as_bytes(), None),
+        ("\u{202e}abcdefgh".as_bytes(), None),
+    ];
+    for (raw, shown) in keys {
+        let answer =
+            send_raw(&client, &base, order, &[("x-user-id", user.as_bytes()), ("idempotency-key", raw)], 1).await;
+        answer.assert_problem(&key_problem(Some(raw)));
+        assert_eq!(answer.code(), "INVALID_IDEMPOTENCY_KEY");
+        let detail = answer.json()["detail"].as_str().unwrap().to_owned();
+        match shown {
+            Some(shown) => assert!(detail.contains(shown), "{detail}"),
+            None => assert!(
+                detail.starts_with("the Idempotency-Key header holds bytes that are not visible ASCII"),
+                "{detail}"
+            ),
+        }
+        assert!(!detail.contains("abcd") && !detail.contains("efgh"), "{detail}");
+    }
+    let principals: [(&[u8], &str); 4] = [
+        (b"ab\tc", "it holds U+0009 at byte 2"),
+        ("zoë".as_bytes(), "it holds U+00EB at byte 2"),
+        (b"ab\xffc", "it holds U+FFFD at byte 2"),
+        ("a\u{202e}b".as_bytes(), "it holds U+202E at byte 1"),
+    ];
+    for (raw, shown) in principals {
+        let key = common::unique("key");
+        let answer =
+            send_raw(&client, &base, order, &[("x-user-id", raw), ("idempotency-key", key.as_bytes())], 1).await;
+        answer.assert_problem(&check_principal(&String::from_utf8_lossy(raw)).unwrap_err());
+        let detail = answer.json()["detail"].as_str().unwrap().to_owned();
+        assert!(detail.contains(shown), "{detail}");
+    }
+    assert_eq!(db.ledger_rows(order).await, 0, "nothing paid");
+    assert_eq!(db.records_of(&user).await, 0, "no idem_record row");
+}
+
+/// The database is down: 503 `IDEMPOTENCY_STORAGE_UNAVAILABLE`, so the
+/// client retries with the same key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_down_is_503() {
+    // A SQLite file in a folder that does not exist, and MySQL on a port
+    // nobody listens on.
+    let sqlite = sqlx::sqlite::SqlitePoolOptions::new().acquire_timeout(Duration::from_secs(2)).connect_lazy_with(
+        sqlx::sqlite::SqliteConnectOptions::new().filename("/nonexistent-idem-dir/none.db").create_if_missing(false),
+    );
+    let mysql = sqlx::mysql::MySqlPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy("mysql://root@127.0.0.1:1/test")
+        .expect("a mysql url");
+    let bases = [
+        serve(on_sqlite::router(Idem::new(sqlite), Gate::new(true))).await,
+        serve(on_mysql::router(Idem::new(mysql), Gate::new(true))).await,
+    ];
+    let client = reqwest::Client::new();
+    let unavailable = problem_of(idem::Error::Storage(sqlx::Error::PoolTimedOut));
+    for base in &bases {
+        let key = common::unique("key");
+        for _ in 0..2 {
+            let answer = send(&client, base, 1, Some("alice"), Some(&key), 1999).await;
+            answer.assert_problem(&unavailable);
+            assert_eq!((answer.status, answer.code().as_str()), (503, "IDEMPOTENCY_STORAGE_UNAVAILABLE"));
+        }
+    }
 }

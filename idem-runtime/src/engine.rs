@@ -287,7 +287,9 @@ where
         Ok(done) => done.outcome,
         Err(Failed::Idem(Error::InProgress { .. })) => Outcome::InProgress,
         Err(Failed::Idem(Error::KeyReused { .. })) => Outcome::KeyReused,
-        Err(Failed::Idem(Error::InvalidKey(_) | Error::Replay { .. } | Error::Serialize(_))) => Outcome::Rejected,
+        Err(Failed::Idem(
+            Error::InvalidKey(_) | Error::Replay { .. } | Error::Serialize(_) | Error::NonFiniteFloat { .. },
+        )) => Outcome::Rejected,
         Err(_) => Outcome::Failed,
     };
     span.record("outcome", outcome.as_str());

@@ -55,6 +55,18 @@ pub enum Error {
     /// stores as `null`): nothing was committed.
     #[error("cannot serialize for idempotency: {0}")]
     Serialize(#[source] serde_json::Error),
+
+    /// An argument holds a float that is NaN or infinite (at any depth: a
+    /// field, a map value, an element, an `Option`). JSON has no form for
+    /// one (serde_json writes `null`), so `Some(f64::NAN)`, `Some(f64::INFINITY)`
+    /// and `None` would share a fingerprint and replay each other's results;
+    /// the call is refused instead, before Redis or the database is touched.
+    /// Nothing was written. Over HTTP: 422 `NON_FINITE_NUMBER`.
+    #[error("argument `{arg}` holds a float that is NaN or infinite, which has no JSON form to fingerprint")]
+    NonFiniteFloat {
+        /// The parameter's name, as written in the fn.
+        arg: &'static str,
+    },
 }
 
 impl Error {
@@ -121,8 +133,48 @@ impl fmt::Display for KeyError {
             KeyError::BizNoTooLong { len, max } => write!(f, "biz_no of {len} bytes, at most {max} allowed"),
             KeyError::BadBiz => f.write_str("biz must match [a-z0-9_]{1,32}"),
             KeyError::BadChar { ch, at } => {
-                write!(f, "character {ch:?} at byte {at}; only A-Z a-z 0-9 _ . : - are allowed")
+                write!(f, "character {} at byte {at}; only A-Z a-z 0-9 _ . : - are allowed", Shown(*ch))
             }
+        }
+    }
+}
+
+/// A character as it may appear in a message, a log line or an HTTP
+/// problem: visible ASCII quoted (`':'`), anything else only as its code
+/// point (`U+000A`, `U+00E9`), so a message never carries control bytes,
+/// bidi overrides or look-alikes from what a caller sent.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Shown(pub(crate) char);
+
+impl fmt::Display for Shown {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            ch @ ('!'..='&' | '('..='~') => write!(f, "'{ch}'"),
+            ch => write!(f, "U+{:04X}", u32::from(ch)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_characters_show_as_visible_ascii_or_code_points() {
+        let shown = |ch| KeyError::BadChar { ch, at: 3 }.to_string();
+        assert_eq!(shown(' '), "character U+0020 at byte 3; only A-Z a-z 0-9 _ . : - are allowed");
+        assert_eq!(shown('*'), "character '*' at byte 3; only A-Z a-z 0-9 _ . : - are allowed");
+        for (ch, code) in [
+            ('\n', "U+000A"),
+            ('\0', "U+0000"),
+            ('\u{7f}', "U+007F"),
+            ('é', "U+00E9"),
+            ('\u{202e}', "U+202E"),
+            ('\'', "U+0027"),
+            ('\u{1F600}', "U+1F600"),
+        ] {
+            let text = shown(ch);
+            assert!(text.contains(code) && text.is_ascii() && !text.chars().any(|c| c.is_ascii_control()), "{text:?}");
         }
     }
 }

@@ -5,8 +5,17 @@
 //! rather than by `serde_json::to_string`: the order of a `HashMap`, and
 //! whether some crate in the build enabled serde_json's `preserve_order`,
 //! must not change the hash.
+//!
+//! A float that is NaN or infinite is refused ([`Error::NonFiniteFloat`]):
+//! serde_json writes all three as `null`, so `Some(f64::NAN)`,
+//! `Some(f64::INFINITY)` and `None` would share a fingerprint and replay each
+//! other's results. The check rides along the one serialization (a wrapper
+//! around serde_json's own value serializer), at any depth.
+
+use std::cell::Cell;
 
 use serde::Serialize;
+use serde::ser::{self, Serializer};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -16,7 +25,7 @@ use crate::error::Error;
 #[derive(Debug, Default)]
 pub struct Fingerprint {
     args: Vec<(&'static str, Value)>,
-    error: Option<serde_json::Error>,
+    error: Option<Error>,
 }
 
 impl Fingerprint {
@@ -25,12 +34,18 @@ impl Fingerprint {
         Self::default()
     }
 
-    /// Adds one argument.
+    /// Adds one argument. An argument that does not serialize, or holds a
+    /// NaN or infinite float anywhere, makes [`finish`](Self::finish) fail.
     pub fn arg<T: Serialize + ?Sized>(mut self, name: &'static str, value: &T) -> Self {
         if self.error.is_none() {
-            match serde_json::to_value(value) {
+            let non_finite = Cell::new(false);
+            let serialized = Checked { value, non_finite: &non_finite }.serialize(serde_json::value::Serializer);
+            // Checked even on `Ok`: a `Serialize` impl that swallowed our
+            // refusal must not get the `null` through.
+            match serialized {
+                _ if non_finite.get() => self.error = Some(Error::NonFiniteFloat { arg: name }),
                 Ok(v) => self.args.push((name, v)),
-                Err(e) => self.error = Some(e),
+                Err(e) => self.error = Some(Error::Serialize(e)),
             }
         }
         self
@@ -39,7 +54,7 @@ impl Fingerprint {
     /// The lowercase hex SHA-256 of the canonical JSON object `{name: value, ...}`.
     pub fn finish(self) -> Result<String, Error> {
         if let Some(e) = self.error {
-            return Err(Error::Serialize(e));
+            return Err(e);
         }
         let object = Value::Object(self.args.into_iter().map(|(k, v)| (k.to_owned(), v)).collect());
         Ok(sha256_hex(canonical_json(&object).as_bytes()))
@@ -93,6 +108,237 @@ fn sha256_hex(bytes: &[u8]) -> String {
     hex
 }
 
+/// A value serialized through [`Finite`].
+struct Checked<'a, T: ?Sized> {
+    value: &'a T,
+    non_finite: &'a Cell<bool>,
+}
+
+impl<T: Serialize + ?Sized> Serialize for Checked<'_, T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.value.serialize(Finite { inner: serializer, non_finite: self.non_finite })
+    }
+}
+
+/// Passes everything to `inner` except a NaN or infinite float, which it
+/// refuses and notes in `non_finite` (so the caller tells it apart from
+/// serde_json's own errors without reading a message). Every nested value
+/// goes through a [`Checked`] again.
+struct Finite<'a, S> {
+    inner: S,
+    non_finite: &'a Cell<bool>,
+}
+
+impl<S> Finite<'_, S> {
+    fn refuse<E: ser::Error>(&self) -> E {
+        self.non_finite.set(true);
+        E::custom("a float that is NaN or infinite has no JSON form")
+    }
+}
+
+macro_rules! pass {
+    ($($method:ident($ty:ty)),* $(,)?) => {
+        $(fn $method(self, v: $ty) -> Result<S::Ok, S::Error> {
+            self.inner.$method(v)
+        })*
+    };
+}
+
+impl<'a, S: Serializer> Serializer for Finite<'a, S> {
+    type Ok = S::Ok;
+    type Error = S::Error;
+    type SerializeSeq = Finite<'a, S::SerializeSeq>;
+    type SerializeTuple = Finite<'a, S::SerializeTuple>;
+    type SerializeTupleStruct = Finite<'a, S::SerializeTupleStruct>;
+    type SerializeTupleVariant = Finite<'a, S::SerializeTupleVariant>;
+    type SerializeMap = Finite<'a, S::SerializeMap>;
+    type SerializeStruct = Finite<'a, S::SerializeStruct>;
+    type SerializeStructVariant = Finite<'a, S::SerializeStructVariant>;
+
+    pass!(
+        serialize_bool(bool),
+        serialize_i8(i8),
+        serialize_i16(i16),
+        serialize_i32(i32),
+        serialize_i64(i64),
+        serialize_i128(i128),
+        serialize_u8(u8),
+        serialize_u16(u16),
+        serialize_u32(u32),
+        serialize_u64(u64),
+        serialize_u128(u128),
+        serialize_char(char),
+        serialize_str(&str),
+        serialize_bytes(&[u8]),
+        serialize_unit_struct(&'static str),
+    );
+
+    fn serialize_f32(self, v: f32) -> Result<S::Ok, S::Error> {
+        if v.is_finite() { self.inner.serialize_f32(v) } else { Err(self.refuse()) }
+    }
+
+    fn serialize_f64(self, v: f64) -> Result<S::Ok, S::Error> {
+        if v.is_finite() { self.inner.serialize_f64(v) } else { Err(self.refuse()) }
+    }
+
+    fn serialize_none(self) -> Result<S::Ok, S::Error> {
+        self.inner.serialize_none()
+    }
+
+    fn serialize_some<T: Serialize + ?Sized>(self, value: &T) -> Result<S::Ok, S::Error> {
+        self.inner.serialize_some(&Checked { value, non_finite: self.non_finite })
+    }
+
+    fn serialize_unit(self) -> Result<S::Ok, S::Error> {
+        self.inner.serialize_unit()
+    }
+
+    fn serialize_unit_variant(self, name: &'static str, index: u32, variant: &'static str) -> Result<S::Ok, S::Error> {
+        self.inner.serialize_unit_variant(name, index, variant)
+    }
+
+    fn serialize_newtype_struct<T: Serialize + ?Sized>(self, name: &'static str, value: &T) -> Result<S::Ok, S::Error> {
+        self.inner.serialize_newtype_struct(name, &Checked { value, non_finite: self.non_finite })
+    }
+
+    fn serialize_newtype_variant<T: Serialize + ?Sized>(
+        self,
+        name: &'static str,
+        index: u32,
+        variant: &'static str,
+        value: &T,
+    ) -> Result<S::Ok, S::Error> {
+        self.inner.serialize_newtype_variant(name, index, variant, &Checked { value, non_finite: self.non_finite })
+    }
+
+    fn serialize_seq(self, len: Option<usize>) -> Result<Self::SerializeSeq, S::Error> {
+        Ok(Finite { inner: self.inner.serialize_seq(len)?, non_finite: self.non_finite })
+    }
+
+    fn serialize_tuple(self, len: usize) -> Result<Self::SerializeTuple, S::Error> {
+        Ok(Finite { inner: self.inner.serialize_tuple(len)?, non_finite: self.non_finite })
+    }
+
+    fn serialize_tuple_struct(self, name: &'static str, len: usize) -> Result<Self::SerializeTupleStruct, S::Error> {
+        Ok(Finite { inner: self.inner.serialize_tuple_struct(name, len)?, non_finite: self.non_finite })
+    }
+
+    fn serialize_tuple_variant(
+        self,
+        name: &'static str,
+        index: u32,
+        variant: &'static str,
+        len: usize,
+    ) -> Result<Self::SerializeTupleVariant, S::Error> {
+        let inner = self.inner.serialize_tuple_variant(name, index, variant, len)?;
+        Ok(Finite { inner, non_finite: self.non_finite })
+    }
+
+    fn serialize_map(self, len: Option<usize>) -> Result<Self::SerializeMap, S::Error> {
+        Ok(Finite { inner: self.inner.serialize_map(len)?, non_finite: self.non_finite })
+    }
+
+    fn serialize_struct(self, name: &'static str, len: usize) -> Result<Self::SerializeStruct, S::Error> {
+        Ok(Finite { inner: self.inner.serialize_struct(name, len)?, non_finite: self.non_finite })
+    }
+
+    fn serialize_struct_variant(
+        self,
+        name: &'static str,
+        index: u32,
+        variant: &'static str,
+        len: usize,
+    ) -> Result<Self::SerializeStructVariant, S::Error> {
+        let inner = self.inner.serialize_struct_variant(name, index, variant, len)?;
+        Ok(Finite { inner, non_finite: self.non_finite })
+    }
+
+    fn collect_str<T: std::fmt::Display + ?Sized>(self, value: &T) -> Result<S::Ok, S::Error> {
+        self.inner.collect_str(value)
+    }
+
+    fn is_human_readable(&self) -> bool {
+        self.inner.is_human_readable()
+    }
+}
+
+/// The compound serializers: each element, key and field goes through a
+/// [`Checked`].
+macro_rules! compound {
+    ($($trait:ident::$method:ident),* $(,)?) => {
+        $(impl<S: ser::$trait> ser::$trait for Finite<'_, S> {
+            type Ok = S::Ok;
+            type Error = S::Error;
+
+            fn $method<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), S::Error> {
+                let checked = Checked { value, non_finite: self.non_finite };
+                self.inner.$method(&checked)
+            }
+
+            fn end(self) -> Result<S::Ok, S::Error> {
+                self.inner.end()
+            }
+        })*
+    };
+}
+
+compound!(
+    SerializeSeq::serialize_element,
+    SerializeTuple::serialize_element,
+    SerializeTupleStruct::serialize_field,
+    SerializeTupleVariant::serialize_field,
+);
+
+impl<S: ser::SerializeMap> ser::SerializeMap for Finite<'_, S> {
+    type Ok = S::Ok;
+    type Error = S::Error;
+
+    fn serialize_key<T: Serialize + ?Sized>(&mut self, key: &T) -> Result<(), S::Error> {
+        self.inner.serialize_key(&Checked { value: key, non_finite: self.non_finite })
+    }
+
+    fn serialize_value<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), S::Error> {
+        self.inner.serialize_value(&Checked { value, non_finite: self.non_finite })
+    }
+
+    fn serialize_entry<K: Serialize + ?Sized, V: Serialize + ?Sized>(
+        &mut self,
+        key: &K,
+        value: &V,
+    ) -> Result<(), S::Error> {
+        let non_finite = self.non_finite;
+        self.inner.serialize_entry(&Checked { value: key, non_finite }, &Checked { value, non_finite })
+    }
+
+    fn end(self) -> Result<S::Ok, S::Error> {
+        self.inner.end()
+    }
+}
+
+/// Structs and struct variants: named fields.
+macro_rules! fields {
+    ($($trait:ident),* $(,)?) => {
+        $(impl<S: ser::$trait> ser::$trait for Finite<'_, S> {
+            type Ok = S::Ok;
+            type Error = S::Error;
+
+            fn serialize_field<T: Serialize + ?Sized>(&mut self, key: &'static str, value: &T) -> Result<(), S::Error> {
+                self.inner.serialize_field(key, &Checked { value, non_finite: self.non_finite })
+            }
+
+            fn skip_field(&mut self, key: &'static str) -> Result<(), S::Error> {
+                self.inner.skip_field(key)
+            }
+
+            fn end(self) -> Result<S::Ok, S::Error> {
+                self.inner.end()
+            }
+        })*
+    };
+}
+
+fields!(SerializeStruct, SerializeStructVariant);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,6 +372,128 @@ mod tests {
         assert_eq!(a.len(), 64);
         assert_ne!(a, b);
         assert_ne!(a, c);
+    }
+
+    fn refused(fingerprint: Fingerprint) -> &'static str {
+        match fingerprint.finish() {
+            Err(Error::NonFiniteFloat { arg }) => arg,
+            other => panic!("not refused as non-finite: {other:?}"),
+        }
+    }
+
+    /// Regression: `Some(NaN)`, `Some(inf)` and `None` all serialized to
+    /// `null`, so they shared a fingerprint and replayed each other.
+    #[test]
+    fn non_finite_floats_are_refused_not_written_as_null() {
+        for x in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -f64::NAN] {
+            assert_eq!(refused(Fingerprint::new().arg("amount", &x)), "amount", "{x}");
+            assert_eq!(refused(Fingerprint::new().arg("amount", &Some(x))), "amount", "{x}");
+        }
+        for x in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            assert_eq!(refused(Fingerprint::new().arg("rate", &x)), "rate", "{x}");
+            assert_eq!(refused(Fingerprint::new().arg("rate", &Some(x))), "rate", "{x}");
+        }
+        let none = Fingerprint::new().arg("amount", &None::<f64>).finish().unwrap();
+        assert_eq!(none, Fingerprint::new().arg("amount", &()).finish().unwrap(), "None is null");
+    }
+
+    #[derive(Serialize)]
+    struct Line {
+        sku: String,
+        price: f64,
+        discount: Option<f32>,
+    }
+
+    #[derive(Serialize)]
+    enum Adjust {
+        Unit,
+        Newtype(f64),
+        Tuple(u8, f32),
+        Struct { by: f64 },
+    }
+
+    #[derive(Serialize)]
+    struct Wrapper(f64);
+
+    #[derive(Serialize)]
+    struct Pair(u8, f64);
+
+    #[test]
+    fn non_finite_floats_are_found_at_any_depth() {
+        let line = |price, discount| Line { sku: "a".into(), price, discount };
+        let order = |lines| -> BTreeMap<&str, Vec<Line>> { BTreeMap::from([("lines", lines)]) };
+        let nan = f64::NAN;
+        let cases: Vec<Fingerprint> = vec![
+            Fingerprint::new().arg("line", &line(nan, None)),
+            Fingerprint::new().arg("line", &line(1.0, Some(f32::INFINITY))),
+            Fingerprint::new().arg("lines", &vec![line(1.0, None), line(f64::NEG_INFINITY, None)]),
+            Fingerprint::new().arg("order", &order(vec![line(1.0, Some(0.5)), line(2.0, Some(f32::NAN))])),
+            Fingerprint::new().arg("prices", &HashMap::from([("a", 1.0), ("b", nan)])),
+            Fingerprint::new().arg("pair", &(1u8, [0.5, f64::INFINITY])),
+            Fingerprint::new().arg("adjust", &Adjust::Newtype(nan)),
+            Fingerprint::new().arg("adjust", &Adjust::Tuple(1, f32::NEG_INFINITY)),
+            Fingerprint::new().arg("adjust", &Adjust::Struct { by: nan }),
+            Fingerprint::new().arg("wrapper", &Wrapper(f64::INFINITY)),
+            Fingerprint::new().arg("pair", &Pair(1, nan)),
+            Fingerprint::new().arg("nested", &Some(Some(vec![Some(nan)]))),
+        ];
+        let names = [
+            "line", "line", "lines", "order", "prices", "pair", "adjust", "adjust", "adjust", "wrapper", "pair",
+            "nested",
+        ];
+        for (fingerprint, name) in cases.into_iter().zip(names) {
+            assert_eq!(refused(fingerprint), name);
+        }
+    }
+
+    #[test]
+    fn the_argument_holding_it_is_named_and_the_first_refusal_wins() {
+        let fingerprint = Fingerprint::new()
+            .arg("order_id", &42)
+            .arg("amount", &f64::NAN)
+            .arg("rate", &f32::INFINITY)
+            .arg("m", &HashMap::from([(vec![1u8], 1)]));
+        assert_eq!(refused(fingerprint), "amount");
+        let unserializable_first =
+            Fingerprint::new().arg("m", &HashMap::from([(vec![1u8], 1)])).arg("amount", &f64::NAN);
+        assert!(matches!(unserializable_first.finish(), Err(Error::Serialize(_))));
+    }
+
+    #[test]
+    fn finite_floats_and_everything_else_serialize_as_serde_json_would() {
+        #[derive(Serialize)]
+        struct All {
+            floats: Vec<f64>,
+            small: Vec<f32>,
+            line: Line,
+            adjust: Vec<Adjust>,
+            wrapper: Wrapper,
+            pair: Pair,
+            big: (u128, i128),
+            text: (char, &'static str, ()),
+            bytes: &'static [u8],
+            map: BTreeMap<u32, Option<f64>>,
+        }
+        let all = All {
+            floats: vec![0.0, -0.0, 1.5, -2.25, f64::MAX, f64::MIN, f64::MIN_POSITIVE, 5e-324, f64::EPSILON],
+            small: vec![0.1, f32::MAX, f32::MIN_POSITIVE, -1e-45],
+            line: Line { sku: "é\u{0}\"".into(), price: 19.99, discount: None },
+            adjust: vec![Adjust::Unit, Adjust::Newtype(1.0), Adjust::Tuple(2, 3.5), Adjust::Struct { by: -4.0 }],
+            wrapper: Wrapper(0.5),
+            pair: Pair(7, 8.0),
+            big: (u128::from(u64::MAX), i128::from(i64::MIN)),
+            text: ('x', "y", ()),
+            bytes: b"\x00\xff",
+            map: BTreeMap::from([(1, Some(1e300)), (2, None)]),
+        };
+        let expected = serde_json::to_value(&all).unwrap();
+        let got = Fingerprint::new().arg("all", &all);
+        assert_eq!(got.args, vec![("all", expected.clone())]);
+        let direct = sha256_hex(canonical_json(&serde_json::json!({ "all": expected })).as_bytes());
+        assert_eq!(got.finish().unwrap(), direct);
+        for x in [0.0, -0.0, 1e-310, f64::MAX] {
+            Fingerprint::new().arg("x", &x).finish().unwrap();
+        }
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! HTTP glue for axum handlers (feature `axum`): the `Idempotency-Key`
-//! extractor, [`Error`] as an `application/problem+json` response, and the
-//! [`replay_header`] middleware that marks replayed responses.
+//! extractor, [`check_principal`] for the caller that scopes keys, [`Error`]
+//! as an `application/problem+json` response, and the [`replay_header`]
+//! middleware that marks replayed responses.
 //!
 //! ```ignore
 //! use axum::{Json, Router, extract::{Path, State}, middleware, routing::post};
@@ -10,7 +11,7 @@
 //! async fn pay(
 //!     State(app): State<App>,
 //!     tx: &mut Transaction<'_, MySql>,
-//!     UserId(user): UserId,                        // the authenticated principal
+//!     UserId(user): UserId,                        // the principal, passed by `check_principal`
 //!     IdempotencyKey(idem_key): IdempotencyKey,    // 400 when missing or malformed
 //!     Path(order_id): Path<i64>,
 //!     Json(req): Json<PayReq>,
@@ -31,24 +32,43 @@
 //! | duplicate while the first runs | 409, `Retry-After: 1` | `IDEMPOTENCY_KEY_IN_PROGRESS` |
 //! | same key, other arguments | 422 | `IDEMPOTENCY_KEY_REUSED` |
 //! | no `Idempotency-Key` header | 400 | `MISSING_IDEMPOTENCY_KEY` |
-//! | header not `[A-Za-z0-9_.:-]{8,255}`, or sent twice | 400 | `INVALID_IDEMPOTENCY_KEY` |
+//! | header not `[A-Za-z0-9_.:-]{8,255}` (bare or quoted), badly quoted, or sent twice | 400 | `INVALID_IDEMPOTENCY_KEY` |
+//! | principal with `:`, or not `[A-Za-z0-9_.-]{1,64}` ([`check_principal`] in your extractor) | 400 | `INVALID_PRINCIPAL` |
+//! | rendered `biz_no` longer than 64 bytes | 400 | `INVALID_BIZ_NO` |
+//! | an argument holds a NaN or infinite float | 422 | `NON_FINITE_NUMBER` |
 //! | database unreachable | 503 | `IDEMPOTENCY_STORAGE_UNAVAILABLE` |
 //! | stored result no longer deserializes / cannot serialize | 500 | `IDEMPOTENCY_REPLAY_FAILED` / `IDEMPOTENCY_SERIALIZE_FAILED` |
+//! | `biz` breaks `[a-z0-9_]{1,32}` (a server bug, e.g. in `Idem::status`) | 500 | `IDEMPOTENCY_MISCONFIGURED` |
 //!
 //! Error bodies are `application/problem+json` (RFC 9457) with `type`,
-//! `title`, `status`, `code` and `detail`; the detail never repeats the key.
+//! `title`, `status`, `code` and `detail`. The detail never repeats the key
+//! or the principal, and never carries a byte the caller sent that is not
+//! visible ASCII: an offending character shows as `':'`, or as its code
+//! point (`U+0009`, `U+00E9`) when it is a control or non-ASCII character.
 //!
 //! Notes:
 //! - **No key is ever made up on the server's side**: a request without one
 //!   is refused, since a generated key would differ on every retry and
 //!   protect nothing. Safe methods (`GET`, `HEAD`) need no key: simply don't
 //!   take the extractor in their handlers.
+//! - **Quoted keys**: the IETF draft makes `Idempotency-Key` a structured
+//!   field string, so a conforming client sends `"abc-123-xyz"`. Both forms
+//!   are accepted and mean the same key: the quotes are removed, and the
+//!   content must keep the key rule. A quote without its closing quote as
+//!   the last character, a quote or backslash escape inside, parameters
+//!   after the string (`"k";p=1`) or an empty string are refused with 400
+//!   `INVALID_IDEMPOTENCY_KEY` (no key needs an escape).
 //! - **Scope the key to the caller** (`key = "<user>:<idem_key>"`), so one
 //!   caller's header value never replays another caller's response. The
 //!   principal must not contain the separator (`:`), or `a` + `b:c` and
-//!   `a:b` + `c` would render the same key; and the rendered key must still
-//!   fit 255 bytes (with a principal of `n` bytes, the header may use at most
-//!   `254 - n`; longer ones are answered 400 `INVALID_IDEMPOTENCY_KEY`).
+//!   `a:b` + `c` would render the same key: check it with
+//!   [`check_principal`] in your principal's extractor, which refuses
+//!   anything but `[A-Za-z0-9_.-]{1,64}` with 400 `INVALID_PRINCIPAL`
+//!   before the handler runs (map other identities, such as e-mail
+//!   addresses, to an id or a hash first). The rendered key must still fit
+//!   255 bytes: with a principal of `n` bytes, the header may use at most
+//!   `254 - n` (190 with the longest principal); longer ones are answered
+//!   400 `INVALID_IDEMPOTENCY_KEY`.
 //! - The replayed response is rebuilt from the stored value with the
 //!   handler's `IntoResponse`, so status and body are identical as long as
 //!   that conversion depends on the value alone.
@@ -63,8 +83,8 @@ use http::request::Parts;
 use http::{HeaderName, HeaderValue, StatusCode, header};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, KeyError};
-use crate::key::validate_header_key;
+use crate::error::{Error, KeyError, Shown};
+use crate::key::{MAX_KEY_LEN, is_key_char, validate_header_key};
 use crate::outcome::{Outcome, observe};
 
 /// The request header carrying the caller's key.
@@ -75,9 +95,11 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
 /// The request's `Idempotency-Key` header, checked against
-/// `[A-Za-z0-9_.:-]{8,255}`. As an extractor it refuses the request with
-/// 400 (`MISSING_IDEMPOTENCY_KEY` or `INVALID_IDEMPOTENCY_KEY`) before the
-/// handler runs; nothing is written for such a request.
+/// `[A-Za-z0-9_.:-]{8,255}`, bare (`abc-123-xyz`) or as a structured-field
+/// string (`"abc-123-xyz"`, unquoted here: both are the same key). As an
+/// extractor it refuses the request with 400 (`MISSING_IDEMPOTENCY_KEY` or
+/// `INVALID_IDEMPOTENCY_KEY`) before the handler runs; nothing is written
+/// for such a request.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct IdempotencyKey(pub String);
@@ -94,21 +116,97 @@ impl IdempotencyKey {
             return Err(Problem::invalid_key("the Idempotency-Key header was sent more than once".into()));
         }
         let Ok(text) = value.to_str() else {
-            return Err(Problem::invalid_key(
-                "the key holds non-ASCII bytes; only A-Z a-z 0-9 _ . : - are allowed".into(),
-            ));
+            return Err(Problem::invalid_key(format!(
+                "the Idempotency-Key header holds bytes that are not visible ASCII; {KEY_RULE}"
+            )));
         };
-        match validate_header_key(text) {
-            Ok(()) => Ok(IdempotencyKey(text.to_owned())),
-            Err(Error::InvalidKey(KeyError::Missing)) => Err(Problem::missing_key()),
+        let Some(quoted) = text.strip_prefix('"') else {
+            return match validate_header_key(text) {
+                Ok(()) => Ok(IdempotencyKey(text.to_owned())),
+                Err(Error::InvalidKey(KeyError::Missing)) => Err(Problem::missing_key()),
+                Err(Error::InvalidKey(reason)) => Err(Problem::invalid_header_key(&reason)),
+                Err(e) => Err(Problem::from(&e)),
+            };
+        };
+        // A structured-field string: `"`, then characters where `\` escapes
+        // `"` or `\`, then `"`. No key character needs an escape, so any
+        // quote or backslash inside is refused rather than decoded.
+        let Some(inner) = quoted.strip_suffix('"') else {
+            return Err(Problem::invalid_key(format!(
+                "the Idempotency-Key header opens a quoted string that does not end with its closing quote; {KEY_RULE}"
+            )));
+        };
+        if inner.contains(['"', '\\']) {
+            return Err(Problem::invalid_key(format!(
+                "the quoted Idempotency-Key holds a quote or a backslash escape; {KEY_RULE}"
+            )));
+        }
+        match validate_header_key(inner) {
+            Ok(()) => Ok(IdempotencyKey(inner.to_owned())),
+            Err(Error::InvalidKey(KeyError::Missing)) => {
+                Err(Problem::invalid_key(format!("the quoted Idempotency-Key is empty; {KEY_RULE}")))
+            }
+            // Offsets count from the header's first byte, the opening quote.
+            Err(Error::InvalidKey(KeyError::BadChar { ch, at })) => {
+                Err(Problem::invalid_header_key(&KeyError::BadChar { ch, at: at + 1 }))
+            }
+            Err(Error::InvalidKey(reason)) => Err(Problem::invalid_header_key(&reason)),
             Err(e) => Err(Problem::from(&e)),
         }
     }
 
-    /// The key as sent.
+    /// The key, unquoted.
     pub fn as_str(&self) -> &str {
         &self.0
     }
+}
+
+/// What a key may be, for details: the header's rule.
+const KEY_RULE: &str = "keys are 8 to 255 characters from A-Z a-z 0-9 _ . : -, bare or in double quotes";
+
+/// Longest principal [`check_principal`] accepts: with the `:` separator it
+/// leaves a header key 190 bytes of the 255 a rendered key may hold.
+pub const MAX_PRINCIPAL_LEN: usize = 64;
+
+/// Checks a principal (the authenticated caller) that scopes keys in a
+/// template such as `key = "<user>:<idem_key>"`: `[A-Za-z0-9_.-]{1,64}`,
+/// the key characters without the `:` separator, so that no two pairs of
+/// principal and header key render the same key (`a` + `b:c` and `a:b` +
+/// `c` would). Refused: 400 `INVALID_PRINCIPAL`, whose detail names the
+/// offending character (as its code point when not visible ASCII) but never
+/// repeats the principal. Call it in your principal's extractor, so such a
+/// request is refused before the handler runs and nothing is written:
+///
+/// ```ignore
+/// impl<S: Send + Sync> FromRequestParts<S> for UserId {
+///     type Rejection = Response;
+///
+///     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Response> {
+///         let user = authenticate(parts)?;                 // 401 for no caller
+///         idem::http::check_principal(&user).map_err(IntoResponse::into_response)?;
+///         Ok(UserId(user))
+///     }
+/// }
+/// ```
+pub fn check_principal(principal: &str) -> Result<(), Problem> {
+    let why = if principal.is_empty() {
+        "it is empty".to_owned()
+    } else if principal.len() > MAX_PRINCIPAL_LEN {
+        format!("it is {} bytes long", principal.len())
+    } else if let Some((at, ch)) = principal.char_indices().find(|&(_, c)| c == ':' || !is_key_char(c)) {
+        format!("it holds {} at byte {at}", Shown(ch))
+    } else {
+        return Ok(());
+    };
+    Err(Problem::new(
+        StatusCode::BAD_REQUEST,
+        "INVALID_PRINCIPAL",
+        "Caller identity cannot scope an idempotency key",
+        format!(
+            "the caller's identity cannot scope an idempotency key: {why}; it must be 1 to {MAX_PRINCIPAL_LEN} \
+             characters from A-Z a-z 0-9 _ . - (`:` separates it from the key)"
+        ),
+    ))
 }
 
 impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
@@ -120,8 +218,8 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
 }
 
 /// An `application/problem+json` error response (RFC 9457) with a stable
-/// `code`. Built from an [`Error`] (`Problem::from(&error)`), or by the
-/// [`IdempotencyKey`] extractor.
+/// `code`. Built from an [`Error`] (`Problem::from(&error)`), by the
+/// [`IdempotencyKey`] extractor, or by [`check_principal`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
     /// The HTTP status.
@@ -167,6 +265,12 @@ impl Problem {
         Problem::new(StatusCode::BAD_REQUEST, "INVALID_IDEMPOTENCY_KEY", "Invalid idempotency key", detail)
     }
 
+    /// The header breaks the key rule. `reason` shows an offending character
+    /// only as visible ASCII or a code point (see `KeyError`'s `Display`).
+    fn invalid_header_key(reason: &KeyError) -> Self {
+        Problem::invalid_key(format!("the Idempotency-Key header is invalid ({reason}); {KEY_RULE}"))
+    }
+
     /// The `type` URI: `urn:idem:problem:` and the code in kebab case.
     pub fn type_uri(&self) -> String {
         format!("urn:idem:problem:{}", self.code.to_ascii_lowercase().replace('_', "-"))
@@ -188,8 +292,24 @@ impl Problem {
 impl From<&Error> for Problem {
     fn from(error: &Error) -> Self {
         match error {
+            // Not the client's key: the `biz_no` comes from the request's
+            // arguments, the `biz` from the server's code.
+            Error::InvalidKey(KeyError::BizNoTooLong { len, max }) => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "INVALID_BIZ_NO",
+                "Business number too long",
+                format!("the request's business number is {len} bytes long, at most {max} are allowed; nothing was written"),
+            ),
+            Error::InvalidKey(KeyError::BadBiz) => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "IDEMPOTENCY_MISCONFIGURED",
+                "Idempotency misconfigured on the server",
+                "the server names this action in a way idempotency does not accept; nothing was written".into(),
+            ),
+            // The key as the fn rendered it, the caller's scope included.
             Error::InvalidKey(reason) => Problem::invalid_key(format!(
-                "the idempotency key is invalid ({reason}); keys are 8 to 255 characters from A-Z a-z 0-9 _ . : -"
+                "the idempotency key, with the scope the server adds to it, is invalid ({reason}); \
+                 the whole must be at most {MAX_KEY_LEN} characters from A-Z a-z 0-9 _ . : -"
             )),
             Error::InProgress { .. } => Problem {
                 retry_after: Some(1),
@@ -227,6 +347,14 @@ impl From<&Error> for Problem {
                 "IDEMPOTENCY_SERIALIZE_FAILED",
                 "Request cannot be made idempotent",
                 "the request or its result could not be serialized; nothing was written".into(),
+            ),
+            Error::NonFiniteFloat { .. } => Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "NON_FINITE_NUMBER",
+                "Request holds a number that is not finite",
+                "a number in the request is NaN or infinite, which cannot be told apart from no number; \
+                 nothing was written"
+                    .into(),
             ),
         }
     }
@@ -329,6 +457,127 @@ mod tests {
     }
 
     #[test]
+    fn quoted_keys_are_the_same_keys_unquoted() {
+        assert_eq!(key_from(&[b"\"abcdefgh\""]).unwrap(), key_from(&[b"abcdefgh"]).unwrap());
+        assert_eq!(key_from(&[b"\"abcdefgh\""]).unwrap().as_str(), "abcdefgh");
+        let long = "A0_.:-".repeat(42) + "abc";
+        assert_eq!(key_from(&[format!("\"{long}\"").as_bytes()]).unwrap().0, long);
+        let uuid = "9f1c2e4a-7b7e-4c1d-a1d4-2b6f0f1e9a10";
+        assert_eq!(key_from(&[format!("\"{uuid}\"").as_bytes()]).unwrap().0, uuid);
+    }
+
+    #[test]
+    fn refuses_bad_quoting_and_what_the_rule_refuses_inside_quotes() {
+        let too_long = format!("\"{}\"", "k".repeat(256));
+        let cases: [&[u8]; 13] = [
+            b"\"",
+            b"\"\"",
+            b"\"abcdefgh",
+            b"abcdefgh\"",
+            b"\"abcd\"efgh\"",
+            b"\"abcd\\\"efgh\"",
+            b"\"abcd\\efgh\"",
+            b"\"abcdefgh\";p=1",
+            b"\"abcdefgh\" ",
+            b"\"abcd efgh\"",
+            b"\"abcdefg\"",
+            b"\"abcdefgh/\"",
+            too_long.as_bytes(),
+        ];
+        for bad in cases {
+            assert_eq!(code(&[bad]), "INVALID_IDEMPOTENCY_KEY", "{:?}", String::from_utf8_lossy(bad));
+        }
+        let detail = |value: &[u8]| key_from(&[value]).unwrap_err().detail;
+        assert_eq!(
+            detail(b"\"abcdefgh"),
+            format!(
+                "the Idempotency-Key header opens a quoted string that does not end with its closing quote; {KEY_RULE}"
+            )
+        );
+        assert_eq!(
+            detail(b"\"abcd\\\"efgh\""),
+            format!("the quoted Idempotency-Key holds a quote or a backslash escape; {KEY_RULE}")
+        );
+        assert_eq!(detail(b"\"\""), format!("the quoted Idempotency-Key is empty; {KEY_RULE}"));
+        // The offset counts from the header's first byte, the opening quote.
+        assert_eq!(
+            detail(b"\"abcd efgh\""),
+            format!(
+                "the Idempotency-Key header is invalid (character U+0020 at byte 5; only A-Z a-z 0-9 _ . : - are allowed); {KEY_RULE}"
+            )
+        );
+    }
+
+    /// Every detail is visible ASCII: no control byte, no byte >= 0x80, and
+    /// none of the caller's text beyond one visible ASCII character.
+    fn assert_shows_no_raw_bytes(problem: &Problem, raw: &str) {
+        let body = problem.body();
+        assert!(problem.detail.bytes().all(|b| b.is_ascii_graphic() || b == b' ') && body.is_ascii(), "{body}");
+        assert!(!body.contains(raw), "{body}");
+    }
+
+    #[test]
+    fn details_never_echo_raw_bytes() {
+        // Header values that reach the key rule hold visible ASCII or tabs.
+        let tab = key_from(&[b"abcd\tefgh"]).unwrap_err();
+        assert!(tab.detail.contains("character U+0009 at byte 4"), "{}", tab.detail);
+        assert_shows_no_raw_bytes(&tab, "abcd\tefgh");
+        let quoted_tab = key_from(&[b"\"abcd\tefgh\""]).unwrap_err();
+        assert!(quoted_tab.detail.contains("character U+0009 at byte 5"), "{}", quoted_tab.detail);
+        for raw in [&b"abcd\xffefgh"[..], "clé-12345678".as_bytes(), b"\"abcd\xc3\xa9efgh\"", b"\"\xe2\x80\xaeabcdefgh"]
+        {
+            let problem = key_from(&[raw]).unwrap_err();
+            assert_eq!(problem.code, "INVALID_IDEMPOTENCY_KEY");
+            assert_eq!(
+                problem.detail,
+                format!("the Idempotency-Key header holds bytes that are not visible ASCII; {KEY_RULE}")
+            );
+            assert_shows_no_raw_bytes(&problem, "abcd");
+        }
+        // Keys rendered by the fn may hold anything its arguments held.
+        for (ch, code) in
+            [('\n', "U+000A"), ('\0', "U+0000"), ('é', "U+00E9"), ('\u{202e}', "U+202E"), ('\u{7f}', "U+007F")]
+        {
+            let problem = Problem::from(&Error::InvalidKey(KeyError::BadChar { ch, at: 7 }));
+            assert!(problem.detail.contains(&format!("character {code} at byte 7")), "{}", problem.detail);
+            assert_shows_no_raw_bytes(&problem, &ch.to_string());
+        }
+    }
+
+    #[test]
+    fn principals_without_the_separator_pass() {
+        for good in ["alice", "u-1.a_B9", &"p".repeat(MAX_PRINCIPAL_LEN)] {
+            assert_eq!(check_principal(good), Ok(()), "{good:?}");
+        }
+    }
+
+    #[test]
+    fn principals_that_could_merge_keys_are_refused() {
+        let rule = "it must be 1 to 64 characters from A-Z a-z 0-9 _ . - (`:` separates it from the key)";
+        let too_long = "p".repeat(MAX_PRINCIPAL_LEN + 1);
+        let cases = [
+            ("alice:bob", "it holds ':' at byte 5"),
+            (":", "it holds ':' at byte 0"),
+            ("", "it is empty"),
+            (too_long.as_str(), "it is 65 bytes long"),
+            ("al ice", "it holds U+0020 at byte 2"),
+            ("alice@example", "it holds '@' at byte 5"),
+            ("zoë", "it holds U+00EB at byte 2"),
+            ("a\u{202e}b", "it holds U+202E at byte 1"),
+            ("a\tb", "it holds U+0009 at byte 1"),
+        ];
+        for (principal, why) in cases {
+            let problem = check_principal(principal).unwrap_err();
+            assert_eq!((problem.status, problem.code), (StatusCode::BAD_REQUEST, "INVALID_PRINCIPAL"), "{principal:?}");
+            assert_eq!(problem.detail, format!("the caller's identity cannot scope an idempotency key: {why}; {rule}"));
+            assert_eq!(problem.type_uri(), "urn:idem:problem:invalid-principal");
+            if principal.len() > 1 {
+                assert_shows_no_raw_bytes(&problem, principal);
+            }
+        }
+    }
+
+    #[test]
     fn problem_details_never_repeat_the_key() {
         let key = "secret-key-value-{x}";
         let problem = key_from(&[key.as_bytes()]).unwrap_err();
@@ -365,6 +614,10 @@ mod tests {
         let cases = [
             (Error::KeyReused { biz: "pay", key: "k".into() }, 422, "IDEMPOTENCY_KEY_REUSED"),
             (Error::InvalidKey(KeyError::BadChar { ch: ' ', at: 1 }), 400, "INVALID_IDEMPOTENCY_KEY"),
+            (Error::InvalidKey(KeyError::TooLong { len: 300, max: 255 }), 400, "INVALID_IDEMPOTENCY_KEY"),
+            (Error::InvalidKey(KeyError::BizNoTooLong { len: 65, max: 64 }), 400, "INVALID_BIZ_NO"),
+            (Error::InvalidKey(KeyError::BadBiz), 500, "IDEMPOTENCY_MISCONFIGURED"),
+            (Error::NonFiniteFloat { arg: "amount" }, 422, "NON_FINITE_NUMBER"),
             (Error::Storage(sqlx::Error::PoolTimedOut), 503, "IDEMPOTENCY_STORAGE_UNAVAILABLE"),
             (Error::Replay { biz: "pay", key: "k".into(), source: json_error() }, 500, "IDEMPOTENCY_REPLAY_FAILED"),
             (Error::Serialize(json_error()), 500, "IDEMPOTENCY_SERIALIZE_FAILED"),
@@ -373,6 +626,23 @@ mod tests {
             let (got, body, headers) = parts(error);
             assert_eq!((got.as_u16(), body["code"].as_str()), (status, Some(code)));
             assert!(headers.get(header::RETRY_AFTER).is_none());
+        }
+    }
+
+    /// Regression: a bad `biz_no` or `biz` was answered "the idempotency key
+    /// is invalid", blaming the client's key for the server's arguments.
+    #[test]
+    fn biz_errors_do_not_blame_the_key() {
+        let biz_no = Problem::from(&Error::InvalidKey(KeyError::BizNoTooLong { len: 65, max: 64 }));
+        assert_eq!(
+            biz_no.detail,
+            "the request's business number is 65 bytes long, at most 64 are allowed; nothing was written"
+        );
+        let biz = Problem::from(&Error::InvalidKey(KeyError::BadBiz));
+        let float = Problem::from(&Error::NonFiniteFloat { arg: "amount" });
+        for problem in [biz_no, biz, float] {
+            assert!(!problem.detail.contains("key") && !problem.title.contains("key"), "{problem:?}");
+            assert!(!problem.detail.contains("amount"), "{problem:?}");
         }
     }
 
