@@ -59,7 +59,7 @@ pub use idem_macros::idempotent;
 pub use idem_runtime::amqp;
 #[cfg(feature = "axum")]
 pub use idem_runtime::http;
-pub use idem_runtime::{Backend, Builder, Error, Idem, KeyError, Outcome, Status, observe};
+pub use idem_runtime::{Backend, Builder, Error, Idem, InvalidNamespace, KeyError, Namespace, Outcome, Status, observe};
 
 /// Key rules, shared with entry points that take keys from outside
 /// (e.g. an `Idempotency-Key` header).

@@ -39,8 +39,10 @@ fn keys_on_node(cluster: &RedisCluster, i: usize, pattern: &str) -> Vec<(String,
 
 /// The response part of a finished result, `d:<fingerprint>:<response>`;
 /// `None` for a claim still running (`p:...`).
+/// The response in a finished result, `d:<expires_ms>:<fingerprint>:<response>`.
 fn cached_response(value: &str) -> Option<&str> {
-    value.strip_prefix("d:")?.split_once(':').map(|(_, response)| response)
+    let (_expires, rest) = value.strip_prefix("d:")?.split_once(':')?;
+    rest.split_once(':').map(|(_, response)| response)
 }
 
 macro_rules! cluster_suite {
@@ -69,7 +71,8 @@ macro_rules! cluster_suite {
                 // Distinct keys spread over the three masters.
                 let n = 300;
                 let (run, stored) = soak::$backend::distinct_keys(&engines, n).await;
-                let pattern = format!("idem:{}:{run}.*", soak::BIZ);
+                let namespace = engines[0].redis_namespace().await.expect("namespace").expect("migrated");
+                let pattern = format!("idem:{namespace}:{}:{run}.*", soak::BIZ);
                 // A claim becomes its result after the commit, off the
                 // caller's path: poll until every key holds one.
                 let deadline = Instant::now() + Duration::from_secs(10);
@@ -90,7 +93,7 @@ macro_rules! cluster_suite {
                 let cached: HashMap<String, Option<&str>> =
                     per_node.iter().flatten().map(|(k, v)| (k.clone(), cached_response(v))).collect();
                 let expected: HashMap<String, Option<&str>> =
-                    stored.iter().map(|(k, r)| (format!("idem:{}:{k}", soak::BIZ), Some(r.as_str()))).collect();
+                    stored.iter().map(|(k, r)| (format!("idem:{namespace}:{}:{k}", soak::BIZ), Some(r.as_str()))).collect();
                 assert_eq!(cached, expected, "every key caches its stored response");
                 drop(engines);
 

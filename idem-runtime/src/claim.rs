@@ -1,17 +1,25 @@
 //! Layer 2: the Redis claim. Fast rejection of concurrent duplicates and fast
 //! replay of finished calls; never the final truth (Redis can lose keys).
 //!
-//! One Redis key per idempotency key, `idem:<biz>:<key>`, holding either
-//! `p:<token>:<fingerprint>` (a call is running; expires with its lease) or
-//! `d:<fingerprint>:<response>` (finished; expires with the record).
-//! Every script touches exactly that one key, so Redis Cluster routes it.
+//! One Redis key per idempotency key, `idem:<namespace>:<biz>:<key>` (the
+//! namespace names the record store: see [`crate::namespace`]), holding
+//! either `p:<token>:<fingerprint>` (a call is running; expires with its
+//! lease) or `d:<expires_ms>:<fingerprint>:<response>` (finished). A finished
+//! result carries its record's absolute expiry: a copy read at or after it is
+//! a miss, however late the write that set it landed. Every script touches
+//! exactly that one key, so Redis Cluster routes it.
 //!
 //! Redis failing in any way (refused, timed out, erroring) degrades to the
 //! database alone: the operation reports [`Claim::Unavailable`], a warning is
 //! logged once, and Redis is left alone for [`BACKOFF`] before being tried again.
+//!
+//! Work left for later (a release or a cache write whose answer was lost or
+//! skipped) runs in background tasks, at most one per claim and at most
+//! [`MAX_BACKGROUND`] per engine at once; past that a claim is left to its
+//! lease.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -21,20 +29,31 @@ use redis::{FromRedisValue, Script, ScriptInvocation};
 use tokio::sync::OnceCell;
 
 use crate::clock;
+use crate::namespace::Namespace;
+use crate::random::token;
 
 /// How long Redis is skipped after it failed.
 pub const BACKOFF: Duration = Duration::from_secs(1);
-/// How many times a claim whose answer was lost is released before giving
-/// up and leaving it to its lease.
-const RELEASE_TRIES: usize = 20;
+/// How many times work left for later (a release, a cache write) is tried
+/// before giving up and leaving the claim to its lease.
+const LATER_TRIES: usize = 20;
+/// Most background tasks (releases and cache writes left for later) one
+/// engine runs at once. With Redis black-holed, every claim sent before the
+/// first timeout leaves one; past the bound, claims end with their lease.
+pub const MAX_BACKGROUND: usize = 256;
 
 // GET and SET NX in one step; the reply is the value found, or nil when
 // the claim is ours. Our own value counts as ours: a client that resends
-// the script after a lost reply (the cluster client does) finds it.
+// the script after a lost reply (the cluster client does) finds it. A
+// finished result past its expiry (ARGV[3], the caller's clock, the one the
+// record's expiry is compared with) counts as absent.
 const CLAIM: &str = r"
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then return false end
-if v then return v end
+if v then
+  local expires = string.match(v, '^d:(%d+):')
+  if not expires or tonumber(expires) > tonumber(ARGV[3]) then return v end
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return false";
 
@@ -111,6 +130,8 @@ pub struct Claims {
     timeout: Duration,
     /// `clock::now_ms()` before which Redis is not tried; 0 when healthy.
     down_until_ms: AtomicU64,
+    /// Background tasks running now; at most [`MAX_BACKGROUND`].
+    background: AtomicUsize,
     claim: Script,
     release: Script,
     finish: Script,
@@ -133,6 +154,7 @@ impl Claims {
             connection: OnceCell::new(),
             timeout,
             down_until_ms: AtomicU64::new(0),
+            background: AtomicUsize::new(0),
             claim: Script::new(CLAIM),
             release: Script::new(RELEASE),
             finish: Script::new(FINISH),
@@ -140,10 +162,17 @@ impl Claims {
     }
 
     /// Claims `key` for `lease`, or reports what holds it.
-    pub async fn claim(self: &Arc<Self>, biz: &str, key: &str, fingerprint: &str, lease: Duration) -> Claim {
-        let held = Held { key: redis_key(biz, key), value: format!("p:{}:{fingerprint}", token()) };
+    pub async fn claim(
+        self: &Arc<Self>,
+        namespace: &Namespace,
+        biz: &str,
+        key: &str,
+        fingerprint: &str,
+        lease: Duration,
+    ) -> Claim {
+        let held = Held { key: redis_key(namespace, biz, key), value: format!("p:{}:{fingerprint}", token()) };
         let mut call = self.claim.key(&held.key);
-        call.arg(&held.value).arg(millis(lease));
+        call.arg(&held.value).arg(millis(lease)).arg(clock::now_ms());
         let mut unanswered = Unanswered { claims: self, held: Some(held) };
         let answer = self.run::<Option<String>>(&call, Backoff::Respect).await;
         if matches!(answer, Err(Missed::Failed)) {
@@ -151,7 +180,7 @@ impl Claims {
         }
         match (answer, unanswered.held.take()) {
             (Ok(None), Some(held)) => Claim::Acquired(held),
-            (Ok(Some(found)), _) => parse(&found),
+            (Ok(Some(found)), _) => parse(&found, clock::now_ms()),
             _ => Claim::Unavailable, // skipped while Redis backs off: never sent
         }
     }
@@ -161,9 +190,24 @@ impl Claims {
     /// caller's path rather than left to run out its lease.
     pub async fn release(self: &Arc<Self>, held: &Held) {
         if self.release_with(held, Backoff::Respect).await.is_err() {
-            let (claims, held) = (Arc::clone(self), held.clone());
-            spawn_detached(async move { claims.release_after_failure(&held).await });
+            self.release_unanswered(held.clone());
         }
+    }
+
+    /// Releases `held` from a background task (see [`MAX_BACKGROUND`]):
+    /// at once, and like an unanswered one if that fails.
+    pub(crate) fn release_in_background(self: &Arc<Self>, held: Held) {
+        self.spawn_later(|claims| async move {
+            if claims.release_with(&held, Backoff::Respect).await.is_err() {
+                claims.release_after_failure(&held).await;
+            }
+        });
+    }
+
+    /// Releases, from a background task, a claim whose answer (or whose
+    /// release's answer) was lost.
+    fn release_unanswered(self: &Arc<Self>, held: Held) {
+        self.spawn_later(|claims| async move { claims.release_after_failure(&held).await });
     }
 
     async fn release_with(&self, held: &Held, backoff: Backoff) -> Result<i64, Missed> {
@@ -176,8 +220,8 @@ impl Claims {
         // Two answered releases, a timeout apart, within about a lease's
         // worth of tries: the first may still overtake the late claim.
         let mut answered = 0;
-        for _ in 0..RELEASE_TRIES {
-            tokio::time::sleep(self.timeout).await;
+        for _ in 0..LATER_TRIES {
+            self.pause_before_retry().await;
             if self.release_with(held, Backoff::Ignore).await.is_ok() {
                 answered += 1;
                 if answered == 2 {
@@ -187,21 +231,81 @@ impl Claims {
         }
     }
 
-    /// Replaces our claim by the finished result ([`done_value`]), kept for `ttl`.
-    pub async fn finish(&self, held: &Held, done: String, ttl: Duration) {
-        let mut call = self.finish.key(&held.key);
-        call.arg(&held.value).arg(done).arg(millis(ttl));
-        let _ = self.run::<i64>(&call, Backoff::Respect).await;
+    /// Replaces our claim by the finished result ([`done_value`]), kept
+    /// for `ttl`, from a background task: the record already holds it, and
+    /// a duplicate arriving before the write lands reads it from there. A
+    /// write skipped by the back-off or left unanswered is tried again, so
+    /// the claim does not live out its lease (each duplicate meanwhile
+    /// would cost a lookup, and answer `InProgress` once the record expired).
+    pub(crate) fn finish_later(self: &Arc<Self>, held: Held, done: String, ttl: Duration) {
+        self.spawn_later(move |claims| async move {
+            let write = |backoff| {
+                let mut call = claims.finish.key(&held.key);
+                call.arg(&held.value).arg(&done).arg(millis(ttl));
+                let claims = &claims;
+                async move { claims.run::<i64>(&call, backoff).await }
+            };
+            if write(Backoff::Respect).await.is_ok() {
+                return;
+            }
+            for _ in 0..LATER_TRIES {
+                claims.pause_before_retry().await;
+                // Compare-and-set on our own token with an absolute expiry
+                // inside the value: landing late, or twice, is harmless.
+                if write(Backoff::Ignore).await.is_ok() {
+                    return;
+                }
+            }
+        });
+    }
+
+    /// Waits a timeout, and longer if Redis is backing off.
+    async fn pause_before_retry(&self) {
+        let down_until = self.down_until_ms.load(Ordering::Relaxed);
+        let backing_off = Duration::from_millis(down_until.saturating_sub(clock::now_ms()));
+        tokio::time::sleep(self.timeout.max(backing_off)).await;
+    }
+
+    /// Runs `task` in the background unless [`MAX_BACKGROUND`] already run.
+    fn spawn_later<F, Fut>(self: &Arc<Self>, task: F)
+    where
+        F: FnOnce(Arc<Self>) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        if self.background.fetch_add(1, Ordering::Relaxed) >= MAX_BACKGROUND {
+            self.background.fetch_sub(1, Ordering::Relaxed);
+            tracing::debug!("too much redis work left for later; a claim ends with its lease");
+            return;
+        }
+        // Counted down however the task ends, even dropped with its runtime.
+        struct Slot(Arc<Claims>);
+        impl Drop for Slot {
+            fn drop(&mut self) {
+                self.0.background.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        let slot = Slot(Arc::clone(self));
+        let task = task(Arc::clone(self));
+        spawn_detached(async move {
+            let _slot = slot;
+            task.await;
+        });
+    }
+
+    /// Background tasks running now.
+    #[cfg(test)]
+    pub(crate) fn background(&self) -> usize {
+        self.background.load(Ordering::Relaxed)
     }
 
     /// Reads what Redis holds for `key`, for status queries.
-    pub async fn peek(&self, biz: &str, key: &str) -> Claim {
+    pub async fn peek(&self, namespace: &Namespace, biz: &str, key: &str) -> Claim {
         let mut cmd = redis::cmd("GET");
-        cmd.arg(redis_key(biz, key));
+        cmd.arg(redis_key(namespace, biz, key));
         let got: Result<Option<String>, Missed> =
             self.guarded(Backoff::Respect, |mut c| async move { cmd.query_async(&mut c).await }).await;
         match got {
-            Ok(Some(found)) => parse(&found),
+            Ok(Some(found)) => parse(&found, clock::now_ms()),
             Ok(None) | Err(_) => Claim::Unavailable,
         }
     }
@@ -277,9 +381,9 @@ struct Unanswered<'a> {
 
 impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
-        let Some(held) = self.held.take() else { return };
-        let claims = Arc::clone(self.claims);
-        spawn_detached(async move { claims.release_after_failure(&held).await });
+        if let Some(held) = self.held.take() {
+            self.claims.release_unanswered(held);
+        }
     }
 }
 
@@ -315,50 +419,44 @@ impl redis::aio::ConnectionLike for ConnectionHandle {
 }
 
 /// The value a finished call leaves in Redis; [`parse`] reads it back.
-pub(crate) fn done_value(fingerprint: &str, response: &str) -> String {
-    format!("d:{fingerprint}:{response}")
+pub(crate) fn done_value(expires_ms: i64, fingerprint: &str, response: &str) -> String {
+    format!("d:{expires_ms}:{fingerprint}:{response}")
 }
 
 /// Runs `task` on the current runtime; outside one there is nothing to run
 /// it on, and it is dropped (a claim then ends with its lease).
-pub(crate) fn spawn_detached(task: impl std::future::Future<Output = ()> + Send + 'static) {
+fn spawn_detached(task: impl std::future::Future<Output = ()> + Send + 'static) {
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
         runtime.spawn(task);
     }
 }
 
-fn parse(found: &str) -> Claim {
-    if let Some((fingerprint, response)) = found.strip_prefix("d:").and_then(|rest| rest.split_once(':')) {
-        return Claim::Done { fingerprint: fingerprint.to_owned(), response: response.to_owned() };
+/// What a Redis value says at `now_ms`. A finished result past its expiry
+/// is no answer at all.
+fn parse(found: &str, now_ms: u64) -> Claim {
+    if let Some(rest) = found.strip_prefix("d:") {
+        let done = rest.split_once(':').and_then(|(expires, rest)| Some((expires.parse::<u64>().ok()?, rest)));
+        return match done.and_then(|(expires, rest)| Some((expires, rest.split_once(':')?))) {
+            Some((expires, _)) if expires <= now_ms => Claim::Unavailable,
+            Some((_, (fingerprint, response))) => {
+                Claim::Done { fingerprint: fingerprint.to_owned(), response: response.to_owned() }
+            }
+            // Not a value we wrote: someone else's.
+            None => Claim::Running,
+        };
     }
     // `p:...`, or a value we did not write: either way someone else's.
     Claim::Running
 }
 
-fn redis_key(biz: &str, key: &str) -> String {
-    format!("idem:{biz}:{key}")
+/// The Redis key of `(biz, key)` in `namespace`. Neither the namespace nor
+/// `biz` holds a `:`, so no two triples share a Redis key.
+pub(crate) fn redis_key(namespace: &Namespace, biz: &str, key: &str) -> String {
+    format!("idem:{namespace}:{biz}:{key}")
 }
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
-}
-
-/// 128 bits that no other claim holds: a per-process random seed (from the
-/// OS, through std's `RandomState`), the time and a counter.
-fn token() -> String {
-    use std::hash::{BuildHasher, Hasher};
-    use std::sync::OnceLock;
-    static SEED: OnceLock<std::collections::hash_map::RandomState> = OnceLock::new();
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let seed = SEED.get_or_init(Default::default);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let mut a = seed.build_hasher();
-    a.write_u64(n);
-    a.write_u128(clock::now_nanos());
-    let mut b = seed.build_hasher();
-    b.write_u64(!n);
-    b.write_u64(a.finish());
-    format!("{:016x}{:016x}", a.finish(), b.finish())
 }
 
 #[cfg(test)]
@@ -367,15 +465,17 @@ mod tests {
 
     #[test]
     fn parses_values() {
-        match parse(&done_value("abc", "{\"x\":\"a:b\"}")) {
+        match parse(&done_value(2_000, "abc", "{\"x\":\"a:b\"}"), 1_999) {
             Claim::Done { fingerprint, response } => {
                 assert_eq!(fingerprint, "abc");
                 assert_eq!(response, "{\"x\":\"a:b\"}");
             }
             other => panic!("{other:?}"),
         }
-        assert!(matches!(parse("p:t:f"), Claim::Running));
-        assert!(matches!(parse("garbage"), Claim::Running));
+        assert!(matches!(parse(&done_value(2_000, "abc", "1"), 2_000), Claim::Unavailable), "expired");
+        assert!(matches!(parse("p:t:f", 0), Claim::Running));
+        assert!(matches!(parse("garbage", 0), Claim::Running));
+        assert!(matches!(parse("d:abc:1", 0), Claim::Running), "not ours");
     }
 
     /// Against a real Redis; skipped when none answers, unless
@@ -394,19 +494,66 @@ mod tests {
         };
         let key = format!("idem:t_unit:{}", token());
         let script = Script::new(CLAIM);
-        let mut claim = |value: &str| -> Option<String> {
-            script.key(&key).arg(value).arg(60_000).invoke(&mut conn).expect("claim script")
+        let now = clock::now_ms();
+        let claim = |conn: &mut redis::Connection, value: &str| -> Option<String> {
+            script.key(&key).arg(value).arg(60_000).arg(now).invoke(conn).expect("claim script")
         };
-        assert_eq!(claim("p:ours:f"), None, "taken");
-        assert_eq!(claim("p:ours:f"), None, "sent again after a lost reply: still ours");
-        assert_eq!(claim("p:theirs:f").as_deref(), Some("p:ours:f"), "someone else's is reported");
+        assert_eq!(claim(&mut conn, "p:ours:f"), None, "taken");
+        assert_eq!(claim(&mut conn, "p:ours:f"), None, "sent again after a lost reply: still ours");
+        assert_eq!(claim(&mut conn, "p:theirs:f").as_deref(), Some("p:ours:f"), "someone else's is reported");
+
+        // A finished result is reported until its expiry, and is absent from then on.
+        let live = done_value(i64::try_from(now + 1).unwrap(), "f", "1");
+        let _: () = redis::cmd("SET").arg(&key).arg(&live).query(&mut conn).expect("SET");
+        assert_eq!(claim(&mut conn, "p:ours:f").as_deref(), Some(live.as_str()), "live result reported");
+        let expired = done_value(i64::try_from(now).unwrap(), "f", "1");
+        let _: () = redis::cmd("SET").arg(&key).arg(&expired).query(&mut conn).expect("SET");
+        assert_eq!(claim(&mut conn, "p:ours:f"), None, "an expired result is no answer: the claim is ours");
+        let now_held: String = redis::cmd("GET").arg(&key).query(&mut conn).expect("GET");
+        assert_eq!(now_held, "p:ours:f");
         let _: i64 = redis::cmd("DEL").arg(&key).query(&mut conn).expect("DEL");
     }
 
-    #[test]
-    fn tokens_do_not_repeat() {
-        let set: std::collections::HashSet<_> = (0..10_000).map(|_| token()).collect();
-        assert_eq!(set.len(), 10_000);
-        assert!(set.iter().all(|t| t.len() == 32));
+    /// Regression: with Redis black-holed (it accepts connections and never
+    /// answers), every claim sent before the first timeout leaves a release
+    /// for later; at most `MAX_BACKGROUND` of them run at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn background_work_is_bounded_when_redis_never_answers() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let hole = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket); // read nothing, answer nothing
+            }
+        });
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("client");
+        let claims = Arc::new(Claims::new(Target::Single(client), Duration::from_millis(300)));
+        let namespace = Namespace::new("t_unit").unwrap();
+        let tasks_before = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+
+        let calls = 4 * MAX_BACKGROUND;
+        let barrier = Arc::new(tokio::sync::Barrier::new(calls));
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..calls {
+            let (claims, namespace, barrier) = (Arc::clone(&claims), namespace.clone(), Arc::clone(&barrier));
+            set.spawn(async move {
+                barrier.wait().await;
+                claims.claim(&namespace, "t_hole", &format!("k{i}"), "f", Duration::from_secs(30)).await
+            });
+        }
+        let mut unavailable = 0;
+        while let Some(claim) = set.join_next().await {
+            unavailable += usize::from(matches!(claim.expect("claim task"), Claim::Unavailable));
+        }
+        assert_eq!(unavailable, calls, "no claim was answered");
+        let left = claims.background();
+        let tasks_after = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+        assert_eq!(left, MAX_BACKGROUND, "the releases left for later hit the bound, and stop there");
+        assert!(
+            tasks_after <= tasks_before + MAX_BACKGROUND + 4,
+            "{tasks_after} tasks alive after {calls} unanswered claims ({tasks_before} before)"
+        );
+        hole.abort();
     }
 }

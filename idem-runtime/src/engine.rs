@@ -11,12 +11,13 @@ use sqlx::{Pool, Transaction};
 use tracing::Instrument;
 
 #[cfg(feature = "redis")]
-use crate::claim::{self, Claim, Claims, Held, Target, spawn_detached};
+use crate::claim::{self, Claim, Claims, Held, Target};
 use crate::clock;
 use crate::error::{Error, KeyError};
 use crate::fingerprint::Fingerprint;
 use crate::inflight::{Entered, InFlight};
 use crate::key::{validate_biz, validate_key};
+use crate::namespace::Namespace;
 use crate::outcome::{self, Outcome};
 use crate::status::Status;
 use crate::store::{Backend, Failure, NewRecord, PROCESSING, SUCCEEDED, StoredRecord};
@@ -49,6 +50,8 @@ struct Inner<DB: Backend> {
     pool: Pool<DB>,
     #[cfg(feature = "redis")]
     claims: Option<Arc<Claims>>,
+    #[cfg(feature = "redis")]
+    namespace: NamespaceSlot,
     lock_wait: Duration,
     in_flight: InFlight,
 }
@@ -81,6 +84,8 @@ pub struct Builder<DB: Backend> {
     pool: Pool<DB>,
     #[cfg(feature = "redis")]
     redis: Option<Target>,
+    #[cfg(feature = "redis")]
+    namespace: Option<Namespace>,
     redis_timeout: Duration,
     lock_wait: Duration,
 }
@@ -100,6 +105,16 @@ impl<DB: Backend> Builder<DB> {
     #[cfg(feature = "redis")]
     pub fn redis_cluster(mut self, client: redis::cluster::ClusterClient) -> Self {
         self.redis = Some(Target::Cluster(Box::new(client)));
+        self
+    }
+
+    /// The namespace every Redis key of this engine carries, in place of the
+    /// one [`Idem::migrate`] keeps in the database. Engines whose records
+    /// live in different databases must never share one (they would replay
+    /// each other's results); every engine on one database must use the same.
+    #[cfg(feature = "redis")]
+    pub fn redis_namespace(mut self, namespace: Namespace) -> Self {
+        self.namespace = Some(namespace);
         self
     }
 
@@ -133,6 +148,8 @@ impl<DB: Backend> Builder<DB> {
                 pool: self.pool,
                 #[cfg(feature = "redis")]
                 claims,
+                #[cfg(feature = "redis")]
+                namespace: NamespaceSlot::new(self.namespace),
                 lock_wait: self.lock_wait,
                 in_flight: InFlight::default(),
             }),
@@ -147,6 +164,8 @@ impl<DB: Backend> Idem<DB> {
             pool,
             #[cfg(feature = "redis")]
             redis: None,
+            #[cfg(feature = "redis")]
+            namespace: None,
             redis_timeout: Duration::from_millis(500),
             lock_wait: Duration::from_secs(5),
         }
@@ -162,9 +181,29 @@ impl<DB: Backend> Idem<DB> {
         &self.inner.pool
     }
 
-    /// Creates the `idem_record` table and its indexes if absent.
+    /// Creates the `idem_record` table and its indexes if absent, and
+    /// `idem_meta`, where a database without a namespace gets a new random
+    /// one (see [`Idem::redis_namespace`]).
     pub async fn migrate(&self) -> Result<(), Error> {
-        DB::migrate(&self.inner.pool).await.map_err(Error::Storage)
+        DB::migrate(&self.inner.pool, Namespace::generate().as_str()).await?;
+        // A database dropped and re-created under a running engine has a new one.
+        #[cfg(feature = "redis")]
+        self.inner.namespace.forget();
+        Ok(())
+    }
+
+    /// The namespace this engine's Redis keys carry
+    /// (`idem:<namespace>:<biz>:<key>`): the one set on the builder, else
+    /// the one [`Idem::migrate`] recorded in the database (`None` before
+    /// it ran). Without a namespace the engine leaves Redis alone and
+    /// works on the database alone.
+    pub async fn redis_namespace(&self) -> Result<Option<Namespace>, Error> {
+        #[cfg(feature = "redis")]
+        if let Some(namespace) = self.inner.namespace.fixed() {
+            return Ok(Some(namespace));
+        }
+        let recorded = DB::namespace(&self.inner.pool).await?;
+        Ok(recorded.and_then(|text| Namespace::new(&text).ok()))
     }
 
     /// Deletes up to `limit` expired records; returns how many. Run it
@@ -194,8 +233,9 @@ impl<DB: Backend> Idem<DB> {
 
     #[cfg(feature = "redis")]
     async fn is_claimed(&self, biz: &str, key: &str) -> bool {
-        match &self.inner.claims {
-            Some(claims) => matches!(claims.peek(biz, key).await, Claim::Running),
+        let Some(claims) = &self.inner.claims else { return false };
+        match self.inner.namespace.get(&self.inner.pool).await {
+            Some(namespace) => matches!(claims.peek(&namespace, biz, key).await, Claim::Running),
             None => false,
         }
     }
@@ -325,9 +365,16 @@ where
     let call = Call { spec, key, fingerprint: &fingerprint, biz_no };
 
     #[cfg(feature = "redis")]
-    let claim = match &engine.inner.claims {
+    let claims = match &engine.inner.claims {
+        // Without a namespace (the database was never migrated) Redis could
+        // mix this store's keys with another's: the database alone decides.
+        Some(claims) => engine.inner.namespace.get(&engine.inner.pool).await.map(|ns| (claims, ns)),
         None => None,
-        Some(claims) => match claims.claim(spec.biz, key, &fingerprint, spec.lease).await {
+    };
+    #[cfg(feature = "redis")]
+    let claim = match claims {
+        None => None,
+        Some((claims, namespace)) => match claims.claim(&namespace, spec.biz, key, &fingerprint, spec.lease).await {
             Claim::Acquired(held) => Some(ClaimGuard { claims: Arc::clone(claims), held: Some(held) }),
             Claim::Done { fingerprint: stored, response } => {
                 let value = call.replay(&stored, &response)?;
@@ -376,7 +423,7 @@ where
     if let Some(first) = first {
         first.finish(fingerprint, recorded.response);
     } else if let Some(mut guard) = claim {
-        guard.finish(&fingerprint, &recorded.response, remaining(recorded.expires_ms));
+        guard.finish(&fingerprint, &recorded.response, recorded.expires_ms);
     }
     Ok(Done { value: recorded.value, outcome: recorded.outcome })
 }
@@ -483,16 +530,15 @@ where
         Ok(value) => value,
         Err(e) => {
             rollback(tx).await;
-            // With a claim the record goes in last, so a body can run after a
-            // duplicate committed (its lease ran out, or Redis lost the cached
-            // result) and fail on the state that duplicate left, such as an
-            // order already paid. The committed result is then the answer.
-            // Looked up within `lock_wait`: a database in trouble must not
-            // hold back the body's own error for a pool's whole wait.
-            if claimed && let Ok(Ok(Some(row))) = tokio::time::timeout(inner.lock_wait, find_live(inner, call)).await {
-                return replay_row(call, row);
-            }
-            return Err(Failed::Body(e));
+            // A body can fail on what a duplicate left (its lease ran out, or
+            // Redis lost the cached result, and it paid the order first), or
+            // lose a deadlock against a duplicate that takes its locks in the
+            // other order (one with a claim writes the record last, one without
+            // first). If that duplicate committed, its result is the answer.
+            return match settle(inner, call).await {
+                Settled::Replay(row) => replay_row(call, row),
+                Settled::Busy | Settled::Unknown => Err(Failed::Body(e)),
+            };
         }
     };
     let (value, response) = match stored_form(&value) {
@@ -511,15 +557,45 @@ where
         Ok(Some(row)) => return replay_row(call, row),
         Err(e) => e,
     };
-    // Our transaction is gone. If a duplicate won the conflict, its result
-    // is the answer; otherwise the call may be retried: it executes, or
+    // Our transaction is gone. If a duplicate won the conflict (or our own
+    // commit landed and only its answer was lost), the committed result is
+    // the answer; otherwise the call may be retried: it executes, or
     // replays whatever did commit.
-    match DB::classify(&failure) {
-        Failure::Conflict => match find_live(inner, call).await? {
-            Some(row) => replay_row(call, row),
-            None => Err(Error::Storage(failure).into()),
-        },
-        _ => Err(db_error::<DB, E>(call, failure)),
+    match settle(inner, call).await {
+        Settled::Replay(row) => replay_row(call, row),
+        Settled::Busy => Err(call.in_progress().into()),
+        Settled::Unknown => Err(db_error::<DB, E>(call, failure)),
+    }
+}
+
+/// What [`settle`] found.
+enum Settled {
+    /// A committed, live row holds the key.
+    Replay(StoredRecord),
+    /// A duplicate still holds the key past `lock_wait`.
+    Busy,
+    /// Nothing committed, or the database could not tell.
+    Unknown,
+}
+
+/// After a failure once the body has run: the committed row of the key, if
+/// any. Asked the way a call without a claim asks before its body (insert
+/// the record in a transaction of its own, rolled back), so it waits for a
+/// duplicate still committing, such as the winner of a deadlock with us;
+/// a plain read right after our rollback could miss it. Bounded by
+/// `lock_wait` on the key, and twice that in all: a database in trouble
+/// must not hold back the call's own error for a pool's whole wait.
+async fn settle<DB: Backend>(inner: &Inner<DB>, call: &Call<'_>) -> Settled {
+    let probe = async {
+        let mut tx = DB::begin_bounded(&inner.pool, inner.lock_wait).await?;
+        let taken = insert_record(&mut tx, call, &call.record(PROCESSING, None), Some(inner.lock_wait)).await;
+        rollback(tx).await;
+        taken
+    };
+    match tokio::time::timeout(inner.lock_wait.saturating_mul(2), probe).await {
+        Ok(Ok(Taken::By(row))) => Settled::Replay(row),
+        Ok(Err(e)) if DB::classify(&e) == Failure::LockTimeout => Settled::Busy,
+        Ok(Ok(Taken::No) | Err(_)) | Err(_) => Settled::Unknown,
     }
 }
 
@@ -558,11 +634,11 @@ async fn commit_record<DB: Backend>(
     }
 }
 
-/// A database error as the caller sees it: a lock wait past its bound means
-/// someone else holds the key.
+/// A database error as the caller sees it: a lock wait past its bound, or
+/// a conflict that outlived its retries, means someone else holds the key.
 fn db_error<DB: Backend, E>(call: &Call<'_>, error: sqlx::Error) -> Failed<E> {
     match DB::classify(&error) {
-        Failure::LockTimeout => call.in_progress().into(),
+        Failure::LockTimeout | Failure::Conflict => call.in_progress().into(),
         _ => Error::Storage(error).into(),
     }
 }
@@ -609,6 +685,7 @@ fn replay_row<T: DeserializeOwned, E>(call: &Call<'_>, row: StoredRecord) -> Res
     Ok(Recorded { value, response, expires_ms: row.expires_ms, outcome: Outcome::Replayed })
 }
 
+#[cfg(feature = "redis")]
 async fn find_live<DB: Backend>(inner: &Inner<DB>, call: &Call<'_>) -> Result<Option<StoredRecord>, Error> {
     let row = DB::lookup(&inner.pool, call.spec.biz, call.key).await?;
     Ok(row.filter(|r| r.is_live(now_ms())))
@@ -626,8 +703,66 @@ fn now_ms() -> i64 {
     i64::try_from(clock::now_ms()).unwrap_or(i64::MAX)
 }
 
+#[cfg(feature = "redis")]
 fn remaining(expires_ms: i64) -> Duration {
     Duration::from_millis(u64::try_from(expires_ms - now_ms()).unwrap_or(0))
+}
+
+/// Where an engine with Redis finds its namespace: set on the builder, or
+/// read once from the database (again after `migrate`). While the database
+/// has none, or cannot be read, Redis is left alone, and the read is tried
+/// again after the Redis back-off.
+#[cfg(feature = "redis")]
+struct NamespaceSlot {
+    fixed: Option<Namespace>,
+    read: std::sync::RwLock<Option<Namespace>>,
+    /// `clock::now_ms()` before which the database is not asked again.
+    unreadable_until_ms: std::sync::atomic::AtomicU64,
+}
+
+#[cfg(feature = "redis")]
+impl NamespaceSlot {
+    fn new(fixed: Option<Namespace>) -> Self {
+        Self { fixed, read: Default::default(), unreadable_until_ms: Default::default() }
+    }
+
+    fn fixed(&self) -> Option<Namespace> {
+        self.fixed.clone()
+    }
+
+    fn forget(&self) {
+        *self.read.write().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        self.unreadable_until_ms.store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    async fn get<DB: Backend>(&self, pool: &Pool<DB>) -> Option<Namespace> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if let Some(fixed) = &self.fixed {
+            return Some(fixed.clone());
+        }
+        if let Some(read) = &*self.read.read().unwrap_or_else(std::sync::PoisonError::into_inner) {
+            return Some(read.clone());
+        }
+        if clock::now_ms() < self.unreadable_until_ms.load(Relaxed) {
+            return None;
+        }
+        let why = match DB::namespace(pool).await {
+            Ok(Some(text)) => match Namespace::new(&text) {
+                Ok(namespace) => {
+                    *self.read.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(namespace.clone());
+                    return Some(namespace);
+                }
+                Err(e) => e.to_string(),
+            },
+            Ok(None) => "none recorded: run Idem::migrate, or set Builder::redis_namespace".into(),
+            Err(e) => e.to_string(),
+        };
+        let until = clock::now_ms() + u64::try_from(claim::BACKOFF.as_millis()).unwrap_or(u64::MAX);
+        if self.unreadable_until_ms.swap(until, Relaxed) == 0 {
+            tracing::warn!(reason = %why, "no namespace for redis keys; idempotency continues on the database alone");
+        }
+        None
+    }
 }
 
 /// Our Redis claim while the call runs. Dropped without being settled (a
@@ -643,12 +778,12 @@ struct ClaimGuard {
 impl ClaimGuard {
     /// Caches the result in place of our claim, off the caller's path: the
     /// record already holds it, and a duplicate arriving before the cache
-    /// write lands reads it from there.
-    fn finish(&mut self, fingerprint: &str, response: &str, ttl: Duration) {
+    /// write lands reads it from there. The cached copy carries the record's
+    /// expiry, so it never answers past it, however late it lands.
+    fn finish(&mut self, fingerprint: &str, response: &str, expires_ms: i64) {
         let Some(held) = self.held.take() else { return };
-        let claims = Arc::clone(&self.claims);
-        let done = claim::done_value(fingerprint, response);
-        spawn_detached(async move { claims.finish(&held, done, ttl).await });
+        let done = claim::done_value(expires_ms, fingerprint, response);
+        self.claims.finish_later(held, done, remaining(expires_ms));
     }
 
     async fn release(&mut self) {
@@ -663,9 +798,9 @@ impl ClaimGuard {
 #[cfg(feature = "redis")]
 impl Drop for ClaimGuard {
     fn drop(&mut self) {
-        let Some(held) = self.held.take() else { return };
-        let claims = Arc::clone(&self.claims);
-        spawn_detached(async move { claims.release(&held).await });
+        if let Some(held) = self.held.take() {
+            self.claims.release_in_background(held);
+        }
     }
 }
 
@@ -675,7 +810,7 @@ enum ClaimGuard {}
 
 #[cfg(not(feature = "redis"))]
 impl ClaimGuard {
-    fn finish(&mut self, _: &str, _: &str, _: Duration) {
+    fn finish(&mut self, _: &str, _: &str, _: i64) {
         match *self {}
     }
 

@@ -20,13 +20,16 @@ pub mod fingerprint;
 pub mod http;
 mod inflight;
 pub mod key;
-mod outcome;
+pub mod namespace;
+pub mod outcome;
+mod random;
 mod status;
 pub mod store;
 
 pub use engine::{Builder, Idem, MAX_BIZ_NO_LEN, Replayable, Spec, assert_replayable, run};
 pub use error::{Error, KeyError};
 pub use fingerprint::Fingerprint;
+pub use namespace::{InvalidNamespace, Namespace};
 pub use outcome::{Outcome, observe};
 pub use status::Status;
 pub use store::Backend;

@@ -83,9 +83,14 @@ pub enum Failure {
 /// A database `idem` can keep its records in: SQLite, MySQL/MariaDB or
 /// PostgreSQL, each behind its cargo feature.
 pub trait Backend: sqlx::Database + Sized {
-    /// Creates `idem_record` and its indexes if absent.
+    /// Creates `idem_record`, `idem_meta` and their indexes if absent, and
+    /// records `namespace` in `idem_meta` unless the database holds one.
     #[doc(hidden)]
-    fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    fn migrate(pool: &Pool<Self>, namespace: &str) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// The namespace recorded by [`migrate`](Backend::migrate), if any.
+    #[doc(hidden)]
+    fn namespace(pool: &Pool<Self>) -> impl Future<Output = Result<Option<String>, sqlx::Error>> + Send;
 
     /// Opens the transaction the record and the body share.
     #[doc(hidden)]
@@ -195,7 +200,14 @@ pub(crate) struct Queries {
     pub lookup: &'static str,
     pub delete_expired: &'static str,
     pub purge_expired: &'static str,
+    /// Creates `idem_meta`: one row per setting, such as the namespace.
+    pub meta_ddl: &'static str,
+    /// Records the namespace unless one is recorded (binds: the namespace).
+    pub init_namespace: &'static str,
 }
+
+/// The statement reading the namespace back; the same on every backend.
+pub(crate) const NAMESPACE: &str = "SELECT value FROM idem_meta WHERE name = 'namespace'";
 
 /// Writes the [`Backend`] methods that differ only in SQL text.
 macro_rules! record_queries {
@@ -271,6 +283,10 @@ macro_rules! record_queries {
             let sql = Self::bounded($q.delete_expired, wait);
             let done = ::sqlx::query(sql).bind(biz).bind(key).bind(now_ms).execute(&mut *conn).await?;
             Ok(done.rows_affected())
+        }
+
+        async fn namespace(pool: &::sqlx::Pool<Self>) -> Result<Option<String>, ::sqlx::Error> {
+            ::sqlx::query_scalar($crate::store::NAMESPACE).fetch_optional(pool).await
         }
 
         async fn purge_expired(pool: &::sqlx::Pool<Self>, now_ms: i64, limit: i64) -> Result<u64, ::sqlx::Error> {

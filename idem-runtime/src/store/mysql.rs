@@ -34,6 +34,11 @@ const Q: Queries = Queries {
     lookup: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ? AND expires_at <= ?",
     purge_expired: "DELETE FROM idem_record WHERE expires_at <= ? LIMIT ?",
+    meta_ddl: "CREATE TABLE IF NOT EXISTS idem_meta (
+        name VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY,
+        value VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL
+    ) ENGINE = InnoDB",
+    init_namespace: "INSERT INTO idem_meta (name, value) VALUES ('namespace', ?) ON DUPLICATE KEY UPDATE name = name",
 };
 
 /// The largest `innodb_lock_wait_timeout` the server takes (2^30 s).
@@ -42,8 +47,10 @@ const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
 const ER_LOCK_DEADLOCK: u16 = 1213;
 
 impl Backend for MySql {
-    async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(DDL).execute(pool).await.map(drop)
+    async fn migrate(pool: &Pool<Self>, namespace: &str) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(DDL).execute(pool).await?;
+        sqlx::raw_sql(Q.meta_ddl).execute(pool).await?;
+        sqlx::query(Q.init_namespace).bind(namespace).execute(pool).await.map(drop)
     }
 
     /// MariaDB bounds one statement with `SET STATEMENT ... FOR`, written in

@@ -38,6 +38,8 @@ const Q: Queries = Queries {
     lookup: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = $1 AND idem_key = $2 AND expires_at <= $3",
     purge_expired: "DELETE FROM idem_record WHERE id IN (SELECT id FROM idem_record WHERE expires_at <= $1 LIMIT $2)",
+    meta_ddl: "CREATE TABLE IF NOT EXISTS idem_meta (name VARCHAR(64) PRIMARY KEY, value VARCHAR(255) NOT NULL)",
+    init_namespace: "INSERT INTO idem_meta (name, value) VALUES ('namespace', $1) ON CONFLICT (name) DO NOTHING",
 };
 
 const LOCK_NOT_AVAILABLE: &str = "55P03";
@@ -45,12 +47,14 @@ const DEADLOCK_DETECTED: &str = "40P01";
 const SERIALIZATION_FAILURE: &str = "40001";
 
 impl Backend for Postgres {
-    async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+    async fn migrate(pool: &Pool<Self>, namespace: &str) -> Result<(), sqlx::Error> {
         let mut tx = pool.begin().await?;
         sqlx::query(MIGRATE_LOCK).execute(&mut *tx).await?;
         for ddl in DDL {
             sqlx::raw_sql(ddl).execute(&mut *tx).await?;
         }
+        sqlx::raw_sql(Q.meta_ddl).execute(&mut *tx).await?;
+        sqlx::query(Q.init_namespace).bind(namespace).execute(&mut *tx).await?;
         tx.commit().await
     }
 

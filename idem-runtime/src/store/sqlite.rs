@@ -28,6 +28,8 @@ const Q: Queries = Queries {
     lookup: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ? AND expires_at <= ?",
     purge_expired: "DELETE FROM idem_record WHERE id IN (SELECT id FROM idem_record WHERE expires_at <= ? LIMIT ?)",
+    meta_ddl: "CREATE TABLE IF NOT EXISTS idem_meta (name TEXT NOT NULL PRIMARY KEY, value TEXT NOT NULL)",
+    init_namespace: "INSERT INTO idem_meta (name, value) VALUES ('namespace', ?) ON CONFLICT (name) DO NOTHING",
 };
 
 // Primary result codes; extended codes keep them in the low byte.
@@ -35,8 +37,10 @@ const SQLITE_BUSY: u32 = 5;
 const SQLITE_LOCKED: u32 = 6;
 
 impl Backend for Sqlite {
-    async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(DDL).execute(pool).await.map(drop)
+    async fn migrate(pool: &Pool<Self>, namespace: &str) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(DDL).execute(pool).await?;
+        sqlx::raw_sql(Q.meta_ddl).execute(pool).await?;
+        sqlx::query(Q.init_namespace).bind(namespace).execute(pool).await.map(drop)
     }
 
     async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
