@@ -16,8 +16,9 @@ pub enum Outcome {
     InProgress,
     /// The key was used with other arguments: `Error::KeyReused`.
     KeyReused,
-    /// The call can never succeed as sent: an invalid key, a result that no
-    /// longer deserializes, or one that cannot be serialized.
+    /// The call can never succeed as sent: an invalid key, an argument
+    /// holding a non-finite float, a result that no longer deserializes, or
+    /// one that cannot be serialized.
     Rejected,
     /// The body returned `Err`, or the database failed: nothing was
     /// recorded, and the same call may succeed later.
