@@ -3,7 +3,9 @@
 
 mod common;
 
-use sqlx::mysql::MySqlPoolOptions;
+use std::str::FromStr;
+
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 
 type Db = sqlx::MySql;
 
@@ -16,7 +18,7 @@ const COUNT_RECORDS_KEY: &str = "SELECT COUNT(*) FROM idem_record WHERE biz_type
 const LOCK_WAIT_BOUNDED: bool = true;
 /// One writer at a time: a second transaction waits for the first to end.
 const ONE_WRITER: bool = false;
-/// Two rows to lock, for the error-classification test (row-locking servers only).
+/// Two rows to lock, for the error-classification test.
 const CLASSIFY_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); INSERT IGNORE INTO idem_classify VALUES (1, 0), (2, 0)";
 /// Makes the next lock wait of this transaction give up within a second.
 const SHORT_LOCK_WAIT: &str = "SET SESSION innodb_lock_wait_timeout = 1";
@@ -34,6 +36,25 @@ async fn open(_name: &str, max_connections: u32) -> Option<sqlx::Pool<Db>> {
             .ok()
     })
     .await
+}
+
+/// A database of its own, for a test that must see every row of
+/// `idem_record`; `name` is a plain identifier (`[a-z0-9_]`).
+async fn open_private(name: &str) -> Option<sqlx::Pool<Db>> {
+    let admin = open(name, 1).await?;
+    let create = sqlx::AssertSqlSafe(format!("CREATE DATABASE `{name}`"));
+    sqlx::raw_sql(create).execute(&admin).await.expect("create database");
+    admin.close().await;
+    let options = MySqlConnectOptions::from_str(&common::mysql_url()).expect("mysql url").database(name);
+    Some(MySqlPoolOptions::new().max_connections(2).connect_with(options).await.expect("private database"))
+}
+
+/// Drops a database `open_private` made.
+async fn drop_private(pool: sqlx::Pool<Db>, name: &str) {
+    pool.close().await;
+    let admin = open(name, 1).await.expect("mysql");
+    let drop = sqlx::AssertSqlSafe(format!("DROP DATABASE `{name}`"));
+    sqlx::raw_sql(drop).execute(&admin).await.expect("drop database");
 }
 
 /// A pool whose server never answers (nothing listens on port 1).

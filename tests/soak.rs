@@ -61,6 +61,29 @@ fn schedule_uses_every_key_with_thirty_percent_repeats() {
     }
 }
 
+/// The fault check is not vacuous: a run whose bodies of one key never ran
+/// at the same time fails it, however many other faults it saw.
+#[test]
+fn fault_check_requires_overlapping_bodies() {
+    use soak::{Report, Tally};
+    let report = |overlaps| Report {
+        tally: Tally { failed: 1, panicked: 1, cancelled: 1, ..Tally::default() },
+        redis_kills: 2,
+        db_kills: 1,
+        execs: 10,
+        overlaps,
+        guard_hits: 0,
+        slow_bodies: 1,
+        ledger_rows: 0,
+        records: 0,
+        keys_ok: 0,
+        reuse_calls: 0,
+        elapsed: std::time::Duration::ZERO,
+    };
+    assert_eq!(report(1).missing_faults(), Vec::<&str>::new());
+    assert_eq!(report(0).missing_faults(), ["two bodies of one key at once"]);
+}
+
 /// The crowded schedule spreads 20,000 calls over exactly 2,000 keys.
 #[test]
 fn crowded_schedule_uses_two_thousand_keys() {

@@ -16,10 +16,11 @@ const COUNT_RECORDS_KEY: &str = "SELECT COUNT(*) FROM idem_record WHERE biz_type
 const LOCK_WAIT_BOUNDED: bool = false;
 /// One writer at a time: a second transaction waits for the first to end.
 const ONE_WRITER: bool = true;
-/// Two rows to lock, for the error-classification test (row-locking servers only).
-const CLASSIFY_DDL: &str = "";
-/// Makes the next lock wait of this transaction give up within a second.
-const SHORT_LOCK_WAIT: &str = "";
+/// Two rows to lock, for the error-classification test.
+const CLASSIFY_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); INSERT OR IGNORE INTO idem_classify VALUES (1, 0), (2, 0)";
+/// Makes the next lock wait of this transaction give up within a second
+/// (SQLite: the connection's busy timeout, 30 s in `open`).
+const SHORT_LOCK_WAIT: &str = "PRAGMA busy_timeout = 300";
 const DELETE_RECORD: &str = "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ?";
 const CORRUPT: &str = "UPDATE idem_record SET response = ? WHERE biz_type = ? AND idem_key = ?";
 const BIZ_NO: &str = "SELECT biz_no FROM idem_record WHERE biz_type = ? AND idem_key = ?";
@@ -39,6 +40,17 @@ async fn open(name: &str, max_connections: u32) -> Option<sqlx::Pool<Db>> {
         .await
         .expect("sqlite file");
     Some(pool)
+}
+
+/// A database of its own, for a test that must see every row of
+/// `idem_record` (SQLite: `open`'s file is already its own).
+async fn open_private(name: &str) -> Option<sqlx::Pool<Db>> {
+    open(name, 2).await
+}
+
+/// Closes a database `open_private` made.
+async fn drop_private(pool: sqlx::Pool<Db>, _name: &str) {
+    pool.close().await;
 }
 
 /// A pool whose database cannot be opened (a file in a folder that does not exist).
