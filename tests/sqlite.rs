@@ -48,9 +48,13 @@ async fn open_private(name: &str) -> Option<sqlx::Pool<Db>> {
     open(name, 2).await
 }
 
-/// Closes a database `open_private` made.
-async fn drop_private(pool: sqlx::Pool<Db>, _name: &str) {
+/// Closes a database `open_private` made and deletes its files.
+async fn drop_private(pool: sqlx::Pool<Db>, name: &str) {
     pool.close().await;
+    let dir = std::env::temp_dir().join("idem-tests");
+    for suffix in ["db", "db-wal", "db-shm"] {
+        let _ = std::fs::remove_file(dir.join(format!("{name}.{suffix}")));
+    }
 }
 
 /// A pool whose database cannot be opened (a file in a folder that does not exist).

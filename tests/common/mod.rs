@@ -125,15 +125,20 @@ pub async fn redis_value_after(client: &redis::Client, key: &str, deadline: Dura
     }
 }
 
-/// Polls `key` until it holds a finished result (`d:<fingerprint>:<response>`,
+/// Polls `key` until it holds a finished result (`d:<expires_ms>:<fingerprint>:<response>`,
 /// written after the commit from a spawned task); returns the response part.
 pub async fn redis_cached_response(client: &redis::Client, key: &str) -> String {
-    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
     let start = std::time::Instant::now();
     loop {
-        let value: Option<String> = redis::cmd("GET").arg(key).query_async(&mut conn).await.expect("GET");
-        if let Some(response) = value.as_deref().and_then(|v| v.strip_prefix("d:")).and_then(|v| v.split_once(':')) {
-            return response.1.to_owned();
+        // A paused Redis may time out the `GET`: asked again until the deadline.
+        let value: Option<String> = match client.get_multiplexed_async_connection().await {
+            Ok(mut conn) => redis::cmd("GET").arg(key).query_async(&mut conn).await.unwrap_or(None),
+            Err(_) => None,
+        };
+        let done = value.as_deref().and_then(|v| v.strip_prefix("d:"));
+        // `d:<expires_ms>:<fingerprint>:<response>`
+        if let Some((_, response)) = done.and_then(|v| v.split_once(':')).and_then(|(_, v)| v.split_once(':')) {
+            return response.to_owned();
         }
         assert!(start.elapsed() < Duration::from_secs(10), "{key} not cached: {value:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -305,6 +305,12 @@ enum Redis {
     DeadPort,
 }
 
+/// The Redis key of `(biz, k)` on `idem`: `idem:<namespace>:<biz>:<key>`.
+async fn redis_key(idem: &Idem<Db>, biz: &str, k: &str) -> String {
+    let namespace = idem.redis_namespace().await.expect("namespace").expect("migrated");
+    format!("idem:{namespace}:{biz}:{k}")
+}
+
 async fn ledger_rows(idem: &Idem<Db>, k: &str) -> i64 {
     sqlx::query_scalar(COUNT_LEDGER).bind(k).fetch_one(idem.pool()).await.expect("count ledger")
 }
@@ -674,7 +680,7 @@ async fn claim_whose_answer_came_too_late_is_released() {
     assert!(started.elapsed() >= Duration::from_millis(100), "the claim timed out (the pause held it)");
 
     // The release follows within a few Redis timeouts; the lease is 30 s.
-    let left = common::redis_value_after(&server.client(), &format!("idem:t_pay:{k}"), Duration::from_secs(15)).await;
+    let left = common::redis_value_after(&server.client(), &redis_key(&idem, "t_pay", &k).await, Duration::from_secs(15)).await;
     assert_eq!(left, None, "the late claim was released");
 }
 
@@ -693,7 +699,7 @@ async fn claim_of_a_call_dropped_while_redis_is_slow_is_released() {
     assert_eq!(probe.runs(), 0, "its body never started");
 
     // After the pause the claim lands; it is gone well before its 30 s lease.
-    let left = common::redis_value_after(&server.client(), &format!("idem:t_pay:{k}"), Duration::from_secs(15)).await;
+    let left = common::redis_value_after(&server.client(), &redis_key(&idem, "t_pay", &k).await, Duration::from_secs(15)).await;
     assert_eq!(left, None, "the dropped call's claim was released");
     let (again, outcome) = idem::observe(pay(&idem, k.clone(), 2, &probe, Mode::Ok)).await;
     assert_eq!((again.unwrap().run, outcome), (1, Some(idem::Outcome::Executed)));
@@ -725,7 +731,7 @@ async fn release_during_the_redis_back_off_is_retried() {
     probe.open();
     assert!(matches!(held.await.unwrap(), Err(TestError::Body)));
 
-    let left = common::redis_value_after(&server.client(), &format!("idem:t_pay:{k}"), Duration::from_secs(15)).await;
+    let left = common::redis_value_after(&server.client(), &redis_key(&idem, "t_pay", &k).await, Duration::from_secs(15)).await;
     assert_eq!(left, None, "the failed call's claim was released");
 }
 
@@ -740,11 +746,11 @@ async fn duplicate_whose_body_fails_after_redis_lost_the_result_replays() {
     let probe = Probe::default();
     let k = common::unique("lost");
     let first = pay(&idem, k.clone(), 5, &probe, Mode::Ok).await.unwrap();
-    common::redis_del(&client, &format!("idem:t_pay:{k}")).await; // evicted, flushed, restarted
+    common::redis_del(&client, &redis_key(&idem, "t_pay", &k).await).await; // evicted, flushed, restarted
 
     let (again, outcome) = idem::observe(pay(&idem, k.clone(), 5, &probe, Mode::Fail)).await;
     assert_eq!((again.unwrap(), outcome), (first, Some(idem::Outcome::Replayed)));
-    common::redis_del(&client, &format!("idem:t_pay:{k}")).await;
+    common::redis_del(&client, &redis_key(&idem, "t_pay", &k).await).await;
     let reused = pay(&idem, k.clone(), 6, &probe, Mode::Fail).await;
     assert!(matches!(reused, Err(TestError::Idem(idem::Error::KeyReused { .. }))), "{reused:?}");
     assert_eq!(probe.runs(), 3, "both duplicates ran their bodies, which failed");
@@ -764,7 +770,7 @@ async fn duplicate_after_the_lease_still_commits_once() {
     };
     until_started(&probe, 1).await;
     // Its 100 ms lease runs out while its body is held.
-    let claim = common::redis_value_after(&client, &format!("idem:t_lease:{k}"), Duration::from_secs(10)).await;
+    let claim = common::redis_value_after(&client, &redis_key(&idem, "t_lease", &k).await, Duration::from_secs(10)).await;
     assert_eq!(claim, None, "the lease ran out");
     assert!(!first.is_finished());
 
@@ -807,8 +813,11 @@ async fn claim_left_by_a_call_that_died_after_commit_replays_from_the_record() {
     let probe = Probe::default();
     let k = common::unique("orphan");
     let first = pay(&idem, k.clone(), 8, &probe, Mode::Ok).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await; // let our own cache write land first
-    common::redis_set(&client, &format!("idem:t_pay:{k}"), "p:dead-token:0", 60_000).await;
+    // Our own cache write lands first; then the key is made to look like a
+    // claim whose owner died after its commit.
+    let key = redis_key(&idem, "t_pay", &k).await;
+    common::redis_cached_response(&client, &key).await;
+    common::redis_set(&client, &key, "p:dead-token:0", 60_000).await;
 
     let (again, outcome) = idem::observe(pay(&idem, k.clone(), 8, &probe, Mode::Ok)).await;
     assert_eq!((again.unwrap(), outcome), (first, Some(idem::Outcome::Replayed)));
@@ -827,7 +836,9 @@ async fn unreachable_database_is_a_storage_error(redis: Redis) {
         }
         _ => None,
     };
-    let idem = builder.build();
+    // The namespace is set: the database that would hold one is down.
+    let namespace = idem::Namespace::new(&common::unique("nodb")).unwrap();
+    let idem = builder.redis_namespace(namespace).build();
     let probe = Probe::default();
     let k = common::unique("nodb");
     let r = pay(&idem, k.clone(), 1, &probe, Mode::Ok).await;
@@ -835,7 +846,7 @@ async fn unreachable_database_is_a_storage_error(redis: Redis) {
     assert_eq!(probe.runs(), 0, "no body without a transaction");
     if let Some(client) = client {
         // The claim taken before the database failed was released.
-        assert!(!common::redis_exists(&client, &format!("idem:t_pay:{k}")).await);
+        assert!(!common::redis_exists(&client, &redis_key(&idem, "t_pay", &k).await).await);
     }
 }
 
@@ -959,9 +970,9 @@ async fn hostile_keys_are_refused_before_any_write() {
     assert_eq!(record_rows_for(&idem, "t_bad_empty", "").await, 0);
     if let Some(client) = common::redis_client().await {
         for (what, k, _) in &hostile {
-            assert!(!common::redis_exists(&client, &format!("idem:t_badkey:bad_{k}")).await, "{what}");
+            assert!(!common::redis_exists(&client, &redis_key(&idem, "t_badkey", &format!("bad_{k}")).await).await, "{what}");
         }
-        assert!(!common::redis_exists(&client, "idem:t_bad_empty:").await);
+        assert!(!common::redis_exists(&client, &redis_key(&idem, "t_bad_empty", "").await).await);
         assert!(!common::redis_exists(&client, "pwned").await, "no command was injected");
     }
 }
@@ -1036,7 +1047,7 @@ async fn hostile_arguments_are_stored_and_replayed_byte_for_byte() {
     for note in &notes {
         let k = common::unique("echo");
         assert_eq!(&echo(&idem, k.clone(), note.clone(), &probe).await.unwrap(), note);
-        let cached = common::redis_cached_response(&client, &format!("idem:t_echo:{k}")).await;
+        let cached = common::redis_cached_response(&client, &redis_key(&idem, "t_echo", &k).await).await;
         assert_eq!(cached, serde_json::to_string(note).unwrap(), "cached byte for byte");
         assert_eq!(&echo(&idem, k.clone(), note.clone(), &probe).await.unwrap(), note, "replayed from Redis");
         assert_eq!(&echo(&plain, k.clone(), note.clone(), &probe).await.unwrap(), note, "replayed from the record");
@@ -1095,11 +1106,11 @@ async fn biz_no_longer_than_64_bytes_is_refused_before_any_write() {
     let Some(plain) = engine(&name, 4, Redis::Off).await else { return };
     let unreachable = Idem::builder(dead_pool()).redis(redis::Client::open("redis://127.0.0.1:1").unwrap()).build();
     let probe = Probe::default();
-    let too_long = idem::KeyError::BizNoTooLong { len: 65, max: 64 };
     for (idem, reachable) in [(&claimed, true), (&plain, true), (&unreachable, false)] {
         let k = common::unique("bizno-long");
         let refused = with_biz_no(idem, k.clone(), "n".repeat(65), &probe).await;
-        assert!(refused_with(&refused, &too_long), "{refused:?}");
+        let too_long = matches!(refused, Err(TestError::Idem(idem::Error::BizNoTooLong { len: 65, max: 64 })));
+        assert!(too_long, "{refused:?}");
         if !reachable {
             continue;
         }
@@ -1315,7 +1326,7 @@ async fn status_reports_each_stage() {
     // `biz` obeys the attribute's rule: with a `:` it could read another pair's claim.
     for biz in ["t:pay", "T_pay", ""] {
         let refused = idem.status(biz, &k).await;
-        assert!(matches!(refused, Err(idem::Error::InvalidKey(idem::KeyError::BadBiz))), "{biz:?}: {refused:?}");
+        assert!(matches!(refused, Err(idem::Error::InvalidBiz)), "{biz:?}: {refused:?}");
     }
 }
 
@@ -1369,4 +1380,289 @@ async fn server_errors_are_classified_by_code() {
     };
     assert_eq!(class(&deadlock), "Conflict");
     drop((a, b));
+}
+
+// ---- Redis entries belong to one record store; cached results never outlive their record ----
+
+/// An engine with the shared Redis over a database of its own.
+async fn engine_on_private_database(name: &str) -> Option<(sqlx::Pool<Db>, Idem<Db>)> {
+    let client = common::redis_client().await?;
+    let pool = open_private(name).await?;
+    prepare(&pool).await;
+    let idem = Idem::builder(pool.clone()).redis(client).build();
+    idem.migrate().await.expect("migrate");
+    Some((pool, idem))
+}
+
+/// Regression: two databases (two tenants, or staging and production)
+/// sharing one Redis never answer each other's calls: each runs its own
+/// body, keeps its own record, and sees its own key reuse only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn databases_sharing_a_redis_never_replay_each_others_results() {
+    let (name_a, name_b) = (common::unique("tenant_a").replace('-', "_"), common::unique("tenant_b").replace('-', "_"));
+    let Some((pool_a, a)) = engine_on_private_database(&name_a).await else { return };
+    let Some((pool_b, b)) = engine_on_private_database(&name_b).await else { return };
+    let Some(client) = common::redis_client().await else { return };
+    let (ns_a, ns_b) = (a.redis_namespace().await.unwrap().unwrap(), b.redis_namespace().await.unwrap().unwrap());
+    assert_ne!(ns_a, ns_b, "each database made its own namespace");
+    let (probe_a, probe_b) = (Probe::default(), Probe::default());
+    let k = common::unique("order_1");
+
+    let paid_a = pay(&a, k.clone(), 5, &probe_a, Mode::Ok).await.unwrap();
+    // A's result is cached: under a shared key layout B would now replay it.
+    common::redis_cached_response(&client, &redis_key(&a, "t_pay", &k).await).await;
+
+    let (paid_b, outcome) = idem::observe(pay(&b, k.clone(), 5, &probe_b, Mode::Ok)).await;
+    assert_eq!(outcome, Some(idem::Outcome::Executed), "B ran its own body");
+    let paid_b = paid_b.unwrap();
+    assert_eq!((paid_a.run, paid_b.run, probe_a.runs(), probe_b.runs()), (1, 1, 1, 1));
+    assert_eq!((ledger_rows(&a, &k).await, ledger_rows(&b, &k).await), (1, 1));
+    assert_eq!((record_rows_for(&a, "t_pay", &k).await, record_rows_for(&b, "t_pay", &k).await), (1, 1));
+    assert!(matches!(b.status("t_pay", &k).await.unwrap(), Status::Completed { .. }));
+
+    // Another amount: `KeyReused` on each side, for the key each used.
+    let other = common::unique("order_2");
+    pay(&a, other.clone(), 5, &probe_a, Mode::Ok).await.unwrap();
+    common::redis_cached_response(&client, &redis_key(&a, "t_pay", &other).await).await;
+    let (fresh, outcome) = idem::observe(pay(&b, other.clone(), 6, &probe_b, Mode::Ok)).await;
+    assert_eq!((fresh.unwrap().amount, outcome), (6, Some(idem::Outcome::Executed)), "B never used the key");
+    let reused = pay(&b, k.clone(), 6, &probe_b, Mode::Ok).await;
+    assert!(matches!(reused, Err(TestError::Idem(idem::Error::KeyReused { .. }))), "{reused:?}");
+    assert_eq!(pay(&a, k.clone(), 5, &probe_a, Mode::Ok).await.unwrap(), paid_a, "A still replays its own");
+    assert_eq!((probe_a.runs(), probe_b.runs()), (2, 2));
+
+    drop((a, b));
+    drop_private(pool_a, &name_a).await;
+    drop_private(pool_b, &name_b).await;
+}
+
+/// Regression: a database dropped and re-created (a restore, a test reset)
+/// while Redis keeps the old entries gets a new namespace at `migrate`: the
+/// next call executes, whether the engine is new or the one that migrated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recreated_database_does_not_see_the_old_redis_entries() {
+    let name = common::unique("recreated").replace('-', "_");
+    let Some((pool, idem)) = engine_on_private_database(&name).await else { return };
+    let Some(client) = common::redis_client().await else { return };
+    let probe = Probe::default();
+    let k = common::unique("order_1");
+    pay(&idem, k.clone(), 5, &probe, Mode::Ok).await.unwrap();
+    let old_key = redis_key(&idem, "t_pay", &k).await;
+    common::redis_cached_response(&client, &old_key).await;
+    drop(idem);
+    drop_private(pool, &name).await;
+
+    let Some((pool, idem)) = engine_on_private_database(&name).await else { return };
+    assert!(common::redis_exists(&client, &old_key).await, "Redis kept the old entry");
+    let (again, outcome) = idem::observe(pay(&idem, k.clone(), 5, &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap().run, outcome), (2, Some(idem::Outcome::Executed)));
+    assert_eq!((ledger_rows(&idem, &k).await, record_rows_for(&idem, "t_pay", &k).await), (1, 1));
+
+    // Reset under a running engine: `migrate` makes it read the new namespace.
+    sqlx::raw_sql("DROP TABLE idem_meta").execute(&pool).await.expect("drop idem_meta");
+    sqlx::query(DELETE_RECORD).bind("t_pay").bind(&k).execute(&pool).await.expect("delete record");
+    idem.migrate().await.expect("migrate");
+    let (again, outcome) = idem::observe(pay(&idem, k.clone(), 5, &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap().run, outcome), (3, Some(idem::Outcome::Executed)));
+
+    drop(idem);
+    drop_private(pool, &name).await;
+}
+
+/// An explicit namespace is used as given, and shared by the engines given it.
+#[tokio::test]
+async fn an_explicit_namespace_is_shared_by_the_engines_given_it() {
+    let Some(client) = common::redis_client().await else { return };
+    let Some(pool) = open(&common::unique("db"), 4).await else { return };
+    prepare(&pool).await;
+    let namespace = idem::Namespace::new(&common::unique("shared")).unwrap();
+    let build = || Idem::builder(pool.clone()).redis(client.clone()).redis_namespace(namespace.clone()).build();
+    let (a, b) = (build(), build());
+    a.migrate().await.expect("migrate");
+    assert_eq!(b.redis_namespace().await.unwrap(), Some(namespace.clone()));
+    let probe = Probe::default();
+    let k = common::unique("explicit");
+    let first = pay(&a, k.clone(), 5, &probe, Mode::Ok).await.unwrap();
+    let cached = common::redis_cached_response(&client, &format!("idem:{namespace}:t_pay:{k}")).await;
+    assert_eq!(cached, serde_json::to_string(&first).unwrap());
+    // Replayed from Redis, not the record: the record is gone.
+    sqlx::query(DELETE_RECORD).bind("t_pay").bind(&k).execute(&pool).await.expect("delete record");
+    let (again, outcome) = idem::observe(pay(&b, k.clone(), 5, &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap(), outcome), (first, Some(idem::Outcome::Replayed)));
+    assert!(idem::Namespace::new("a:b").is_err(), "a `:` could merge two namespaces' keys");
+}
+
+/// Regression: a cached result written late (Redis paused while the cache
+/// write waited) carries its record's expiry: once the record expired, the
+/// copy is a miss and the next call executes, rather than replaying it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_result_written_late_does_not_outlive_its_record() {
+    let Some((server, idem)) = engine_on_private_redis(Duration::from_secs(10)).await else { return };
+    let probe = Arc::new(Probe::default());
+    let k = common::unique("late_cache");
+    let first = {
+        let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { pay_short_ttl(&idem, k, &probe, Mode::HeldThenOk).await })
+    };
+    until_held(&probe).await;
+    // The cache write after the commit waits 2.5 s in Redis; the record
+    // (ttl 1 s) expires meanwhile.
+    common::redis_pause(&server.client(), 2_500).await;
+    probe.open();
+    let first = first.await.unwrap().unwrap();
+    let key = redis_key(&idem, "t_ttl", &k).await;
+    let cached = common::redis_cached_response(&server.client(), &key).await;
+    assert_eq!(cached, serde_json::to_string(&first).unwrap(), "the late write landed");
+    until_expired(&idem, "t_ttl", &k).await;
+
+    let (again, outcome) = idem::observe(pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap().run, outcome), (2, Some(idem::Outcome::Executed)), "the stale copy was a miss");
+    assert_eq!(ledger_rows(&idem, &k).await, 2);
+}
+
+/// Regression: a cache write that meets the Redis back-off (another call's
+/// Redis operation just timed out) is tried again later, so the claim does
+/// not live out its 30 s lease: the key soon holds the finished result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_write_during_the_back_off_is_retried() {
+    let Some((server, idem)) = engine_on_private_redis(Duration::from_millis(200)).await else { return };
+    let probe = Arc::new(Probe::default());
+    let k = common::unique("finish_backoff");
+    let held = {
+        let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { pay(&idem, k, 2, &probe, Mode::HeldThenOk).await })
+    };
+    until_held(&probe).await;
+    common::redis_pause(&server.client(), 1_000).await;
+    let started = std::time::Instant::now();
+    assert_eq!(idem.status("t_pay", &common::unique("other")).await.unwrap(), Status::Absent);
+    assert!(started.elapsed() >= Duration::from_millis(200), "the status query timed out (the pause held it)");
+    // Within the back-off: the cache write is skipped at first.
+    probe.open();
+    let first = held.await.unwrap().unwrap();
+    let cached = common::redis_cached_response(&server.client(), &redis_key(&idem, "t_pay", &k).await).await;
+    assert_eq!(cached, serde_json::to_string(&first).unwrap());
+    let (again, outcome) = idem::observe(pay(&idem, k.clone(), 2, &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap(), outcome), (first, Some(idem::Outcome::Replayed)));
+    assert_eq!(probe.runs(), 1);
+}
+
+// ---- a duplicate never gets a failure when a record committed ----
+
+/// Which lock a `pay_locking` body takes, and when.
+#[derive(Debug, Clone, Copy)]
+enum LockOrder {
+    /// Locks the business row, then returns (the record goes in after).
+    RowThenReturn,
+    /// Waits at the gate, then locks the business row.
+    HeldThenRow,
+}
+
+#[idempotent(key = "<k>", ttl = "3s", biz = "t_lock")]
+async fn pay_locking(
+    idem: &Idem<Db>,
+    tx: &mut Transaction<'_, Db>,
+    k: String,
+    amount: i64,
+    #[idem(skip)] probe: &Probe,
+    #[idem(skip)] order: LockOrder,
+) -> Result<Receipt, TestError> {
+    let run = probe.runs.fetch_add(1, SeqCst) + 1;
+    sqlx::query(INSERT_LEDGER).bind(&k).bind(amount).execute(&mut **tx).await?;
+    if let LockOrder::HeldThenRow = order {
+        probe.held.fetch_add(1, SeqCst);
+        probe.gate.acquire().await.expect("gate").forget();
+    }
+    sqlx::query("UPDATE idem_classify SET v = v + 1 WHERE id = 1").execute(&mut **tx).await?;
+    if let LockOrder::RowThenReturn = order {
+        probe.held.fetch_add(1, SeqCst);
+    }
+    Ok(Receipt { key: k, amount, run })
+}
+
+/// A call without a claim (record first) and a claimed call (record last)
+/// whose bodies lock one business row: held at gates so they deadlock for
+/// certain. The victim, whichever the server picks, replays the winner.
+async fn deadlock_between_claimed_and_unclaimed(over_an_expired_record: bool) {
+    if ONE_WRITER {
+        return; // one writer at a time: nothing to deadlock on
+    }
+    let name = common::unique("deadlock").replace('-', "_");
+    let Some((pool, claimed)) = engine_on_private_database(&name).await else { return };
+    sqlx::raw_sql(CLASSIFY_DDL).execute(&pool).await.expect("business row");
+    let unclaimed = Idem::new(pool.clone());
+    let probe = Arc::new(Probe::default());
+    let k = common::unique("deadlock");
+    if over_an_expired_record {
+        let before = Probe::default();
+        before.open();
+        pay_locking(&unclaimed, k.clone(), 7, &before, LockOrder::RowThenReturn).await.unwrap();
+        until_expired(&unclaimed, "t_lock", &k).await;
+    }
+
+    // Without a claim: record in, body held before it locks the row.
+    let first = {
+        let (idem, k, probe) = (unclaimed.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { idem::observe(pay_locking(&idem, k, 7, &probe, LockOrder::HeldThenRow)).await })
+    };
+    until_held(&probe).await;
+    // With a claim: the body locks the row, then the record insert waits on
+    // the first call's record.
+    let second = {
+        let (idem, k, probe) = (claimed.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { idem::observe(pay_locking(&idem, k, 7, &probe, LockOrder::RowThenReturn)).await })
+    };
+    let start = std::time::Instant::now();
+    while probe.held.load(SeqCst) < 2 {
+        assert!(start.elapsed() < Duration::from_secs(30), "the claimed body never locked the row");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    probe.open(); // the first now waits on the row: a deadlock either way round
+
+    let (first, first_outcome) = first.await.unwrap();
+    let (second, second_outcome) = second.await.unwrap();
+    let (first, second) = (first.expect("the first call failed"), second.expect("the claimed call failed"));
+    assert_eq!(first, second, "both callers got the committed result");
+    let mut outcomes = vec![first_outcome, second_outcome];
+    outcomes.sort_by_key(|o| format!("{o:?}"));
+    assert_eq!(outcomes, vec![Some(idem::Outcome::Executed), Some(idem::Outcome::Replayed)]);
+    assert_eq!(probe.runs(), 2, "both bodies ran; one was rolled back");
+    assert_eq!(ledger_rows(&claimed, &k).await, 1 + i64::from(over_an_expired_record));
+    assert_eq!(record_rows_for(&claimed, "t_lock", &k).await, 1);
+
+    drop((claimed, unclaimed));
+    drop_private(pool, &name).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadlock_between_a_claimed_and_an_unclaimed_call_replays_the_winner() {
+    deadlock_between_claimed_and_unclaimed(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadlock_between_two_calls_replacing_an_expired_record_replays_the_winner() {
+    deadlock_between_claimed_and_unclaimed(true).await;
+}
+
+/// A cached value corrupted in Redis (a result the fn's type cannot read)
+/// answers `Error::Replay`, never a panic, and runs nothing.
+#[tokio::test]
+async fn corrupted_cached_value_is_a_replay_error() {
+    let Some(idem) = engine(&common::unique("db"), 4, Redis::On).await else { return };
+    let Some(client) = common::redis_client().await else { return };
+    let probe = Probe::default();
+    let k = common::unique("corrupt_cache");
+    let first = pay(&idem, k.clone(), 8, &probe, Mode::Ok).await.unwrap();
+    let key = redis_key(&idem, "t_pay", &k).await;
+    let cached = common::redis_cached_response(&client, &key).await;
+    assert_eq!(cached, serde_json::to_string(&first).unwrap());
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let value: String = redis::cmd("GET").arg(&key).query_async(&mut conn).await.expect("GET");
+    let corrupted = value.replace(&cached, "{\"not\":\"a receipt\"}");
+    common::redis_set(&client, &key, &corrupted, 60_000).await;
+
+    let (again, outcome) = idem::observe(pay(&idem, k.clone(), 8, &probe, Mode::Ok)).await;
+    assert!(matches!(again, Err(TestError::Idem(idem::Error::Replay { .. }))), "{again:?}");
+    assert_eq!(outcome, Some(idem::Outcome::Rejected));
+    assert_eq!((probe.runs(), ledger_rows(&idem, &k).await), (1, 1));
 }
