@@ -59,12 +59,17 @@ pub use idem_macros::idempotent;
 pub use idem_runtime::amqp;
 #[cfg(feature = "axum")]
 pub use idem_runtime::http;
-pub use idem_runtime::{Backend, Builder, Error, Idem, InvalidNamespace, KeyError, Namespace, Outcome, Status, observe};
+pub use idem_runtime::{
+    Backend, Builder, Error, Idem, InvalidNamespace, KeyError, Namespace, Outcome, Status, observe,
+};
 
 /// Key rules, shared with entry points that take keys from outside
-/// (e.g. an `Idempotency-Key` header).
+/// (e.g. an `Idempotency-Key` header). The attribute checks its templates
+/// against the same rules at compile time.
 pub mod key {
-    pub use idem_runtime::key::{MAX_KEY_LEN, MIN_HEADER_KEY_LEN, validate_header_key, validate_key};
+    pub use idem_runtime::key::{
+        MAX_BIZ_NO_LEN, MAX_KEY_LEN, MIN_HEADER_KEY_LEN, validate_biz_no, validate_header_key, validate_key,
+    };
 }
 
 /// Not a stable API: what the code written by `#[idempotent]` calls.

@@ -1,6 +1,7 @@
-//! Arguments the fingerprint refuses, end to end through `#[idempotent]` on
-//! SQLite: a float that is NaN or infinite, at any depth of any argument.
-//! JSON has no form for one, so it would fingerprint like `null`.
+//! Arguments refused before anything is written, end to end through
+//! `#[idempotent]` on SQLite: a float that is NaN or infinite, at any depth
+//! of any argument (JSON has no form for one, so it would fingerprint like
+//! `null`), and a `biz_no` longer than its column.
 
 use std::collections::BTreeMap;
 
@@ -25,6 +26,18 @@ async fn quote(
     amount: Option<f64>,
     lines: Vec<Line>,
     rates: BTreeMap<String, f32>,
+) -> Result<i64, idem::Error> {
+    sqlx::query("INSERT INTO quotes (id) VALUES (?)").bind(id).execute(&mut **tx).await?;
+    Ok(id)
+}
+
+/// The same table and `biz`, with a business number from the arguments.
+#[idempotent(key = "booked_<id>", ttl = "1h", biz = "t_quote", biz_no = "<reference>")]
+async fn book(
+    idem: &Idem<Sqlite>,
+    tx: &mut Transaction<'_, Sqlite>,
+    id: i64,
+    reference: String,
 ) -> Result<i64, idem::Error> {
     sqlx::query("INSERT INTO quotes (id) VALUES (?)").bind(id).execute(&mut **tx).await?;
     Ok(id)
@@ -110,4 +123,26 @@ async fn some_nan_does_not_replay_none() {
     let same = observe(quote(&idem, 7, None, vec![], BTreeMap::new())).await;
     assert!(matches!(same, (Ok(7), Some(Outcome::Replayed))), "{same:?}");
     assert_eq!(rows(&idem).await, (1, 1), "one body, one record");
+}
+
+/// A `biz_no` past its 64-byte column is `Error::BizNoTooLong` (not a key
+/// error) and `Outcome::Rejected`, before the body runs; 64 bytes fit.
+#[tokio::test]
+async fn biz_no_longer_than_its_column_is_rejected() {
+    let idem = engine().await;
+    let refused = observe(book(&idem, 1, "n".repeat(65))).await;
+    assert!(
+        matches!(refused, (Err(idem::Error::BizNoTooLong { len: 65, max: 64 }), Some(Outcome::Rejected))),
+        "{refused:?}"
+    );
+    assert!(!refused.0.unwrap_err().is_retryable());
+    // Multi-byte characters count in bytes, as the column does.
+    let refused = observe(book(&idem, 2, "é".repeat(33))).await;
+    assert!(matches!(refused.0, Err(idem::Error::BizNoTooLong { len: 66, max: 64 })), "{refused:?}");
+    assert_eq!(rows(&idem).await, (0, 0), "no body ran, no record was written");
+
+    let ran = observe(book(&idem, 3, "n".repeat(64))).await;
+    assert!(matches!(ran, (Ok(3), Some(Outcome::Executed))), "{ran:?}");
+    assert_eq!(rows(&idem).await, (1, 1));
+    assert_eq!(idem::key::MAX_BIZ_NO_LEN, 64);
 }

@@ -1,6 +1,7 @@
 //! End to end over HTTP: an axum app with an `#[idempotent]` handler, bound to
 //! an ephemeral port, driven by a real client (reqwest). MariaDB with and
-//! without Redis, and SQLite without Redis; a database that is down.
+//! without Redis, and SQLite without Redis; a database that is down; a
+//! business number that does not fit its column.
 
 mod common;
 
@@ -682,4 +683,41 @@ async fn database_down_is_503() {
             assert_eq!((answer.status, answer.code().as_str()), (503, "IDEMPOTENCY_STORAGE_UNAVAILABLE"));
         }
     }
+}
+
+/// Books a reference taken from the path: the `biz_no` is the request's.
+#[idempotent(key = "<idem_key>", ttl = "1h", biz = "http_test_book", biz_no = "<reference>", engine = idem)]
+async fn book(
+    State(idem): State<Idem<sqlx::Sqlite>>,
+    IdempotencyKey(idem_key): IdempotencyKey,
+    Path(reference): Path<String>,
+) -> Result<PayResponse, ApiError> {
+    Ok(PayResponse { order_id: 0, user: reference, amount: 0, payment_id: 0 })
+}
+
+/// A `biz_no` past its 64-byte column is the request's fault, not its key's:
+/// 400 `INVALID_BIZ_NO` (from `Error::BizNoTooLong`), nothing written; 64
+/// bytes are booked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn biz_no_too_long_is_400_invalid_biz_no() {
+    let idem = Idem::sqlite_memory().await.expect("sqlite");
+    let pool = idem.pool().clone();
+    let base = serve(Router::new().route("/refs/{reference}", post(book)).with_state(idem)).await;
+    let client = reqwest::Client::new();
+    let records = || async { sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM idem_record").fetch_one(&pool).await };
+    let book = |reference: String| {
+        let request = client.post(format!("{base}/refs/{reference}")).header("idempotency-key", common::unique("key"));
+        async move {
+            let response = request.send().await.expect("request");
+            (response.status().as_u16(), response.text().await.expect("body"))
+        }
+    };
+
+    let expected = problem_of(idem::Error::BizNoTooLong { len: 65, max: 64 });
+    assert_eq!(expected.code, "INVALID_BIZ_NO");
+    assert_eq!(book("n".repeat(65)).await, (400, expected.body()));
+    assert_eq!(records().await.unwrap(), 0, "nothing written");
+
+    assert_eq!(book("n".repeat(64)).await.0, 200);
+    assert_eq!(records().await.unwrap(), 1);
 }

@@ -1,22 +1,19 @@
 //! Parses `#[idempotent(key = "...", ttl = "...", biz = "...", ...)]`.
 
+use idem_rules::{MAX_BIZ_LEN, MAX_BIZ_NO_LEN, MAX_KEY_LEN, is_valid_biz};
 use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
 use syn::meta::ParseNestedMeta;
 use syn::parse::Parser;
-use syn::{Expr, LitStr};
+use syn::{Expr, LitStr, Path};
 
 use crate::key::{Piece, Template, parse_template};
-use crate::ttl::parse_duration;
+use crate::ttl::duration;
 
-const ARGUMENTS: &str = "`key`, `ttl`, `biz`, `lease`, `biz_no`, `engine`";
+const ARGUMENTS: &str = "`key`, `ttl`, `biz`, `lease`, `biz_no`, `engine`, `crate`";
 /// A Redis claim outlives most bodies by far, and a body outliving it still
 /// commits once (the record decides), so a generous default costs nothing.
 const DEFAULT_LEASE_MS: u64 = 30_000;
-/// Same as `idem_runtime::key::MAX_KEY_LEN` (the `idem_key` column).
-const MAX_KEY_LEN: usize = 255;
-/// Same as `idem_runtime::MAX_BIZ_NO_LEN` (the `biz_no` column).
-const MAX_BIZ_NO_LEN: usize = 64;
 
 /// The checked arguments.
 pub struct Args {
@@ -26,6 +23,9 @@ pub struct Args {
     pub lease_ms: u64,
     pub biz_no: Option<(LitStr, Template)>,
     pub engine: Option<Expr>,
+    /// The path the generated code reaches the facade through: `::idem`
+    /// unless `crate = "..."` names another.
+    pub krate: Path,
 }
 
 pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
@@ -35,6 +35,7 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
     let mut lease = None;
     let mut biz_no = None;
     let mut engine = None;
+    let mut krate = None;
 
     let parser = syn::meta::parser(|meta| {
         let name = meta.path.get_ident().map(ToString::to_string).unwrap_or_default();
@@ -46,6 +47,7 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
             "lease" => set(&mut lease, &meta, &name, || duration(value()?, "lease")),
             "biz_no" => set(&mut biz_no, &meta, &name, || template(value()?, MAX_BIZ_NO_LEN)),
             "engine" => set(&mut engine, &meta, &name, || meta.value()?.parse::<Expr>()),
+            "crate" => set(&mut krate, &meta, &name, || crate_path(value()?)),
             _ => {
                 let shown = meta.path.to_token_stream().to_string().replace(' ', "");
                 Err(meta.error(format!("unknown argument `{shown}`; expected one of {ARGUMENTS}")))
@@ -69,6 +71,7 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
         lease_ms: lease.unwrap_or(DEFAULT_LEASE_MS),
         biz_no,
         engine,
+        krate: krate.unwrap_or_else(|| syn::parse_quote!(::idem)),
     })
 }
 
@@ -98,21 +101,26 @@ fn template(lit: LitStr, max: usize) -> syn::Result<(LitStr, Template)> {
     Ok((lit, t))
 }
 
-fn duration(lit: LitStr, what: &str) -> syn::Result<u64> {
-    parse_duration(&lit.value()).map_err(|m| syn::Error::new_spanned(&lit, format!("invalid `{what}`: {m}")))
-}
-
 fn biz_name(lit: LitStr) -> syn::Result<LitStr> {
-    let v = lit.value();
-    let ok =
-        (1..=32).contains(&v.len()) && v.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
-    if !ok {
+    if !is_valid_biz(&lit.value()) {
         return Err(syn::Error::new_spanned(
             &lit,
-            "`biz` must match [a-z0-9_]{1,32}, e.g. \"pay\" or \"order_refund\"",
+            format!("`biz` must match [a-z0-9_]{{1,{MAX_BIZ_LEN}}}, e.g. \"pay\" or \"order_refund\""),
         ));
     }
     Ok(lit)
+}
+
+/// `crate = "my_mod::idem"`: a module-style path (no generics), kept with
+/// the literal's span, so `crate::` in it means the user's crate and an
+/// unresolved path is reported on the literal.
+fn crate_path(lit: LitStr) -> syn::Result<Path> {
+    lit.parse_with(Path::parse_mod_style).map_err(|_| {
+        syn::Error::new_spanned(
+            &lit,
+            "`crate` must be the path to the idem crate, e.g. `crate = \"idem\"` or `crate = \"my_mod::idem\"`",
+        )
+    })
 }
 
 #[cfg(test)]
@@ -149,12 +157,30 @@ mod tests {
     #[test]
     fn names_the_valid_arguments() {
         assert!(err(quote!(tll = "1h")).contains("unknown argument `tll`; expected one of `key`, `ttl`"));
+        assert!(err(quote!(krate = "idem")).contains("`engine`, `crate`"));
         assert!(err(quote!(key = "a", key = "b")).contains("duplicate argument `key`"));
         assert!(err(quote!(ttl = "1h", biz = "x")).contains("missing argument `key`"));
         assert!(err(quote!(key = "a", biz = "x")).contains("missing argument `ttl`"));
         assert!(err(quote!(key = "a", ttl = "1h")).contains("missing argument `biz`"));
         assert!(err(quote!(key = "a", ttl = "0s", biz = "x")).contains("greater than zero"));
         assert!(err(quote!(key = "a", ttl = "1h", biz = "Pay")).contains("[a-z0-9_]{1,32}"));
+    }
+
+    #[test]
+    fn crate_names_the_path_to_idem() {
+        let path = |a: &Args| a.krate.to_token_stream().to_string().replace(' ', "");
+        let a = parse(quote!(key = "k", ttl = "1s", biz = "b")).unwrap();
+        assert_eq!(path(&a), "::idem");
+        for given in ["renamed", "::renamed", "crate::deps::idem", "self::idem", "super::platform::idem"] {
+            let a = parse(quote!(key = "k", ttl = "1s", biz = "b", crate = #given)).unwrap();
+            assert_eq!(path(&a), given);
+        }
+        for bad in ["", "my idem", "a::", "a::b<T>", "a.b", "::"] {
+            let e = err(quote!(key = "k", ttl = "1s", biz = "b", crate = #bad));
+            assert!(e.contains("`crate` must be the path to the idem crate"), "{bad:?}: {e}");
+        }
+        assert!(err(quote!(crate = "a", crate = "b")).contains("duplicate argument `crate`"));
+        assert!(err(quote!(key = "k", ttl = "1s", biz = "b", crate = idem)).contains("expected string literal"));
     }
 
     #[test]

@@ -30,10 +30,11 @@
 //! ```
 //!
 //! The `let __idem_out: <declared return type>` keeps the user's signature in
-//! charge of inference, so type errors in the body land on the body.
+//! charge of inference, so type errors in the body land on the body. Every
+//! `::idem` above is the `crate = "..."` path when one is given.
 
-use proc_macro2::TokenStream;
-use quote::{quote, quote_spanned};
+use proc_macro2::{Span, TokenStream};
+use quote::{ToTokens, quote, quote_spanned};
 use syn::ItemFn;
 
 use crate::attr::{self, Args};
@@ -85,6 +86,7 @@ fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
             .collect();
     }
 
+    let krate = &args.krate;
     let biz = &args.biz;
     let ttl = args.ttl_ms;
     let lease = args.lease_ms;
@@ -106,9 +108,10 @@ fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
 
     // Spanned on the return type, so "`T: Serialize` is not satisfied" points there.
     let awaited = quote_spanned!(ret_span=> __idem_call.await);
-    let assert_replayable = quote_spanned!(ret_span=> ::idem::__private::assert_replayable::<#ret>(););
+    let krate_at_ret = respan(krate.to_token_stream(), ret_span);
+    let assert_replayable = quote_spanned!(ret_span=> #krate_at_ret::__private::assert_replayable::<#ret>(););
     let body = quote!({
-        const __IDEM_SPEC: ::idem::__private::Spec = ::idem::__private::Spec {
+        const __IDEM_SPEC: #krate::__private::Spec = #krate::__private::Spec {
             biz: #biz,
             ttl: ::core::time::Duration::from_millis(#ttl),
             lease: ::core::time::Duration::from_millis(#lease),
@@ -116,10 +119,10 @@ fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
         #assert_replayable
         let __idem_key = #key;
         let __idem_biz_no = #biz_no;
-        let __idem_fingerprint = ::idem::__private::Fingerprint::new() #(#fingerprint_args)*;
+        let __idem_fingerprint = #krate::__private::Fingerprint::new() #(#fingerprint_args)*;
         let __idem_engine = ::core::clone::Clone::clone(&(#engine));
-        let __idem_call = ::idem::__private::run(
-            ::core::convert::AsRef::<::idem::Idem<_>>::as_ref(&__idem_engine),
+        let __idem_call = #krate::__private::run(
+            ::core::convert::AsRef::<#krate::Idem<_>>::as_ref(&__idem_engine),
             &__IDEM_SPEC,
             __idem_key,
             __idem_fingerprint,
@@ -136,6 +139,17 @@ fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
     });
     func.block = syn::parse2(body).expect("generated block parses");
     quote!(#func)
+}
+
+/// `tokens`, every one of them at `span`.
+fn respan(tokens: TokenStream, span: Span) -> TokenStream {
+    tokens
+        .into_iter()
+        .map(|mut token| {
+            token.set_span(span);
+            token
+        })
+        .collect()
 }
 
 /// `::std::format!("order_{}_pay", order_id)` for `order_<order_id>_pay`.
@@ -164,4 +178,51 @@ fn render(template: &Template) -> TokenStream {
         }
     }
     quote!(::std::format!(#format #(, #values)*))
+}
+
+#[cfg(test)]
+mod tests {
+    use proc_macro2::TokenTree;
+    use quote::quote;
+
+    /// Every identifier in `tokens`, at any depth.
+    fn idents(tokens: proc_macro2::TokenStream, out: &mut Vec<String>) {
+        for token in tokens {
+            match token {
+                TokenTree::Ident(ident) => out.push(ident.to_string()),
+                TokenTree::Group(group) => idents(group.stream(), out),
+                _ => {}
+            }
+        }
+    }
+
+    fn expanded(args: proc_macro2::TokenStream) -> Vec<String> {
+        let item = quote! {
+            async fn pay(engine: &Idem<Db>, tx: &mut Transaction<'_, Db>, order_id: u64) -> Result<u64, Error> {
+                Ok(order_id)
+            }
+        };
+        let mut out = Vec::new();
+        idents(super::idempotent(args, item), &mut out);
+        out
+    }
+
+    /// Regression for `crate = "..."`: a path left as `::idem` would still
+    /// compile wherever the facade is also a direct dependency (as in the ui
+    /// tests), so no `idem` may be left in the code at all.
+    #[test]
+    fn the_crate_path_replaces_every_idem() {
+        let default = expanded(quote!(key = "o_<order_id>", ttl = "1h", biz = "pay", biz_no = "<order_id>"));
+        assert!(default.iter().filter(|i| *i == "idem").count() >= 5, "{default:?}");
+        let renamed = expanded(quote!(
+            key = "o_<order_id>",
+            ttl = "1h",
+            biz = "pay",
+            biz_no = "<order_id>",
+            crate = "my::deps::renamed"
+        ));
+        assert!(!renamed.iter().any(|i| i == "idem"), "{renamed:?}");
+        let paths = renamed.windows(3).filter(|w| w == &["my", "deps", "renamed"]).count();
+        assert_eq!(paths, default.iter().filter(|i| *i == "idem").count());
+    }
 }

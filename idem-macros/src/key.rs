@@ -1,8 +1,11 @@
 //! Key templates: literal text plus `<param>` / `<param.field.field>`
 //! placeholders, e.g. `"order_<order_id>_pay"` or `"<user>:<req.idem_key>"`.
 //!
-//! The literal text must already obey the key rule (`[A-Za-z0-9_.:-]`): a
-//! template that could only ever render invalid keys is a compile error.
+//! The literal text must already obey the key rule (`[A-Za-z0-9_.:-]`,
+//! `idem_rules::is_key_char`, the runtime's alphabet): a template that could
+//! only ever render invalid keys is a compile error.
+
+use idem_rules::is_key_char;
 
 /// A parsed template.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,11 +65,6 @@ pub fn parse_template(text: &str) -> Result<Template, String> {
         }
     }
     Ok(Template { pieces })
-}
-
-/// Same rule as `idem_runtime::key::is_key_char`.
-fn is_key_char(c: char) -> bool {
-    c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-')
 }
 
 /// The root: a parameter name or `self`; after it, a named or tuple field

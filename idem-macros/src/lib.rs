@@ -31,8 +31,9 @@ mod ttl;
 /// | `ttl = "24h"` | yes | how long the record protects the key; afterwards the next call executes again |
 /// | `biz = "pay"` | yes | the business action, `[a-z0-9_]{1,32}`; keys are unique per `(biz, key)` |
 /// | `lease = "30s"` | no | how long the Redis claim lives while the body runs (default 30 s) |
-/// | `biz_no = "<order_id>"` | no | a business number stored with the record, for reconciliation (at most 64 bytes) |
+/// | `biz_no = "<order_id>"` | no | a business number stored with the record, for reconciliation (at most 64 bytes, else `idem::Error::BizNoTooLong` and nothing is written) |
 /// | `engine = <expr>` | no | where the engine comes from when it is not a parameter: `self.idem`, `app.idem` |
+/// | `crate = "path"` | no | the path to the `idem` crate, when it is renamed or re-exported (default `::idem`; see below) |
 ///
 /// # Key templates
 ///
@@ -49,6 +50,23 @@ mod ttl;
 /// A number and a unit, repeated: `ms`, `s`, `m`, `h`, `d`, e.g. `"500ms"`,
 /// `"30s"`, `"15m"`, `"24h"`, `"7d"`, `"1h30m"`. Zero is refused, and so is
 /// anything longer than 100 years (`"36500d"`).
+///
+/// # Reaching `idem` by another path
+///
+/// The generated code names the runtime through absolute paths
+/// (`::idem::__private::run`, `::idem::Idem`). When the dependency is renamed
+/// in `Cargo.toml` (`my_idem = { package = "idem", .. }`), or a crate of
+/// yours re-exports it so its users need no direct dependency, say where it
+/// is, as a string holding a path (as with tokio's and serde's `crate`):
+///
+/// ```ignore
+/// #[idempotent(key = "order_<order_id>_pay", ttl = "24h", biz = "pay", crate = "my_idem")]
+/// // or, through a re-export: `pub use idem;` in `my_platform`
+/// #[idempotent(key = "order_<order_id>_pay", ttl = "24h", biz = "pay", crate = "my_platform::idem")]
+/// ```
+///
+/// Any module path works (`crate::deps::idem`, `::my_idem`), resolved where
+/// the fn is written; generic arguments are refused at compile time.
 ///
 /// # Parameters
 ///

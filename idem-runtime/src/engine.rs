@@ -13,17 +13,15 @@ use tracing::Instrument;
 #[cfg(feature = "redis")]
 use crate::claim::{self, Claim, Claims, Held, Target};
 use crate::clock;
-use crate::error::{Error, KeyError};
+use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::inflight::{Entered, InFlight};
-use crate::key::{validate_biz, validate_key};
+use crate::key::{validate_biz, validate_biz_no, validate_key};
 use crate::namespace::Namespace;
 use crate::outcome::{self, Outcome};
 use crate::status::Status;
 use crate::store::{Backend, Failure, NewRecord, PROCESSING, SUCCEEDED, StoredRecord};
 
-/// Longest `biz_no`: the column is `VARCHAR(64)`.
-pub const MAX_BIZ_NO_LEN: usize = 64;
 /// How many attempts a deadlock or serialization failure before the body
 /// runs gets: the first and two retries.
 const CONFLICT_ATTEMPTS: u32 = 3;
@@ -328,7 +326,12 @@ where
         Err(Failed::Idem(Error::InProgress { .. })) => Outcome::InProgress,
         Err(Failed::Idem(Error::KeyReused { .. })) => Outcome::KeyReused,
         Err(Failed::Idem(
-            Error::InvalidKey(_) | Error::Replay { .. } | Error::Serialize(_) | Error::NonFiniteFloat { .. },
+            Error::InvalidKey(_)
+            | Error::InvalidBiz
+            | Error::BizNoTooLong { .. }
+            | Error::Replay { .. }
+            | Error::Serialize(_)
+            | Error::NonFiniteFloat { .. },
         )) => Outcome::Rejected,
         Err(_) => Outcome::Failed,
     };
@@ -356,10 +359,8 @@ where
     F: FnOnce(Transaction<'static, DB>) -> Fut,
     Fut: Future<Output = (Transaction<'static, DB>, Result<T, E>)>,
 {
-    if let Some(no) = biz_no
-        && no.len() > MAX_BIZ_NO_LEN
-    {
-        return Err(Error::InvalidKey(KeyError::BizNoTooLong { len: no.len(), max: MAX_BIZ_NO_LEN }).into());
+    if let Some(no) = biz_no {
+        validate_biz_no(no)?;
     }
     let fingerprint = fingerprint.finish()?;
     let call = Call { spec, key, fingerprint: &fingerprint, biz_no };

@@ -1,6 +1,7 @@
 //! What can go wrong, as callers see it.
 
-use std::fmt;
+// Defined beside the key rule in `idem-rules`; `idem::KeyError` is this.
+pub use idem_rules::KeyError;
 
 /// The error an `#[idempotent]` fn reports through its own error type
 /// (which must implement `From<idem::Error>`).
@@ -11,6 +12,24 @@ pub enum Error {
     /// characters `[A-Za-z0-9_.:-]`, length 1..=255. Nothing was written.
     #[error("invalid idempotency key: {0}")]
     InvalidKey(KeyError),
+
+    /// A `biz` outside `[a-z0-9_]{1,32}`: a mistake in the server's code,
+    /// since the attribute checks its own `biz` at compile time (say, a name
+    /// passed to [`Idem::status`](crate::Idem::status)). Nothing was written.
+    /// Over HTTP: 500 `IDEMPOTENCY_MISCONFIGURED`.
+    #[error("invalid biz: it must match [a-z0-9_]{{1,{max}}}", max = idem_rules::MAX_BIZ_LEN)]
+    InvalidBiz,
+
+    /// The rendered `biz_no` is longer than its column (`VARCHAR(64)`): the
+    /// call is refused before Redis or the database is touched, and nothing
+    /// was written. Over HTTP: 400 `INVALID_BIZ_NO`.
+    #[error("biz_no too long: {len} bytes, at most {max} allowed")]
+    BizNoTooLong {
+        /// Length in bytes.
+        len: usize,
+        /// Maximum allowed.
+        max: usize,
+    },
 
     /// Another call with the same key is running right now. Ask again later;
     /// once it finishes, the same call replays its result.
@@ -80,101 +99,5 @@ impl Error {
 impl From<sqlx::Error> for Error {
     fn from(e: sqlx::Error) -> Self {
         Error::Storage(e)
-    }
-}
-
-/// Why a key was rejected. Carries no copy of the key: it may hold anything
-/// the caller sent, including control characters.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum KeyError {
-    /// No key at all (missing header, or a template rendered to nothing).
-    Missing,
-    /// Shorter than the minimum length.
-    TooShort {
-        /// Length in bytes.
-        len: usize,
-        /// Minimum allowed.
-        min: usize,
-    },
-    /// Longer than the maximum length.
-    TooLong {
-        /// Length in bytes.
-        len: usize,
-        /// Maximum allowed.
-        max: usize,
-    },
-    /// The rendered `biz_no` is longer than its column (`VARCHAR(64)`).
-    BizNoTooLong {
-        /// Length in bytes.
-        len: usize,
-        /// Maximum allowed.
-        max: usize,
-    },
-    /// A `biz` outside `[a-z0-9_]{1,32}`.
-    BadBiz,
-    /// A character outside `[A-Za-z0-9_.:-]`.
-    BadChar {
-        /// The offending character.
-        ch: char,
-        /// Its byte offset.
-        at: usize,
-    },
-}
-
-impl fmt::Display for KeyError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            KeyError::Missing => f.write_str("no key given"),
-            KeyError::TooShort { len, min } => {
-                write!(f, "{len} characters, at least {min} required")
-            }
-            KeyError::TooLong { len, max } => write!(f, "{len} bytes, at most {max} allowed"),
-            KeyError::BizNoTooLong { len, max } => write!(f, "biz_no of {len} bytes, at most {max} allowed"),
-            KeyError::BadBiz => f.write_str("biz must match [a-z0-9_]{1,32}"),
-            KeyError::BadChar { ch, at } => {
-                write!(f, "character {} at byte {at}; only A-Z a-z 0-9 _ . : - are allowed", Shown(*ch))
-            }
-        }
-    }
-}
-
-/// A character as it may appear in a message, a log line or an HTTP
-/// problem: visible ASCII quoted (`':'`), anything else only as its code
-/// point (`U+000A`, `U+00E9`), so a message never carries control bytes,
-/// bidi overrides or look-alikes from what a caller sent.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Shown(pub(crate) char);
-
-impl fmt::Display for Shown {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.0 {
-            ch @ ('!'..='&' | '('..='~') => write!(f, "'{ch}'"),
-            ch => write!(f, "U+{:04X}", u32::from(ch)),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn bad_characters_show_as_visible_ascii_or_code_points() {
-        let shown = |ch| KeyError::BadChar { ch, at: 3 }.to_string();
-        assert_eq!(shown(' '), "character U+0020 at byte 3; only A-Z a-z 0-9 _ . : - are allowed");
-        assert_eq!(shown('*'), "character '*' at byte 3; only A-Z a-z 0-9 _ . : - are allowed");
-        for (ch, code) in [
-            ('\n', "U+000A"),
-            ('\0', "U+0000"),
-            ('\u{7f}', "U+007F"),
-            ('é', "U+00E9"),
-            ('\u{202e}', "U+202E"),
-            ('\'', "U+0027"),
-            ('\u{1F600}', "U+1F600"),
-        ] {
-            let text = shown(ch);
-            assert!(text.contains(code) && text.is_ascii() && !text.chars().any(|c| c.is_ascii_control()), "{text:?}");
-        }
     }
 }

@@ -83,7 +83,9 @@ use http::request::Parts;
 use http::{HeaderName, HeaderValue, StatusCode, header};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, KeyError, Shown};
+use idem_rules::Shown;
+
+use crate::error::{Error, KeyError};
 use crate::key::{MAX_KEY_LEN, is_key_char, validate_header_key};
 use crate::outcome::{Outcome, observe};
 
@@ -294,13 +296,13 @@ impl From<&Error> for Problem {
         match error {
             // Not the client's key: the `biz_no` comes from the request's
             // arguments, the `biz` from the server's code.
-            Error::InvalidKey(KeyError::BizNoTooLong { len, max }) => Problem::new(
+            Error::BizNoTooLong { len, max } => Problem::new(
                 StatusCode::BAD_REQUEST,
                 "INVALID_BIZ_NO",
                 "Business number too long",
                 format!("the request's business number is {len} bytes long, at most {max} are allowed; nothing was written"),
             ),
-            Error::InvalidKey(KeyError::BadBiz) => Problem::new(
+            Error::InvalidBiz => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "IDEMPOTENCY_MISCONFIGURED",
                 "Idempotency misconfigured on the server",
@@ -615,8 +617,8 @@ mod tests {
             (Error::KeyReused { biz: "pay", key: "k".into() }, 422, "IDEMPOTENCY_KEY_REUSED"),
             (Error::InvalidKey(KeyError::BadChar { ch: ' ', at: 1 }), 400, "INVALID_IDEMPOTENCY_KEY"),
             (Error::InvalidKey(KeyError::TooLong { len: 300, max: 255 }), 400, "INVALID_IDEMPOTENCY_KEY"),
-            (Error::InvalidKey(KeyError::BizNoTooLong { len: 65, max: 64 }), 400, "INVALID_BIZ_NO"),
-            (Error::InvalidKey(KeyError::BadBiz), 500, "IDEMPOTENCY_MISCONFIGURED"),
+            (Error::BizNoTooLong { len: 65, max: 64 }, 400, "INVALID_BIZ_NO"),
+            (Error::InvalidBiz, 500, "IDEMPOTENCY_MISCONFIGURED"),
             (Error::NonFiniteFloat { arg: "amount" }, 422, "NON_FINITE_NUMBER"),
             (Error::Storage(sqlx::Error::PoolTimedOut), 503, "IDEMPOTENCY_STORAGE_UNAVAILABLE"),
             (Error::Replay { biz: "pay", key: "k".into(), source: json_error() }, 500, "IDEMPOTENCY_REPLAY_FAILED"),
@@ -633,12 +635,12 @@ mod tests {
     /// is invalid", blaming the client's key for the server's arguments.
     #[test]
     fn biz_errors_do_not_blame_the_key() {
-        let biz_no = Problem::from(&Error::InvalidKey(KeyError::BizNoTooLong { len: 65, max: 64 }));
+        let biz_no = Problem::from(&Error::BizNoTooLong { len: 65, max: 64 });
         assert_eq!(
             biz_no.detail,
             "the request's business number is 65 bytes long, at most 64 are allowed; nothing was written"
         );
-        let biz = Problem::from(&Error::InvalidKey(KeyError::BadBiz));
+        let biz = Problem::from(&Error::InvalidBiz);
         let float = Problem::from(&Error::NonFiniteFloat { arg: "amount" });
         for problem in [biz_no, biz, float] {
             assert!(!problem.detail.contains("key") && !problem.title.contains("key"), "{problem:?}");

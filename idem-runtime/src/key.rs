@@ -1,95 +1,53 @@
-//! The key rule. A key that breaks it is rejected, never escaped, trimmed or
-//! hashed: any of those could merge two distinct keys into one.
+//! The key rule, and the `biz` and `biz_no` rules, as the runtime applies
+//! them per call. The rules themselves live in `idem-rules`, which the
+//! attribute checks its templates against at compile time: one definition,
+//! so the two cannot drift. A key that breaks the rule is rejected, never
+//! escaped, trimmed or hashed: any of those could merge two distinct keys.
 
-use crate::error::{Error, KeyError};
+pub use idem_rules::{MAX_BIZ_LEN, MAX_BIZ_NO_LEN, MAX_KEY_LEN, MIN_HEADER_KEY_LEN, is_key_char};
 
-/// Longest key: the `idem_key` column is `VARCHAR(255)`.
-pub const MAX_KEY_LEN: usize = 255;
-/// Shortest `Idempotency-Key` header: shorter values are too easy to collide.
-pub const MIN_HEADER_KEY_LEN: usize = 8;
+use crate::error::Error;
 
 /// Checks a rendered key: `[A-Za-z0-9_.:-]{1,255}`.
 pub fn validate_key(key: &str) -> Result<(), Error> {
-    check(key, 1, MAX_KEY_LEN).map_err(Error::InvalidKey)
-}
-
-/// Longest `biz`: the `biz_type` column is `VARCHAR(32)`.
-pub const MAX_BIZ_LEN: usize = 32;
-
-/// Checks a business action name: `[a-z0-9_]{1,32}`, the rule the
-/// attribute enforces on `biz` at compile time. Without `:`, `biz` and key
-/// can never run together into another pair's Redis key.
-pub fn validate_biz(biz: &str) -> Result<(), Error> {
-    let ok = (1..=MAX_BIZ_LEN).contains(&biz.len())
-        && biz.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
-    if ok { Ok(()) } else { Err(Error::InvalidKey(KeyError::BadBiz)) }
+    idem_rules::check_key(key, 1, MAX_KEY_LEN).map_err(Error::InvalidKey)
 }
 
 /// Checks an `Idempotency-Key` header value: `[A-Za-z0-9_.:-]{8,255}`.
 pub fn validate_header_key(key: &str) -> Result<(), Error> {
-    check(key, MIN_HEADER_KEY_LEN, MAX_KEY_LEN).map_err(Error::InvalidKey)
+    idem_rules::check_key(key, MIN_HEADER_KEY_LEN, MAX_KEY_LEN).map_err(Error::InvalidKey)
 }
 
-fn check(key: &str, min: usize, max: usize) -> Result<(), KeyError> {
-    if key.is_empty() {
-        return Err(KeyError::Missing);
-    }
-    // Byte length first: a 10 MB value is refused before it is scanned.
-    if key.len() > max {
-        return Err(KeyError::TooLong { len: key.len(), max });
-    }
-    if let Some((at, ch)) = key.char_indices().find(|&(_, c)| !is_key_char(c)) {
-        return Err(KeyError::BadChar { ch, at });
-    }
-    if key.len() < min {
-        return Err(KeyError::TooShort { len: key.len(), min });
-    }
-    Ok(())
+/// Checks a business action name: `[a-z0-9_]{1,32}`, the rule the
+/// attribute enforces on `biz` at compile time ([`Error::InvalidBiz`]).
+/// Without `:`, `biz` and key can never run together into another pair's
+/// Redis key.
+pub fn validate_biz(biz: &str) -> Result<(), Error> {
+    if idem_rules::is_valid_biz(biz) { Ok(()) } else { Err(Error::InvalidBiz) }
 }
 
-/// The characters a key may hold; safe in Redis keys, SQL, logs and headers.
-pub fn is_key_char(c: char) -> bool {
-    c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-')
+/// Checks a rendered `biz_no`: at most 64 bytes, its column's width
+/// ([`Error::BizNoTooLong`]). Any characters are allowed: it is stored, never
+/// part of a Redis key.
+pub fn validate_biz_no(no: &str) -> Result<(), Error> {
+    if no.len() <= MAX_BIZ_NO_LEN { Ok(()) } else { Err(Error::BizNoTooLong { len: no.len(), max: MAX_BIZ_NO_LEN }) }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn rejects(key: &str) -> KeyError {
-        match validate_key(key) {
-            Err(Error::InvalidKey(e)) => e,
-            other => panic!("{key:?} accepted: {other:?}"),
-        }
-    }
+    use crate::error::KeyError;
 
     #[test]
-    fn accepts_the_whole_alphabet_up_to_255() {
-        validate_key("order_42_pay").unwrap();
-        validate_key("u-7:A.b_c").unwrap();
-        validate_key(&"k".repeat(255)).unwrap();
+    fn keys_are_one_to_255_key_characters() {
         validate_key("x").unwrap();
-    }
-
-    #[test]
-    fn rejects_with_the_reason() {
-        assert_eq!(rejects(""), KeyError::Missing);
-        assert_eq!(rejects(&"k".repeat(256)), KeyError::TooLong { len: 256, max: 255 });
-        assert_eq!(rejects("a b"), KeyError::BadChar { ch: ' ', at: 1 });
-        assert_eq!(rejects("a*"), KeyError::BadChar { ch: '*', at: 1 });
-        assert_eq!(rejects("{x}"), KeyError::BadChar { ch: '{', at: 0 });
-        assert_eq!(rejects("a\nb"), KeyError::BadChar { ch: '\n', at: 1 });
-        assert_eq!(rejects("café"), KeyError::BadChar { ch: 'é', at: 3 });
-        assert_eq!(rejects("a\0"), KeyError::BadChar { ch: '\0', at: 1 });
-    }
-
-    #[test]
-    fn biz_names_are_lower_case_words() {
-        validate_biz("pay").unwrap();
-        validate_biz(&"a".repeat(32)).unwrap();
-        for bad in ["", "Pay", "a:b", "a-b", "a.b", "café", &"a".repeat(33)] {
-            assert!(matches!(validate_biz(bad), Err(Error::InvalidKey(KeyError::BadBiz))), "{bad:?}");
-        }
+        validate_key(&"k".repeat(255)).unwrap();
+        assert!(matches!(validate_key(""), Err(Error::InvalidKey(KeyError::Missing))));
+        assert!(matches!(
+            validate_key(&"k".repeat(256)),
+            Err(Error::InvalidKey(KeyError::TooLong { len: 256, max: 255 }))
+        ));
+        assert!(matches!(validate_key("a b"), Err(Error::InvalidKey(KeyError::BadChar { ch: ' ', at: 1 }))));
     }
 
     #[test]
@@ -99,5 +57,23 @@ mod tests {
             validate_header_key("abcdefg"),
             Err(Error::InvalidKey(KeyError::TooShort { len: 7, min: 8 }))
         ));
+    }
+
+    #[test]
+    fn biz_names_are_lower_case_words() {
+        validate_biz("pay").unwrap();
+        validate_biz(&"a".repeat(32)).unwrap();
+        for bad in ["", "Pay", "a:b", "a-b", "a.b", "café", &"a".repeat(33)] {
+            assert!(matches!(validate_biz(bad), Err(Error::InvalidBiz)), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn biz_numbers_fit_64_bytes() {
+        validate_biz_no("").unwrap();
+        validate_biz_no(&"n".repeat(64)).unwrap();
+        validate_biz_no("any text: é ü").unwrap();
+        assert!(matches!(validate_biz_no(&"n".repeat(65)), Err(Error::BizNoTooLong { len: 65, max: 64 })));
+        assert!(matches!(validate_biz_no(&"é".repeat(33)), Err(Error::BizNoTooLong { len: 66, max: 64 })));
     }
 }

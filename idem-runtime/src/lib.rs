@@ -26,9 +26,10 @@ mod random;
 mod status;
 pub mod store;
 
-pub use engine::{Builder, Idem, MAX_BIZ_NO_LEN, Replayable, Spec, assert_replayable, run};
+pub use engine::{Builder, Idem, Replayable, Spec, assert_replayable, run};
 pub use error::{Error, KeyError};
 pub use fingerprint::Fingerprint;
+pub use key::MAX_BIZ_NO_LEN;
 pub use namespace::{InvalidNamespace, Namespace};
 pub use outcome::{Outcome, observe};
 pub use status::Status;

@@ -13,20 +13,20 @@ use std::sync::Arc;
 
 use crate::random;
 
-/// Longest namespace.
-pub const MAX_NAMESPACE_LEN: usize = 64;
-
-/// A checked namespace: `[A-Za-z0-9_.-]{1,64}`. No `:`, so a namespace can
-/// never run into the `biz` and key that follow it in a Redis key.
+/// A checked namespace: `[A-Za-z0-9_.-]{1,64}` (`idem_rules::is_valid_namespace`).
+/// No `:`, so a namespace can never run into the `biz` and key that follow
+/// it in a Redis key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Namespace(Arc<str>);
 
 impl Namespace {
     /// Checks `name` against the rule.
     pub fn new(name: &str) -> Result<Self, InvalidNamespace> {
-        let ok = (1..=MAX_NAMESPACE_LEN).contains(&name.len())
-            && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
-        if ok { Ok(Namespace(name.into())) } else { Err(InvalidNamespace { len: name.len() }) }
+        if idem_rules::is_valid_namespace(name) {
+            Ok(Namespace(name.into()))
+        } else {
+            Err(InvalidNamespace { len: name.len() })
+        }
     }
 
     /// A fresh random namespace (64 bits, 16 hex digits), as `migrate`
