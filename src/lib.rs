@@ -75,5 +75,5 @@ pub mod key {
 /// Not a stable API: what the code written by `#[idempotent]` calls.
 #[doc(hidden)]
 pub mod __private {
-    pub use idem_runtime::{Fingerprint, Spec, assert_replayable, run};
+    pub use idem_runtime::__private::*;
 }

@@ -20,8 +20,6 @@ const LOCK_WAIT_BOUNDED: bool = true;
 const ONE_WRITER: bool = false;
 /// Two rows to lock, for the error-classification test.
 const CLASSIFY_DDL: &str = "SELECT pg_advisory_xact_lock(7306232718293614); CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); INSERT INTO idem_classify VALUES (1, 0), (2, 0) ON CONFLICT DO NOTHING";
-/// Makes the next lock wait of this transaction give up within a second.
-const SHORT_LOCK_WAIT: &str = "SET LOCAL lock_timeout = 300";
 const DELETE_RECORD: &str = "DELETE FROM idem_record WHERE biz_type = $1 AND idem_key = $2";
 const CORRUPT: &str = "UPDATE idem_record SET response = $1 WHERE biz_type = $2 AND idem_key = $3";
 const BIZ_NO: &str = "SELECT biz_no FROM idem_record WHERE biz_type = $1 AND idem_key = $2";

@@ -18,9 +18,6 @@ const LOCK_WAIT_BOUNDED: bool = false;
 const ONE_WRITER: bool = true;
 /// Two rows to lock, for the error-classification test.
 const CLASSIFY_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); INSERT OR IGNORE INTO idem_classify VALUES (1, 0), (2, 0)";
-/// Makes the next lock wait of this transaction give up within a second
-/// (SQLite: the connection's busy timeout, 30 s in `open`).
-const SHORT_LOCK_WAIT: &str = "PRAGMA busy_timeout = 300";
 const DELETE_RECORD: &str = "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ?";
 const CORRUPT: &str = "UPDATE idem_record SET response = ? WHERE biz_type = ? AND idem_key = ?";
 const BIZ_NO: &str = "SELECT biz_no FROM idem_record WHERE biz_type = ? AND idem_key = ?";

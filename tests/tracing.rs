@@ -90,7 +90,7 @@ async fn each_call_has_one_span_with_its_outcome_and_no_arguments() {
             ("t_span", "acct_a1", "executed"),
             ("t_span", "acct_a1", "replayed"),
             ("t_span", "acct_a1", "key_reused"),
-            ("t_span", "<invalid>", "failed"),
+            ("t_span", "<invalid>", "rejected"),
         ]
     );
     for (_, fields) in spans.values() {

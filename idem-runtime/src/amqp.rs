@@ -372,7 +372,7 @@ impl Consumer {
             .await?;
         tracing::info!(queue = %self.queue, tag = %consumer.tag(), "idem consumer started");
 
-        let shared = Arc::new(Shared {
+        let settings = Arc::new(Settings {
             channel: self.channel.clone(),
             queue: self.queue.clone(),
             max_retries: self.max_retries,
@@ -418,14 +418,14 @@ impl Consumer {
             };
             if stopping {
                 let settled = Settled::new(&delivery, None, Action::Returned, None);
-                settle(&shared, delivery.nack(BasicNackOptions { multiple: false, requeue: true }).await, settled);
+                settle(&settings, delivery.nack(BasicNackOptions { multiple: false, requeue: true }).await, settled);
                 continue;
             }
             let permit = Arc::clone(&permits).acquire_owned().await.expect("the semaphore is never closed");
-            let shared = Arc::clone(&shared);
+            let settings = Arc::clone(&settings);
             let handler = Arc::clone(&handler);
             tasks.spawn(async move {
-                handle(&shared, delivery, handler, permit).await;
+                handle(&settings, delivery, handler, permit).await;
             });
         }
         while let Some(joined) = tasks.join_next().await {
@@ -446,7 +446,9 @@ fn report_panic(joined: Result<(), tokio::task::JoinError>) {
     }
 }
 
-struct Shared {
+/// What every delivery's task of one runner needs: the channel, the queue
+/// and the settlement settings.
+struct Settings {
     channel: Channel,
     queue: String,
     max_retries: u32,
@@ -510,7 +512,7 @@ fn verdict(result: Result<(), Option<&Error>>, outcome: Option<Outcome>) -> Verd
 }
 
 async fn handle<T, F, Fut, R, E>(
-    shared: &Shared,
+    settings: &Settings,
     delivery: Delivery,
     handler: Arc<F>,
     permit: tokio::sync::OwnedSemaphorePermit,
@@ -542,16 +544,16 @@ async fn handle<T, F, Fut, R, E>(
         Verdict::DeadLetter(reason) => dead_letter(&delivery, reason).await,
         Verdict::Requeue(wait) => {
             tokio::time::sleep(match wait {
-                Wait::InProgress => shared.in_progress_delay,
-                Wait::Storage => shared.storage_delay,
+                Wait::InProgress => settings.in_progress_delay,
+                Wait::Storage => settings.storage_delay,
             })
             .await;
             (Action::Requeue, delivery.nack(BasicNackOptions { multiple: false, requeue: true }).await)
         }
-        Verdict::Retry => retry(shared, &delivery).await,
+        Verdict::Retry => retry(settings, &delivery).await,
     };
     let settled = Settled::new(&delivery, outcome, action, error);
-    settle(shared, result, settled);
+    settle(settings, result, settled);
 }
 
 async fn dead_letter(delivery: &Delivery, reason: Reason) -> (Action, lapin::Result<bool>) {
@@ -562,18 +564,18 @@ async fn dead_letter(delivery: &Delivery, reason: Reason) -> (Action, lapin::Res
 /// dead-letters it once its retries are spent. A copy the broker refuses
 /// spends its retry too: given back uncounted, a message the queue cannot
 /// take (it is full, with `reject-publish`) would go round forever.
-async fn retry(shared: &Shared, delivery: &Delivery) -> (Action, lapin::Result<bool>) {
+async fn retry(settings: &Settings, delivery: &Delivery) -> (Action, lapin::Result<bool>) {
     let mut retries = retries_of(delivery);
-    while retries < shared.max_retries {
-        tokio::time::sleep(shared.retry_delay).await;
+    while retries < settings.max_retries {
+        tokio::time::sleep(settings.retry_delay).await;
         retries += 1;
-        match republish(shared, delivery, retries).await {
+        match republish(settings, delivery, retries).await {
             Ok(true) => return (Action::Retry { retries }, delivery.ack(BasicAckOptions::default()).await),
             Ok(false) => {
-                tracing::warn!(queue = %shared.queue, retries, "retry copy refused by the broker; the retry is spent");
+                tracing::warn!(queue = %settings.queue, retries, "retry copy refused by the broker; the retry is spent");
             }
-            Err(e) if shared.channel.status().connected() => {
-                tracing::warn!(queue = %shared.queue, retries, error = %e, "retry copy not published; retry spent");
+            Err(e) if settings.channel.status().connected() => {
+                tracing::warn!(queue = %settings.queue, retries, error = %e, "retry copy not published; retry spent");
             }
             // The channel is gone, and the delivery with it: the broker
             // redelivers the message, with the count it had.
@@ -585,15 +587,15 @@ async fn retry(shared: &Shared, delivery: &Delivery) -> (Action, lapin::Result<b
 
 /// Publishes a copy of `delivery` to this queue with `retries` in its header;
 /// `Ok(true)` once the broker confirmed it.
-async fn republish(shared: &Shared, delivery: &Delivery, retries: u32) -> lapin::Result<bool> {
+async fn republish(settings: &Settings, delivery: &Delivery, retries: u32) -> lapin::Result<bool> {
     let mut headers = delivery.properties.headers().clone().unwrap_or_default();
     headers.insert(RETRIES_HEADER.into(), AMQPValue::LongUInt(retries));
     let properties = delivery.properties.clone().with_headers(headers);
-    let confirm = shared
+    let confirm = settings
         .channel
         .basic_publish(
             ShortString::from(""),
-            shared.queue.as_str().into(),
+            settings.queue.as_str().into(),
             BasicPublishOptions::default(),
             &delivery.data,
             properties,
@@ -603,18 +605,18 @@ async fn republish(shared: &Shared, delivery: &Delivery, retries: u32) -> lapin:
     Ok(matches!(confirm, Confirmation::Ack(_)))
 }
 
-fn settle(shared: &Shared, result: lapin::Result<bool>, settled: Settled) {
+fn settle(settings: &Settings, result: lapin::Result<bool>, settled: Settled) {
     match result {
         Ok(_) => {
-            tracing::debug!(queue = %shared.queue, action = ?settled.action, outcome = ?settled.outcome, "settled");
+            tracing::debug!(queue = %settings.queue, action = ?settled.action, outcome = ?settled.outcome, "settled");
         }
         // The channel is gone: the broker redelivers the message.
-        Err(e) => tracing::warn!(queue = %shared.queue, action = ?settled.action, error = %e, "settling failed"),
+        Err(e) => tracing::warn!(queue = %settings.queue, action = ?settled.action, error = %e, "settling failed"),
     }
     if let Some(action_error) = &settled.error {
-        tracing::warn!(queue = %shared.queue, action = ?settled.action, error = %action_error, "delivery not done");
+        tracing::warn!(queue = %settings.queue, action = ?settled.action, error = %action_error, "delivery not done");
     }
-    if let Some(hook) = &shared.on_settle {
+    if let Some(hook) = &settings.on_settle {
         hook(&settled);
     }
 }

@@ -1,6 +1,11 @@
 //! The engine behind [`idem`](https://docs.rs/idem): key rule, fingerprints,
-//! the Redis claim, the `idem_record` store, and the single entry point the
-//! `#[idempotent]` attribute calls. Use it through the `idem` crate.
+//! the duplicate gates (Redis claim, in-memory wait), the `idem_record`
+//! store, and the single entry point the `#[idempotent]` attribute calls.
+//! Use it through the `idem` crate.
+//!
+//! Calls go one way: entry point ([`__private::run`], or the adapters in
+//! `http` and `amqp`) → call flow (`call`) → gate (`gate`) → record
+//! protocol (`store::record`) → backend (`store::{sqlite, mysql, postgres}`).
 #![warn(missing_docs)]
 
 #[cfg(not(any(feature = "sqlite", feature = "mysql", feature = "postgres")))]
@@ -10,27 +15,35 @@ compile_error!(
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
-#[cfg(feature = "redis")]
-mod claim;
+mod call;
 mod clock;
 mod engine;
 mod error;
-pub mod fingerprint;
+mod fingerprint;
+mod gate;
 #[cfg(feature = "axum")]
 pub mod http;
-mod inflight;
 pub mod key;
-pub mod namespace;
-pub mod outcome;
+mod namespace;
+mod outcome;
 mod random;
+mod spec;
+pub mod state;
 mod status;
-pub mod store;
+mod store;
 
-pub use engine::{Builder, Idem, Replayable, Spec, assert_replayable, run};
+pub use engine::{Builder, Idem};
 pub use error::{Error, KeyError};
-pub use fingerprint::Fingerprint;
 pub use key::MAX_BIZ_NO_LEN;
 pub use namespace::{InvalidNamespace, Namespace};
 pub use outcome::{Outcome, observe};
 pub use status::Status;
 pub use store::Backend;
+
+/// Not a stable API: what the code written by `#[idempotent]` calls.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::call::run;
+    pub use crate::fingerprint::Fingerprint;
+    pub use crate::spec::{Replayable, Spec, assert_replayable};
+}

@@ -4,6 +4,8 @@
 use std::cell::Cell;
 use std::future::Future;
 
+use crate::error::Error;
+
 /// How one `#[idempotent]` call ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -16,9 +18,9 @@ pub enum Outcome {
     InProgress,
     /// The key was used with other arguments: `Error::KeyReused`.
     KeyReused,
-    /// The call can never succeed as sent: an invalid key, an argument
-    /// holding a non-finite float, a result that no longer deserializes, or
-    /// one that cannot be serialized.
+    /// The call can never succeed as sent: an invalid key, `biz` or
+    /// `biz_no`, an argument holding a non-finite float, a result that no
+    /// longer deserializes, or one that cannot be serialized.
     Rejected,
     /// The body returned `Err`, or the database failed: nothing was
     /// recorded, and the same call may succeed later.
@@ -27,14 +29,30 @@ pub enum Outcome {
 
 impl Outcome {
     /// The name in the call's tracing span: `executed`, `replayed`,
-    /// `in_progress`, `key_reused` or `failed`.
+    /// `in_progress`, `key_reused`, `rejected` or `failed`.
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Executed => "executed",
             Outcome::Replayed => "replayed",
             Outcome::InProgress => "in_progress",
             Outcome::KeyReused => "key_reused",
-            Outcome::Rejected | Outcome::Failed => "failed",
+            Outcome::Rejected => "rejected",
+            Outcome::Failed => "failed",
+        }
+    }
+
+    /// How a call that ended with `error` from the engine ended.
+    pub(crate) fn of(error: &Error) -> Outcome {
+        match error {
+            Error::InProgress { .. } => Outcome::InProgress,
+            Error::KeyReused { .. } => Outcome::KeyReused,
+            Error::Storage(_) => Outcome::Failed,
+            Error::InvalidKey(_)
+            | Error::InvalidBiz
+            | Error::BizNoTooLong { .. }
+            | Error::NonFiniteFloat { .. }
+            | Error::Replay { .. }
+            | Error::Serialize(_) => Outcome::Rejected,
         }
     }
 }

@@ -1330,58 +1330,6 @@ async fn status_reports_each_stage() {
     }
 }
 
-/// Errors are classified by their server code, checked on real errors: a
-/// duplicate key, another constraint, a lock wait past its bound (SQLite:
-/// `SQLITE_BUSY` from a second connection waiting on the first's write lock
-/// under a short busy timeout), a deadlock (row-locking servers only:
-/// SQLite has a single writer, nothing to deadlock on).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn server_errors_are_classified_by_code() {
-    use idem::Backend;
-    let Some(pool) = open(&common::unique("classify"), 4).await else { return };
-    sqlx::raw_sql(CLASSIFY_DDL).execute(&pool).await.unwrap();
-    let class = |e: &sqlx::Error| format!("{:?}", <Db as Backend>::classify(e));
-    let lock = |id: i32| {
-        if id == 1 {
-            "UPDATE idem_classify SET v = v + 1 WHERE id = 1"
-        } else {
-            "UPDATE idem_classify SET v = v + 1 WHERE id = 2"
-        }
-    };
-
-    let dup = sqlx::raw_sql("INSERT INTO idem_classify VALUES (1, 0)").execute(&pool).await.unwrap_err();
-    assert_eq!(class(&dup), "Duplicate", "{dup:?}");
-    let null = sqlx::raw_sql("INSERT INTO idem_classify VALUES (3, NULL)").execute(&pool).await.unwrap_err();
-    assert_eq!(class(&null), "Other", "{null:?}");
-
-    let mut a = pool.begin().await.unwrap();
-    let mut b = pool.begin().await.unwrap();
-    sqlx::raw_sql(lock(1)).execute(&mut *a).await.unwrap();
-    sqlx::raw_sql(SHORT_LOCK_WAIT).execute(&mut *b).await.unwrap();
-    let waited = sqlx::raw_sql(lock(1)).execute(&mut *b).await.unwrap_err();
-    assert_eq!(class(&waited), "LockTimeout", "{waited:?}");
-    drop(b);
-    if ONE_WRITER {
-        return;
-    }
-
-    let mut b = pool.begin().await.unwrap();
-    sqlx::raw_sql(lock(2)).execute(&mut *b).await.unwrap();
-    let a_waits = tokio::spawn(async move {
-        let r = sqlx::raw_sql(lock(2)).execute(&mut *a).await;
-        (a, r)
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let b_result = sqlx::raw_sql(lock(1)).execute(&mut *b).await;
-    let (a, a_result) = a_waits.await.unwrap();
-    let deadlock = match (a_result, b_result) {
-        (Err(e), _) | (_, Err(e)) => e,
-        (Ok(_), Ok(_)) => panic!("no deadlock"),
-    };
-    assert_eq!(class(&deadlock), "Conflict");
-    drop((a, b));
-}
-
 // ---- Redis entries belong to one record store; cached results never outlive their record ----
 
 /// An engine with the shared Redis over a database of its own.

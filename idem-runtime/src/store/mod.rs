@@ -1,9 +1,11 @@
-//! The `idem_record` table: the final truth. One committed row per
+//! Layer 3, the `idem_record` table: the final truth. One committed row per
 //! `(biz_type, idem_key)`, inserted in the same transaction as the body.
 //!
-//! Each backend has its own file with its DDL, its SQL and the way it reports
-//! conflicts; the queries they share in shape are written once by
-//! `record_queries!`.
+//! [`record`] holds the protocol a call follows (open, commit, settle),
+//! written once over [`RecordSql`]; each backend has its own file with only
+//! what differs: its DDL, its SQL text, its lock-wait bounds and the way it
+//! reports conflicts (by code). The statements they share in shape are
+//! written once by `record_queries!`.
 
 use std::future::Future;
 use std::time::Duration;
@@ -14,18 +16,16 @@ use sqlx::{Pool, Transaction};
 mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
+pub(crate) mod record;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
-#[doc(hidden)]
 /// `status` of a row inserted before the body ran; it turns `SUCCEEDED` in the
 /// same transaction, so a committed row never holds it.
-pub const PROCESSING: i16 = 0;
-#[doc(hidden)]
+pub(crate) const PROCESSING: i16 = 0;
 /// `status` of a row whose response is stored.
-pub const SUCCEEDED: i16 = 1;
+pub(crate) const SUCCEEDED: i16 = 1;
 
-#[doc(hidden)]
 /// A row about to be inserted. Times are Unix epoch milliseconds.
 #[derive(Debug, Clone, Copy)]
 pub struct NewRecord<'a> {
@@ -39,7 +39,6 @@ pub struct NewRecord<'a> {
     pub expires_ms: i64,
 }
 
-#[doc(hidden)]
 /// A committed row, as read back.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredRecord {
@@ -56,8 +55,7 @@ impl StoredRecord {
     }
 }
 
-#[doc(hidden)]
-/// The columns `find` and `lookup` select, in order.
+/// The columns `read_locking` and `read_plain` select, in order.
 pub type RecordRow = (String, i16, Option<String>, i64);
 
 impl From<RecordRow> for StoredRecord {
@@ -69,7 +67,7 @@ impl From<RecordRow> for StoredRecord {
 /// How a database error matters to the engine. Decided by error kind and
 /// code, never by message text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Failure {
+pub enum ErrorClass {
     /// The unique index on `(biz_type, idem_key)` refused the row.
     Duplicate,
     /// A lock wait ran past its bound: someone else holds the key.
@@ -81,32 +79,35 @@ pub enum Failure {
 }
 
 /// A database `idem` can keep its records in: SQLite, MySQL/MariaDB or
-/// PostgreSQL, each behind its cargo feature.
-pub trait Backend: sqlx::Database + Sized {
+/// PostgreSQL (`sqlx::Sqlite`, `sqlx::MySql`, `sqlx::Postgres`), each behind
+/// its cargo feature. Sealed: implemented by `idem` for those three only.
+pub trait Backend: sqlx::Database + Sized + RecordSql {}
+
+/// What each backend writes in its own SQL: the statements the record
+/// protocol ([`record`]) is built from. Public in name only: this module is
+/// private, so nothing outside the crate can name it, and so implement
+/// [`Backend`] (the sealed-trait pattern).
+pub trait RecordSql: sqlx::Database + Sized {
     /// Creates `idem_record`, `idem_meta` and their indexes if absent, and
     /// records `namespace` in `idem_meta` unless the database holds one.
-    #[doc(hidden)]
     fn migrate(pool: &Pool<Self>, namespace: &str) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
-    /// The namespace recorded by [`migrate`](Backend::migrate), if any.
-    #[doc(hidden)]
+    /// The namespace recorded by [`migrate`](RecordSql::migrate), if any.
     fn namespace(pool: &Pool<Self>) -> impl Future<Output = Result<Option<String>, sqlx::Error>> + Send;
 
     /// Opens the transaction the record and the body share.
-    #[doc(hidden)]
     fn begin(pool: &Pool<Self>) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send {
         pool.begin()
     }
 
     /// Opens a transaction for a call without a Redis claim: its record
-    /// statements ([`insert`](Backend::insert), [`find`](Backend::find),
-    /// [`delete_expired`](Backend::delete_expired) with `Some(wait)`) may
+    /// statements ([`insert`](RecordSql::insert), [`read_locking`](RecordSql::read_locking),
+    /// [`delete_expired`](RecordSql::delete_expired) with `Some(wait)`) may
     /// wait at most `wait` on a duplicate still in flight, until
-    /// [`end_bound`](Backend::end_bound). A backend that bounds lock waits
+    /// [`end_bound`](RecordSql::end_bound). A backend that bounds lock waits
     /// per transaction sets the bound here, in the same round trip as `BEGIN`;
     /// by default the bound rides on each statement (see
-    /// [`bounded`](Backend::bounded)), or is the server's own.
-    #[doc(hidden)]
+    /// [`bounded`](RecordSql::bounded)), or is the server's own.
     fn begin_bounded(
         pool: &Pool<Self>,
         wait: Duration,
@@ -115,10 +116,9 @@ pub trait Backend: sqlx::Database + Sized {
         Self::begin(pool)
     }
 
-    /// Ends the bound of [`begin_bounded`](Backend::begin_bounded) before
+    /// Ends the bound of [`begin_bounded`](RecordSql::begin_bounded) before
     /// the body runs, putting back the session's own setting, so the body's
     /// own lock waits are left alone. Nothing to end by default.
-    #[doc(hidden)]
     fn end_bound(tx: &mut Transaction<'static, Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send {
         let _ = tx;
         async { Ok(()) }
@@ -126,7 +126,6 @@ pub trait Backend: sqlx::Database + Sized {
 
     /// `sql` as sent: with `Some(wait)`, a backend that bounds lock waits
     /// per statement says so in the statement itself.
-    #[doc(hidden)]
     fn bounded(sql: &'static str, wait: Option<Duration>) -> sqlx::SqlStr {
         let _ = wait;
         sqlx::SqlSafeStr::into_sql_str(sql)
@@ -134,7 +133,6 @@ pub trait Backend: sqlx::Database + Sized {
 
     /// Inserts `rec`. `Ok(false)`: a committed row holds the key; the
     /// transaction stays usable.
-    #[doc(hidden)]
     fn insert(
         tx: &mut Transaction<'static, Self>,
         rec: &NewRecord<'_>,
@@ -144,33 +142,30 @@ pub trait Backend: sqlx::Database + Sized {
     /// Stores the response in the row this transaction inserted, with the
     /// status, `updated_at` and `expires_at` of `rec` (the ttl counts from
     /// the end of the body, as when the record goes in last).
-    #[doc(hidden)]
     fn mark_succeeded(
         tx: &mut Transaction<'static, Self>,
         rec: &NewRecord<'_>,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
-    /// Reads the latest committed row of a key (a locking read where the
-    /// isolation level would otherwise show an older snapshot).
-    #[doc(hidden)]
-    fn find(
+    /// Reads the latest committed row of a key inside the call's
+    /// transaction: a locking read where the isolation level would otherwise
+    /// show an older snapshot (MySQL's `LOCK IN SHARE MODE`).
+    fn read_locking(
         conn: &mut Self::Connection,
         biz: &str,
         key: &str,
         wait: Option<Duration>,
     ) -> impl Future<Output = Result<Option<StoredRecord>, sqlx::Error>> + Send;
 
-    /// Reads the committed row of a key without waiting on locks (a plain
-    /// read: for status queries, never inside the call's transaction).
-    #[doc(hidden)]
-    fn lookup(
+    /// Reads the committed row of a key without taking or waiting on locks
+    /// (a plain read, outside any transaction).
+    fn read_plain(
         pool: &Pool<Self>,
         biz: &str,
         key: &str,
     ) -> impl Future<Output = Result<Option<StoredRecord>, sqlx::Error>> + Send;
 
     /// Deletes the row of a key if it expired at or before `now_ms`.
-    #[doc(hidden)]
     fn delete_expired(
         conn: &mut Self::Connection,
         biz: &str,
@@ -180,7 +175,6 @@ pub trait Backend: sqlx::Database + Sized {
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// Deletes up to `limit` expired rows (any key).
-    #[doc(hidden)]
     fn purge_expired(
         pool: &Pool<Self>,
         now_ms: i64,
@@ -188,16 +182,25 @@ pub trait Backend: sqlx::Database + Sized {
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// How an error of this backend matters to the engine.
-    #[doc(hidden)]
-    fn classify(error: &sqlx::Error) -> Failure;
+    fn classify(error: &sqlx::Error) -> ErrorClass;
+
+    /// `ident` quoted for this backend's SQL (layer 4 writes its statements
+    /// from checked identifiers).
+    fn quote(ident: crate::state::Ident) -> String;
+
+    /// The `n`th bind placeholder (from 1).
+    fn placeholder(n: usize) -> String;
+
+    /// Rows a statement changed.
+    fn rows_affected(done: &Self::QueryResult) -> u64;
 }
 
 /// SQL of the statements every backend runs in the same shape.
 pub(crate) struct Queries {
     pub insert: &'static str,
     pub mark_succeeded: &'static str,
-    pub find: &'static str,
-    pub lookup: &'static str,
+    pub read_locking: &'static str,
+    pub read_plain: &'static str,
     pub delete_expired: &'static str,
     pub purge_expired: &'static str,
     /// Creates `idem_meta`: one row per setting, such as the namespace.
@@ -209,7 +212,7 @@ pub(crate) struct Queries {
 /// The statement reading the namespace back; the same on every backend.
 pub(crate) const NAMESPACE: &str = "SELECT value FROM idem_meta WHERE name = 'namespace'";
 
-/// Writes the [`Backend`] methods that differ only in SQL text.
+/// Writes the [`RecordSql`] methods that differ only in SQL text.
 macro_rules! record_queries {
     ($q:expr) => {
         async fn insert(
@@ -251,25 +254,25 @@ macro_rules! record_queries {
                 .map(drop)
         }
 
-        async fn find(
+        async fn read_locking(
             conn: &mut Self::Connection,
             biz: &str,
             key: &str,
             wait: Option<::std::time::Duration>,
         ) -> Result<Option<$crate::store::StoredRecord>, ::sqlx::Error> {
-            let sql = Self::bounded($q.find, wait);
+            let sql = Self::bounded($q.read_locking, wait);
             let row: Option<$crate::store::RecordRow> =
                 ::sqlx::query_as(sql).bind(biz).bind(key).fetch_optional(&mut *conn).await?;
             Ok(row.map(Into::into))
         }
 
-        async fn lookup(
+        async fn read_plain(
             pool: &::sqlx::Pool<Self>,
             biz: &str,
             key: &str,
         ) -> Result<Option<$crate::store::StoredRecord>, ::sqlx::Error> {
             let row: Option<$crate::store::RecordRow> =
-                ::sqlx::query_as($q.lookup).bind(biz).bind(key).fetch_optional(pool).await?;
+                ::sqlx::query_as($q.read_plain).bind(biz).bind(key).fetch_optional(pool).await?;
             Ok(row.map(Into::into))
         }
 
@@ -307,7 +310,126 @@ pub(crate) fn inserted(result: Result<u64, sqlx::Error>) -> Result<bool, sqlx::E
     }
 }
 
-/// The part of [`Backend::classify`] all backends share.
+/// The part of [`RecordSql::classify`] all backends share.
 pub(crate) fn is_unique_violation(error: &sqlx::Error) -> bool {
     error.as_database_error().is_some_and(|e| e.kind() == sqlx::error::ErrorKind::UniqueViolation)
+}
+
+/// Errors of real servers, classified by code: a unique violation, a lock
+/// wait past its bound, a deadlock, and anything else. Against the servers
+/// on this machine (`IDEM_MYSQL_URL`, `IDEM_PG_URL`); skipped when one does
+/// not answer, unless `IDEM_REQUIRE_SERVICES=1`.
+#[cfg(test)]
+mod classification {
+    use std::time::Duration;
+
+    use sqlx::Pool;
+
+    use super::{ErrorClass, RecordSql};
+
+    /// What differs per server for the test below.
+    struct Server {
+        /// Creates `idem_classify` with rows 1 and 2.
+        ddl: &'static str,
+        /// Makes this transaction's next lock wait give up quickly.
+        short_lock_wait: &'static str,
+        /// Whether row locks exist (SQLite locks the whole database).
+        row_locks: bool,
+    }
+
+    fn unreachable(service: &str, e: impl std::fmt::Display) {
+        assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "{service} unreachable: {e}");
+        eprintln!("skipped: {service} unreachable ({e})");
+    }
+
+    async fn classifies<DB>(pool: Pool<DB>, server: Server)
+    where
+        DB: RecordSql,
+        DB::QueryResult: std::fmt::Debug,
+        for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+        for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    {
+        let class = |e: &sqlx::Error| DB::classify(e);
+        sqlx::raw_sql(server.ddl).execute(&pool).await.expect("ddl");
+        let lock = |id: i32| {
+            if id == 1 {
+                "UPDATE idem_classify SET v = v + 1 WHERE id = 1"
+            } else {
+                "UPDATE idem_classify SET v = v + 1 WHERE id = 2"
+            }
+        };
+
+        let dup = sqlx::raw_sql("INSERT INTO idem_classify VALUES (1, 0)").execute(&pool).await.unwrap_err();
+        assert_eq!(class(&dup), ErrorClass::Duplicate, "{dup:?}");
+        let null = sqlx::raw_sql("INSERT INTO idem_classify VALUES (3, NULL)").execute(&pool).await.unwrap_err();
+        assert_eq!(class(&null), ErrorClass::Other, "{null:?}");
+
+        let mut a = pool.begin().await.unwrap();
+        sqlx::raw_sql(lock(1)).execute(&mut *a).await.unwrap();
+        let mut b = pool.acquire().await.unwrap();
+        sqlx::raw_sql(server.short_lock_wait).execute(&mut *b).await.unwrap();
+        let waited = sqlx::raw_sql(lock(1)).execute(&mut *b).await.unwrap_err();
+        assert_eq!(class(&waited), ErrorClass::LockTimeout, "{waited:?}");
+        drop(b);
+        if !server.row_locks {
+            return;
+        }
+
+        let mut b = pool.begin().await.unwrap();
+        sqlx::raw_sql(lock(2)).execute(&mut *b).await.unwrap();
+        let a_waits = tokio::spawn(async move {
+            let r = sqlx::raw_sql(lock(2)).execute(&mut *a).await;
+            (a, r)
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let b_result = sqlx::raw_sql(lock(1)).execute(&mut *b).await;
+        let (a, a_result) = a_waits.await.unwrap();
+        let deadlock = match (a_result, b_result) {
+            (Err(e), _) | (_, Err(e)) => e,
+            (Ok(_), Ok(_)) => panic!("no deadlock"),
+        };
+        assert_eq!(class(&deadlock), ErrorClass::Conflict, "{deadlock:?}");
+        drop((a, b));
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_errors_are_classified_by_code() {
+        use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+        let file = std::env::temp_dir().join(format!("idem-classify-{}.db", crate::random::token()));
+        let options = SqliteConnectOptions::new().filename(&file).create_if_missing(true);
+        let pool = SqlitePoolOptions::new().max_connections(2).connect_with(options).await.expect("sqlite");
+        let ddl = "CREATE TABLE idem_classify (id INT PRIMARY KEY, v INT NOT NULL); \
+                   INSERT INTO idem_classify VALUES (1, 0), (2, 0)";
+        classifies(pool, Server { ddl, short_lock_wait: "PRAGMA busy_timeout = 300", row_locks: false }).await;
+        let _ = std::fs::remove_file(file);
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_errors_are_classified_by_code() {
+        let url = std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        let pool = match sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&url).await {
+            Ok(pool) => pool,
+            Err(e) => return unreachable("mysql", e),
+        };
+        let ddl = "CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); \
+                   INSERT IGNORE INTO idem_classify VALUES (1, 0), (2, 0)";
+        let short = "SET SESSION innodb_lock_wait_timeout = 1";
+        classifies(pool, Server { ddl, short_lock_wait: short, row_locks: true }).await;
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_errors_are_classified_by_code() {
+        let url = std::env::var("IDEM_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        let pool = match sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&url).await {
+            Ok(pool) => pool,
+            Err(e) => return unreachable("postgres", e),
+        };
+        let ddl = "SELECT pg_advisory_xact_lock(7306232718293614); \
+                   CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); \
+                   INSERT INTO idem_classify VALUES (1, 0), (2, 0) ON CONFLICT DO NOTHING";
+        classifies(pool, Server { ddl, short_lock_wait: "SET lock_timeout = 300", row_locks: true }).await;
+    }
 }

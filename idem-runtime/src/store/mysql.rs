@@ -5,9 +5,9 @@ use std::time::Duration;
 use sqlx::mysql::{MySql, MySqlDatabaseError};
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr};
 
-use super::{Backend, Failure, Queries, is_unique_violation, record_queries};
+use super::{Backend, ErrorClass, Queries, RecordSql, is_unique_violation, record_queries};
 
-// `find` is a locking read: under REPEATABLE READ a plain SELECT would show
+// `read_locking` is a locking read: under REPEATABLE READ a plain SELECT would show
 // the transaction's snapshot, not the duplicate committed since.
 // Keys compare byte for byte (`ascii_bin`): the default collations ignore
 // case, which would merge `Order-1` and `order-1`. Times are epoch ms.
@@ -30,8 +30,8 @@ const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
 const Q: Queries = Queries {
     insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
     mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ?, expires_at = ? WHERE biz_type = ? AND idem_key = ?",
-    find: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ? LOCK IN SHARE MODE",
-    lookup: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
+    read_locking: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ? LOCK IN SHARE MODE",
+    read_plain: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ? AND expires_at <= ?",
     purge_expired: "DELETE FROM idem_record WHERE expires_at <= ? LIMIT ?",
     meta_ddl: "CREATE TABLE IF NOT EXISTS idem_meta (
@@ -46,7 +46,9 @@ const MAX_LOCK_WAIT_SECS: u64 = 1 << 30;
 const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
 const ER_LOCK_DEADLOCK: u16 = 1213;
 
-impl Backend for MySql {
+impl Backend for MySql {}
+
+impl RecordSql for MySql {
     async fn migrate(pool: &Pool<Self>, namespace: &str) -> Result<(), sqlx::Error> {
         sqlx::raw_sql(DDL).execute(pool).await?;
         sqlx::raw_sql(Q.meta_ddl).execute(pool).await?;
@@ -72,16 +74,29 @@ impl Backend for MySql {
 
     record_queries!(Q);
 
-    fn classify(error: &sqlx::Error) -> Failure {
+    fn quote(ident: crate::state::Ident) -> String {
+        // A checked identifier holds no quote character.
+        format!("`{}`", ident.as_str())
+    }
+
+    fn placeholder(_n: usize) -> String {
+        "?".to_owned()
+    }
+
+    fn rows_affected(done: &sqlx::mysql::MySqlQueryResult) -> u64 {
+        done.rows_affected()
+    }
+
+    fn classify(error: &sqlx::Error) -> ErrorClass {
         if is_unique_violation(error) {
-            return Failure::Duplicate;
+            return ErrorClass::Duplicate;
         }
         let number =
             error.as_database_error().and_then(|e| e.try_downcast_ref::<MySqlDatabaseError>()).map(|e| e.number());
         match number {
-            Some(ER_LOCK_WAIT_TIMEOUT) => Failure::LockTimeout,
-            Some(ER_LOCK_DEADLOCK) => Failure::Conflict,
-            _ => Failure::Other,
+            Some(ER_LOCK_WAIT_TIMEOUT) => ErrorClass::LockTimeout,
+            Some(ER_LOCK_DEADLOCK) => ErrorClass::Conflict,
+            _ => ErrorClass::Other,
         }
     }
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 use sqlx::postgres::Postgres;
 use sqlx::{AssertSqlSafe, Pool, Transaction};
 
-use super::{Backend, Failure, Queries, is_unique_violation, record_queries};
+use super::{Backend, ErrorClass, Queries, RecordSql, is_unique_violation, record_queries};
 
 // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide in the catalog,
 // so migrations take a transaction-scoped advisory lock first.
@@ -34,8 +34,8 @@ const DDL: [&str; 3] = [
 const Q: Queries = Queries {
     insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (biz_type, idem_key) DO NOTHING",
     mark_succeeded: "UPDATE idem_record SET status = $1, response = $2, updated_at = $3, expires_at = $4 WHERE biz_type = $5 AND idem_key = $6",
-    find: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
-    lookup: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
+    read_locking: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
+    read_plain: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = $1 AND idem_key = $2 AND expires_at <= $3",
     purge_expired: "DELETE FROM idem_record WHERE id IN (SELECT id FROM idem_record WHERE expires_at <= $1 LIMIT $2)",
     meta_ddl: "CREATE TABLE IF NOT EXISTS idem_meta (name VARCHAR(64) PRIMARY KEY, value VARCHAR(255) NOT NULL)",
@@ -46,7 +46,9 @@ const LOCK_NOT_AVAILABLE: &str = "55P03";
 const DEADLOCK_DETECTED: &str = "40P01";
 const SERIALIZATION_FAILURE: &str = "40001";
 
-impl Backend for Postgres {
+impl Backend for Postgres {}
+
+impl RecordSql for Postgres {
     async fn migrate(pool: &Pool<Self>, namespace: &str) -> Result<(), sqlx::Error> {
         let mut tx = pool.begin().await?;
         sqlx::query(MIGRATE_LOCK).execute(&mut *tx).await?;
@@ -80,14 +82,27 @@ impl Backend for Postgres {
 
     record_queries!(Q);
 
-    fn classify(error: &sqlx::Error) -> Failure {
+    fn quote(ident: crate::state::Ident) -> String {
+        // A checked identifier holds no quote character.
+        format!("\"{}\"", ident.as_str())
+    }
+
+    fn placeholder(n: usize) -> String {
+        format!("${n}")
+    }
+
+    fn rows_affected(done: &sqlx::postgres::PgQueryResult) -> u64 {
+        done.rows_affected()
+    }
+
+    fn classify(error: &sqlx::Error) -> ErrorClass {
         if is_unique_violation(error) {
-            return Failure::Duplicate;
+            return ErrorClass::Duplicate;
         }
         match error.as_database_error().and_then(|e| e.code()).as_deref() {
-            Some(LOCK_NOT_AVAILABLE) => Failure::LockTimeout,
-            Some(DEADLOCK_DETECTED | SERIALIZATION_FAILURE) => Failure::Conflict,
-            _ => Failure::Other,
+            Some(LOCK_NOT_AVAILABLE) => ErrorClass::LockTimeout,
+            Some(DEADLOCK_DETECTED | SERIALIZATION_FAILURE) => ErrorClass::Conflict,
+            _ => ErrorClass::Other,
         }
     }
 }

@@ -3,7 +3,7 @@
 use sqlx::sqlite::Sqlite;
 use sqlx::{Pool, Transaction};
 
-use super::{Backend, Failure, Queries, is_unique_violation, record_queries};
+use super::{Backend, ErrorClass, Queries, RecordSql, is_unique_violation, record_queries};
 
 const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
         id INTEGER PRIMARY KEY,
@@ -24,8 +24,8 @@ const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
 const Q: Queries = Queries {
     insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
     mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ?, expires_at = ? WHERE biz_type = ? AND idem_key = ?",
-    find: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
-    lookup: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
+    read_locking: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
+    read_plain: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ? AND expires_at <= ?",
     purge_expired: "DELETE FROM idem_record WHERE id IN (SELECT id FROM idem_record WHERE expires_at <= ? LIMIT ?)",
     meta_ddl: "CREATE TABLE IF NOT EXISTS idem_meta (name TEXT NOT NULL PRIMARY KEY, value TEXT NOT NULL)",
@@ -36,7 +36,9 @@ const Q: Queries = Queries {
 const SQLITE_BUSY: u32 = 5;
 const SQLITE_LOCKED: u32 = 6;
 
-impl Backend for Sqlite {
+impl Backend for Sqlite {}
+
+impl RecordSql for Sqlite {
     async fn migrate(pool: &Pool<Self>, namespace: &str) -> Result<(), sqlx::Error> {
         sqlx::raw_sql(DDL).execute(pool).await?;
         sqlx::raw_sql(Q.meta_ddl).execute(pool).await?;
@@ -53,14 +55,27 @@ impl Backend for Sqlite {
 
     record_queries!(Q);
 
-    fn classify(error: &sqlx::Error) -> Failure {
+    fn quote(ident: crate::state::Ident) -> String {
+        // A checked identifier holds no quote character.
+        format!("\"{}\"", ident.as_str())
+    }
+
+    fn placeholder(_n: usize) -> String {
+        "?".to_owned()
+    }
+
+    fn rows_affected(done: &sqlx::sqlite::SqliteQueryResult) -> u64 {
+        done.rows_affected()
+    }
+
+    fn classify(error: &sqlx::Error) -> ErrorClass {
         if is_unique_violation(error) {
-            return Failure::Duplicate;
+            return ErrorClass::Duplicate;
         }
         let code = error.as_database_error().and_then(|e| e.code()).and_then(|c| c.parse::<u32>().ok());
         match code.map(|c| c & 0xff) {
-            Some(SQLITE_BUSY | SQLITE_LOCKED) => Failure::LockTimeout,
-            _ => Failure::Other,
+            Some(SQLITE_BUSY | SQLITE_LOCKED) => ErrorClass::LockTimeout,
+            _ => ErrorClass::Other,
         }
     }
 }

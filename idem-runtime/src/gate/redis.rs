@@ -1,5 +1,6 @@
-//! Layer 2: the Redis claim. Fast rejection of concurrent duplicates and fast
-//! replay of finished calls; never the final truth (Redis can lose keys).
+//! The gate with a Redis claim, shared by every instance: fast rejection of
+//! concurrent duplicates and fast replay of finished calls; never the final
+//! truth (Redis can lose keys).
 //!
 //! One Redis key per idempotency key, `idem:<namespace>:<biz>:<key>` (the
 //! namespace names the record store: see [`crate::namespace`]), holding
@@ -10,7 +11,7 @@
 //! exactly that one key, so Redis Cluster routes it.
 //!
 //! Redis failing in any way (refused, timed out, erroring) degrades to the
-//! database alone: the operation reports [`Claim::Unavailable`], a warning is
+//! database alone: the operation reports [`Found::Unavailable`], a warning is
 //! logged once, and Redis is left alone for [`BACKOFF`] before being tried again.
 //!
 //! Work left for later (a release or a cache write whose answer was lost or
@@ -28,9 +29,13 @@ use redis::cluster_async::ClusterConnection;
 use redis::{FromRedisValue, Script, ScriptInvocation};
 use tokio::sync::OnceCell;
 
+use sqlx::Pool;
+
+use super::{Answer, Entry, Pass};
 use crate::clock;
 use crate::namespace::Namespace;
 use crate::random::token;
+use crate::store::Backend;
 
 /// How long Redis is skipped after it failed.
 pub const BACKOFF: Duration = Duration::from_secs(1);
@@ -70,18 +75,13 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0";
 
-/// What the claim step found.
+/// What the claim script found.
 #[derive(Debug)]
-pub enum Claim {
+enum Found {
     /// We hold the key until the lease runs out.
-    Acquired(Held),
+    Ours(HeldClaim),
     /// A finished call left its result.
-    Done {
-        /// Fingerprint of that call's arguments.
-        fingerprint: String,
-        /// Its serialized result.
-        response: String,
-    },
+    Finished(Answer),
     /// Another call holds the key.
     Running,
     /// Redis is absent or failing: carry on with the database alone.
@@ -106,7 +106,7 @@ enum Backoff {
 
 /// A claim we own: the Redis key and the exact value we set.
 #[derive(Debug, Clone)]
-pub struct Held {
+pub(crate) struct HeldClaim {
     key: String,
     value: String,
 }
@@ -124,8 +124,9 @@ enum Connection {
 }
 
 /// The Redis side of an engine: one node or a cluster.
-pub struct Claims {
+pub(crate) struct RedisGate {
     target: Target,
+    namespace: NamespaceSlot,
     connection: OnceCell<Connection>,
     timeout: Duration,
     /// `clock::now_ms()` before which Redis is not tried; 0 when healthy.
@@ -137,20 +138,21 @@ pub struct Claims {
     finish: Script,
 }
 
-impl std::fmt::Debug for Claims {
+impl std::fmt::Debug for RedisGate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self.target {
             Target::Single(_) => "single",
             Target::Cluster(_) => "cluster",
         };
-        f.debug_struct("Claims").field("target", &kind).field("timeout", &self.timeout).finish()
+        f.debug_struct("RedisGate").field("target", &kind).field("timeout", &self.timeout).finish()
     }
 }
 
-impl Claims {
-    pub(crate) fn new(target: Target, timeout: Duration) -> Self {
+impl RedisGate {
+    pub(crate) fn new(target: Target, timeout: Duration, namespace: Option<Namespace>) -> Self {
         Self {
             target,
+            namespace: NamespaceSlot::new(namespace),
             connection: OnceCell::new(),
             timeout,
             down_until_ms: AtomicU64::new(0),
@@ -161,34 +163,76 @@ impl Claims {
         }
     }
 
+    /// The gate's answer for `(biz, key)`: our claim, a finished result, or
+    /// busy (someone holds the claim; it may have committed since). `None`
+    /// when Redis cannot tell: no namespace yet, or Redis failing.
+    pub(crate) async fn enter<DB: Backend>(
+        self: &Arc<Self>,
+        pool: &Pool<DB>,
+        biz: &str,
+        key: &str,
+        fingerprint: &str,
+        lease: Duration,
+    ) -> Option<Entry<'static>> {
+        // Without a namespace (the database was never migrated) Redis could
+        // mix this store's keys with another's: the database alone decides.
+        let namespace = self.namespace.get(pool).await?;
+        match self.claim(&namespace, biz, key, fingerprint, lease).await {
+            Found::Ours(held) => {
+                Some(Entry::GoAhead(Pass::Claim(ClaimGuard { gate: Arc::clone(self), held: Some(held) })))
+            }
+            Found::Finished(answer) => Some(Entry::Replay(Arc::new(answer))),
+            Found::Running => Some(Entry::Busy { may_have_committed: true }),
+            Found::Unavailable => None,
+        }
+    }
+
+    /// Whether a call holds the claim of `(biz, key)` right now.
+    pub(crate) async fn is_running<DB: Backend>(&self, pool: &Pool<DB>, biz: &str, key: &str) -> bool {
+        match self.namespace.get(pool).await {
+            Some(namespace) => matches!(self.peek(&namespace, biz, key).await, Found::Running),
+            None => false,
+        }
+    }
+
+    /// The namespace set on the builder, if any.
+    pub(crate) fn fixed_namespace(&self) -> Option<Namespace> {
+        self.namespace.fixed.clone()
+    }
+
+    /// Reads the namespace from the database again on the next call.
+    pub(crate) fn forget_namespace(&self) {
+        self.namespace.forget();
+    }
+
     /// Claims `key` for `lease`, or reports what holds it.
-    pub async fn claim(
+    async fn claim(
         self: &Arc<Self>,
         namespace: &Namespace,
         biz: &str,
         key: &str,
         fingerprint: &str,
         lease: Duration,
-    ) -> Claim {
-        let held = Held { key: redis_key(namespace, biz, key), value: format!("p:{}:{fingerprint}", token()) };
+    ) -> Found {
+        let held = HeldClaim { key: redis_key(namespace, biz, key), value: format!("p:{}:{fingerprint}", token()) };
         let mut call = self.claim.key(&held.key);
         call.arg(&held.value).arg(millis(lease)).arg(clock::now_ms());
         let mut unanswered = Unanswered { claims: self, held: Some(held) };
         let answer = self.run::<Option<String>>(&call, Backoff::Respect).await;
         if matches!(answer, Err(Missed::Failed)) {
-            return Claim::Unavailable; // `unanswered` releases what may have landed
+            return Found::Unavailable; // `unanswered` releases what may have landed
         }
         match (answer, unanswered.held.take()) {
-            (Ok(None), Some(held)) => Claim::Acquired(held),
+            (Ok(None), Some(held)) => Found::Ours(held),
             (Ok(Some(found)), _) => parse(&found, clock::now_ms()),
-            _ => Claim::Unavailable, // skipped while Redis backs off: never sent
+            _ => Found::Unavailable, // skipped while Redis backs off: never sent
         }
     }
 
     /// Drops our claim so the next call may execute (after a failed body).
     /// Unanswered, or skipped while Redis backs off, it is retried off the
     /// caller's path rather than left to run out its lease.
-    pub async fn release(self: &Arc<Self>, held: &Held) {
+    async fn release(self: &Arc<Self>, held: &HeldClaim) {
         if self.release_with(held, Backoff::Respect).await.is_err() {
             self.release_unanswered(held.clone());
         }
@@ -196,7 +240,7 @@ impl Claims {
 
     /// Releases `held` from a background task (see [`MAX_BACKGROUND`]):
     /// at once, and like an unanswered one if that fails.
-    pub(crate) fn release_in_background(self: &Arc<Self>, held: Held) {
+    fn release_in_background(self: &Arc<Self>, held: HeldClaim) {
         self.spawn_later(|claims| async move {
             if claims.release_with(&held, Backoff::Respect).await.is_err() {
                 claims.release_after_failure(&held).await;
@@ -206,17 +250,17 @@ impl Claims {
 
     /// Releases, from a background task, a claim whose answer (or whose
     /// release's answer) was lost.
-    fn release_unanswered(self: &Arc<Self>, held: Held) {
+    fn release_unanswered(self: &Arc<Self>, held: HeldClaim) {
         self.spawn_later(|claims| async move { claims.release_after_failure(&held).await });
     }
 
-    async fn release_with(&self, held: &Held, backoff: Backoff) -> Result<i64, Missed> {
+    async fn release_with(&self, held: &HeldClaim, backoff: Backoff) -> Result<i64, Missed> {
         let mut call = self.release.key(&held.key);
         call.arg(&held.value);
         self.run::<i64>(&call, backoff).await
     }
 
-    async fn release_after_failure(&self, held: &Held) {
+    async fn release_after_failure(&self, held: &HeldClaim) {
         // Two answered releases, a timeout apart, within about a lease's
         // worth of tries: the first may still overtake the late claim.
         let mut answered = 0;
@@ -237,7 +281,7 @@ impl Claims {
     /// write skipped by the back-off or left unanswered is tried again, so
     /// the claim does not live out its lease (each duplicate meanwhile
     /// would cost a lookup, and answer `InProgress` once the record expired).
-    pub(crate) fn finish_later(self: &Arc<Self>, held: Held, done: String, ttl: Duration) {
+    fn finish_later(self: &Arc<Self>, held: HeldClaim, done: String, ttl: Duration) {
         self.spawn_later(move |claims| async move {
             let write = |backoff| {
                 let mut call = claims.finish.key(&held.key);
@@ -278,7 +322,7 @@ impl Claims {
             return;
         }
         // Counted down however the task ends, even dropped with its runtime.
-        struct Slot(Arc<Claims>);
+        struct Slot(Arc<RedisGate>);
         impl Drop for Slot {
             fn drop(&mut self) {
                 self.0.background.fetch_sub(1, Ordering::Relaxed);
@@ -299,14 +343,14 @@ impl Claims {
     }
 
     /// Reads what Redis holds for `key`, for status queries.
-    pub async fn peek(&self, namespace: &Namespace, biz: &str, key: &str) -> Claim {
+    async fn peek(&self, namespace: &Namespace, biz: &str, key: &str) -> Found {
         let mut cmd = redis::cmd("GET");
         cmd.arg(redis_key(namespace, biz, key));
         let got: Result<Option<String>, Missed> =
             self.guarded(Backoff::Respect, |mut c| async move { cmd.query_async(&mut c).await }).await;
         match got {
             Ok(Some(found)) => parse(&found, clock::now_ms()),
-            Ok(None) | Err(_) => Claim::Unavailable,
+            Ok(None) | Err(_) => Found::Unavailable,
         }
     }
 
@@ -375,8 +419,8 @@ impl Claims {
 /// overtakes the late claim (say, on a fresh connection) deletes nothing.
 /// Compare-and-delete on our own token: repeating it is harmless.
 struct Unanswered<'a> {
-    claims: &'a Arc<Claims>,
-    held: Option<Held>,
+    claims: &'a Arc<RedisGate>,
+    held: Option<HeldClaim>,
 }
 
 impl Drop for Unanswered<'_> {
@@ -418,8 +462,95 @@ impl redis::aio::ConnectionLike for ConnectionHandle {
     }
 }
 
+/// Our claim while the call runs. Dropped without being settled (a panic
+/// in the body, or the call's future dropped), it releases the claim from a
+/// background task so a retry need not wait out the lease.
+pub(crate) struct ClaimGuard {
+    gate: Arc<RedisGate>,
+    held: Option<HeldClaim>,
+}
+
+impl ClaimGuard {
+    /// Caches the result in place of our claim, off the caller's path: the
+    /// record already holds it, and a duplicate arriving before the cache
+    /// write lands reads it from there. The cached copy carries the record's
+    /// expiry, so it never answers past it, however late it lands.
+    pub(crate) fn finish(mut self, answer: &Answer, expires_ms: i64) {
+        let Some(held) = self.held.take() else { return };
+        let done = done_value(expires_ms, &answer.fingerprint, &answer.response);
+        let ttl = Duration::from_millis(u64::try_from(expires_ms).unwrap_or(0).saturating_sub(clock::now_ms()));
+        self.gate.finish_later(held, done, ttl);
+    }
+
+    /// Releases the claim so the next call may execute.
+    pub(crate) async fn release(&mut self) {
+        // Settled only once released: dropped meanwhile, `Drop` releases.
+        if let Some(held) = &self.held {
+            self.gate.release(held).await;
+            self.held = None;
+        }
+    }
+}
+
+impl Drop for ClaimGuard {
+    fn drop(&mut self) {
+        if let Some(held) = self.held.take() {
+            self.gate.release_in_background(held);
+        }
+    }
+}
+
+/// Where the gate finds its namespace: set on the builder, or read once
+/// from the database (again after `migrate`). While the database has none,
+/// or cannot be read, Redis is left alone, and the read is tried again after
+/// the Redis back-off.
+struct NamespaceSlot {
+    fixed: Option<Namespace>,
+    read: std::sync::RwLock<Option<Namespace>>,
+    /// `clock::now_ms()` before which the database is not asked again.
+    unreadable_until_ms: AtomicU64,
+}
+
+impl NamespaceSlot {
+    fn new(fixed: Option<Namespace>) -> Self {
+        Self { fixed, read: Default::default(), unreadable_until_ms: AtomicU64::new(0) }
+    }
+
+    fn forget(&self) {
+        *self.read.write().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        self.unreadable_until_ms.store(0, Ordering::Relaxed);
+    }
+
+    async fn get<DB: Backend>(&self, pool: &Pool<DB>) -> Option<Namespace> {
+        if let Some(fixed) = &self.fixed {
+            return Some(fixed.clone());
+        }
+        if let Some(read) = &*self.read.read().unwrap_or_else(std::sync::PoisonError::into_inner) {
+            return Some(read.clone());
+        }
+        if clock::now_ms() < self.unreadable_until_ms.load(Ordering::Relaxed) {
+            return None;
+        }
+        let why = match DB::namespace(pool).await {
+            Ok(Some(text)) => match Namespace::new(&text) {
+                Ok(namespace) => {
+                    *self.read.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(namespace.clone());
+                    return Some(namespace);
+                }
+                Err(e) => e.to_string(),
+            },
+            Ok(None) => "none recorded: run Idem::migrate, or set Builder::redis_namespace".into(),
+            Err(e) => e.to_string(),
+        };
+        if self.unreadable_until_ms.swap(clock::now_ms() + millis(BACKOFF), Ordering::Relaxed) == 0 {
+            tracing::warn!(reason = %why, "no namespace for redis keys; idempotency continues on the database alone");
+        }
+        None
+    }
+}
+
 /// The value a finished call leaves in Redis; [`parse`] reads it back.
-pub(crate) fn done_value(expires_ms: i64, fingerprint: &str, response: &str) -> String {
+fn done_value(expires_ms: i64, fingerprint: &str, response: &str) -> String {
     format!("d:{expires_ms}:{fingerprint}:{response}")
 }
 
@@ -433,25 +564,25 @@ fn spawn_detached(task: impl std::future::Future<Output = ()> + Send + 'static) 
 
 /// What a Redis value says at `now_ms`. A finished result past its expiry
 /// is no answer at all.
-fn parse(found: &str, now_ms: u64) -> Claim {
+fn parse(found: &str, now_ms: u64) -> Found {
     if let Some(rest) = found.strip_prefix("d:") {
         let done = rest.split_once(':').and_then(|(expires, rest)| Some((expires.parse::<u64>().ok()?, rest)));
         return match done.and_then(|(expires, rest)| Some((expires, rest.split_once(':')?))) {
-            Some((expires, _)) if expires <= now_ms => Claim::Unavailable,
+            Some((expires, _)) if expires <= now_ms => Found::Unavailable,
             Some((_, (fingerprint, response))) => {
-                Claim::Done { fingerprint: fingerprint.to_owned(), response: response.to_owned() }
+                Found::Finished(Answer { fingerprint: fingerprint.to_owned(), response: response.to_owned() })
             }
             // Not a value we wrote: someone else's.
-            None => Claim::Running,
+            None => Found::Running,
         };
     }
     // `p:...`, or a value we did not write: either way someone else's.
-    Claim::Running
+    Found::Running
 }
 
 /// The Redis key of `(biz, key)` in `namespace`. Neither the namespace nor
 /// `biz` holds a `:`, so no two triples share a Redis key.
-pub(crate) fn redis_key(namespace: &Namespace, biz: &str, key: &str) -> String {
+fn redis_key(namespace: &Namespace, biz: &str, key: &str) -> String {
     format!("idem:{namespace}:{biz}:{key}")
 }
 
@@ -466,16 +597,16 @@ mod tests {
     #[test]
     fn parses_values() {
         match parse(&done_value(2_000, "abc", "{\"x\":\"a:b\"}"), 1_999) {
-            Claim::Done { fingerprint, response } => {
+            Found::Finished(Answer { fingerprint, response }) => {
                 assert_eq!(fingerprint, "abc");
                 assert_eq!(response, "{\"x\":\"a:b\"}");
             }
             other => panic!("{other:?}"),
         }
-        assert!(matches!(parse(&done_value(2_000, "abc", "1"), 2_000), Claim::Unavailable), "expired");
-        assert!(matches!(parse("p:t:f", 0), Claim::Running));
-        assert!(matches!(parse("garbage", 0), Claim::Running));
-        assert!(matches!(parse("d:abc:1", 0), Claim::Running), "not ours");
+        assert!(matches!(parse(&done_value(2_000, "abc", "1"), 2_000), Found::Unavailable), "expired");
+        assert!(matches!(parse("p:t:f", 0), Found::Running));
+        assert!(matches!(parse("garbage", 0), Found::Running));
+        assert!(matches!(parse("d:abc:1", 0), Found::Running), "not ours");
     }
 
     /// Against a real Redis; skipped when none answers, unless
@@ -528,7 +659,7 @@ mod tests {
             }
         });
         let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("client");
-        let claims = Arc::new(Claims::new(Target::Single(client), Duration::from_millis(300)));
+        let claims = Arc::new(RedisGate::new(Target::Single(client), Duration::from_millis(300), None));
         let namespace = Namespace::new("t_unit").unwrap();
         let tasks_before = tokio::runtime::Handle::current().metrics().num_alive_tasks();
 
@@ -544,7 +675,7 @@ mod tests {
         }
         let mut unavailable = 0;
         while let Some(claim) = set.join_next().await {
-            unavailable += usize::from(matches!(claim.expect("claim task"), Claim::Unavailable));
+            unavailable += usize::from(matches!(claim.expect("claim task"), Found::Unavailable));
         }
         assert_eq!(unavailable, calls, "no claim was answered");
         let left = claims.background();

@@ -1,5 +1,5 @@
-//! Calls running in this process without a Redis claim. A duplicate of one
-//! waits for it here, in memory, and takes its result, where it would
+//! The gate without a claim: calls running on this engine. A duplicate of
+//! one waits for it here, in memory, and takes its result, where it would
 //! otherwise wait on the unique index and then read the record: a burst of
 //! duplicates on one instance costs the database one call.
 //!
@@ -13,44 +13,28 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-/// The result a finished call hands to its waiting duplicates.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    /// Fingerprint stored with the result.
-    pub fingerprint: String,
-    /// The serialized result, as stored.
-    pub response: String,
-}
+use super::{Answer, Entry};
 
-type Answer = Option<Arc<Shared>>;
+type Slot = Option<Arc<Answer>>;
 
-/// The calls in flight, by `biz` and key.
+/// The calls in flight on one engine, by `biz` and key.
 #[derive(Debug, Default)]
-pub(crate) struct InFlight {
-    calls: Mutex<HashMap<String, watch::Receiver<Answer>>>,
-}
-
-/// What [`InFlight::enter`] decided.
-pub(crate) enum Entered<'a> {
-    /// No duplicate is running here: this call goes ahead.
-    First(Leader<'a>),
-    /// A duplicate finished while this call waited.
-    Answered(Arc<Shared>),
-    /// A duplicate is still running after the wait.
-    Busy,
+pub(crate) struct MemoryGate {
+    calls: Mutex<HashMap<String, watch::Receiver<Slot>>>,
 }
 
 /// The running call of a key. Dropped, it lets its waiters go.
 pub(crate) struct Leader<'a> {
-    flight: &'a InFlight,
+    gate: &'a MemoryGate,
     id: String,
-    answer: watch::Sender<Answer>,
+    answer: watch::Sender<Slot>,
 }
 
-impl InFlight {
-    /// Enters the call `(biz, key)`: goes first, or waits up to `wait` for
-    /// the duplicate running here.
-    pub(crate) async fn enter(&self, biz: &str, key: &str, wait: Duration) -> Entered<'_> {
+impl MemoryGate {
+    /// Enters the call `(biz, key)`: goes ahead, or waits up to `wait` for
+    /// the duplicate running here and replays its result; still running
+    /// then, it is busy (and has not committed: it would have answered).
+    pub(crate) async fn enter(&self, biz: &str, key: &str, wait: Duration) -> Entry<'_> {
         // `biz` has no `:`, so the id is unambiguous.
         let id = format!("{biz}:{key}");
         // A wait too long to add to now never ends: a year stands for it.
@@ -64,19 +48,19 @@ impl InFlight {
                     None => {
                         let (answer, receiver) = watch::channel(None);
                         calls.insert(id.clone(), receiver);
-                        return Entered::First(Leader { flight: self, id, answer });
+                        return Entry::GoAhead(super::Pass::Leader(Leader { gate: self, id, answer }));
                     }
                 }
             };
             match tokio::time::timeout_at(deadline, running.wait_for(Option::is_some)).await {
                 Ok(Ok(answer)) => {
-                    if let Some(shared) = answer.as_ref() {
-                        return Entered::Answered(Arc::clone(shared));
+                    if let Some(answer) = answer.as_ref() {
+                        return Entry::Replay(Arc::clone(answer));
                     }
                 }
                 // It failed or was dropped: whoever enters next goes first.
                 Ok(Err(_closed)) => {}
-                Err(_elapsed) => return Entered::Busy,
+                Err(_elapsed) => return Entry::Busy { may_have_committed: false },
             }
         }
     }
@@ -89,48 +73,53 @@ impl InFlight {
 
 impl Leader<'_> {
     /// Hands the result to the duplicates waiting, if any.
-    pub(crate) fn finish(self, fingerprint: String, response: String) {
+    pub(crate) fn finish(self, answer: Answer) {
         // One receiver is the map's own: more are waiters.
         if self.answer.receiver_count() > 1 {
-            self.answer.send_replace(Some(Arc::new(Shared { fingerprint, response })));
+            self.answer.send_replace(Some(Arc::new(answer)));
         }
     }
 }
 
 impl Drop for Leader<'_> {
     fn drop(&mut self) {
-        self.flight.calls.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.id);
+        self.gate.calls.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.id);
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::Pass;
     use super::*;
+
+    fn answer(fingerprint: &str, response: &str) -> Answer {
+        Answer { fingerprint: fingerprint.into(), response: response.into() }
+    }
 
     const WAIT: Duration = Duration::from_secs(5);
 
     #[tokio::test]
     async fn duplicates_take_the_result_of_the_first() {
-        let flight = InFlight::default();
-        let Entered::First(leader) = flight.enter("pay", "k", WAIT).await else { panic!("first") };
-        let waiters = (0..8).map(|_| flight.enter("pay", "k", WAIT)).collect::<Vec<_>>();
+        let gate = MemoryGate::default();
+        let Entry::GoAhead(Pass::Leader(leader)) = gate.enter("pay", "k", WAIT).await else { panic!("first") };
+        let waiters = (0..8).map(|_| gate.enter("pay", "k", WAIT)).collect::<Vec<_>>();
         let finish = async {
             tokio::task::yield_now().await;
-            leader.finish("fp".into(), "{\"a\":1}".into());
+            leader.finish(answer("fp", "{\"a\":1}"));
         };
         let (answers, ()) = tokio::join!(futures_join_all(waiters), finish);
         for answer in answers {
-            let Entered::Answered(shared) = answer else { panic!("not answered") };
-            assert_eq!((shared.fingerprint.as_str(), shared.response.as_str()), ("fp", "{\"a\":1}"));
+            let Entry::Replay(answer) = answer else { panic!("not answered") };
+            assert_eq!((answer.fingerprint.as_str(), answer.response.as_str()), ("fp", "{\"a\":1}"));
         }
-        assert_eq!(flight.len(), 0, "the finished call left the map");
+        assert_eq!(gate.len(), 0, "the finished call left the map");
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_failed_first_call_lets_one_waiter_go_first() {
-        let flight = InFlight::default();
-        let Entered::First(leader) = flight.enter("pay", "k", WAIT).await else { panic!("first") };
-        let waiters = (0..4).map(|_| flight.enter("pay", "k", Duration::from_millis(50))).collect::<Vec<_>>();
+        let gate = MemoryGate::default();
+        let Entry::GoAhead(Pass::Leader(leader)) = gate.enter("pay", "k", WAIT).await else { panic!("first") };
+        let waiters = (0..4).map(|_| gate.enter("pay", "k", Duration::from_millis(50))).collect::<Vec<_>>();
         let fail = async {
             tokio::task::yield_now().await;
             drop(leader);
@@ -138,36 +127,36 @@ mod tests {
         let (answers, ()) = tokio::join!(futures_join_all(waiters), fail);
         // One goes first; the others wait on it, and as it never finishes
         // they give up: none is answered.
-        let firsts = answers.iter().filter(|a| matches!(a, Entered::First(_))).count();
-        let busy = answers.iter().filter(|a| matches!(a, Entered::Busy)).count();
+        let firsts = answers.iter().filter(|a| matches!(a, Entry::GoAhead(_))).count();
+        let busy = answers.iter().filter(|a| matches!(a, Entry::Busy { may_have_committed: false })).count();
         assert_eq!((firsts, busy), (1, 3));
     }
 
     #[tokio::test]
     async fn other_keys_and_other_biz_do_not_wait() {
-        let flight = InFlight::default();
-        let Entered::First(_a) = flight.enter("pay", "k", WAIT).await else { panic!() };
-        assert!(matches!(flight.enter("pay", "k2", WAIT).await, Entered::First(_)));
-        assert!(matches!(flight.enter("refund", "k", WAIT).await, Entered::First(_)));
+        let gate = MemoryGate::default();
+        let Entry::GoAhead(Pass::Leader(_a)) = gate.enter("pay", "k", WAIT).await else { panic!() };
+        assert!(matches!(gate.enter("pay", "k2", WAIT).await, Entry::GoAhead(_)));
+        assert!(matches!(gate.enter("refund", "k", WAIT).await, Entry::GoAhead(_)));
     }
 
     #[tokio::test]
     async fn an_endless_wait_does_not_overflow() {
-        let flight = InFlight::default();
-        let Entered::First(leader) = flight.enter("pay", "k", Duration::MAX).await else { panic!() };
+        let gate = MemoryGate::default();
+        let Entry::GoAhead(Pass::Leader(leader)) = gate.enter("pay", "k", Duration::MAX).await else { panic!() };
         let finish = async {
             tokio::task::yield_now().await;
-            leader.finish("fp".into(), "1".into());
+            leader.finish(answer("fp", "1"));
         };
-        let (answer, ()) = tokio::join!(flight.enter("pay", "k", Duration::MAX), finish);
-        assert!(matches!(answer, Entered::Answered(shared) if shared.response == "1"));
+        let (answer, ()) = tokio::join!(gate.enter("pay", "k", Duration::MAX), finish);
+        assert!(matches!(answer, Entry::Replay(answer) if answer.response == "1"));
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_waiter_gives_up_after_the_wait() {
-        let flight = InFlight::default();
-        let Entered::First(_leader) = flight.enter("pay", "k", WAIT).await else { panic!() };
-        assert!(matches!(flight.enter("pay", "k", Duration::from_millis(10)).await, Entered::Busy));
+        let gate = MemoryGate::default();
+        let Entry::GoAhead(Pass::Leader(_leader)) = gate.enter("pay", "k", WAIT).await else { panic!() };
+        assert!(matches!(gate.enter("pay", "k", Duration::from_millis(10)).await, Entry::Busy { .. }));
     }
 
     /// Polls all futures together (no `futures` dependency for one test).

@@ -1,0 +1,166 @@
+//! Layer 2, the duplicate gate: before a call touches the database, what
+//! holds its key? One vocabulary for both ways of knowing: go ahead (with a
+//! [`Pass`] to settle afterwards), replay this, or busy.
+//!
+//! - [`redis`]: a claim in Redis, shared by every instance (feature `redis`).
+//! - [`memory`]: calls running on this engine, waited for in memory; the
+//!   gate whenever there is no claim (no Redis, or Redis failing).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::Pool;
+
+use crate::store::Backend;
+
+pub(crate) mod memory;
+#[cfg(feature = "redis")]
+pub(crate) mod redis;
+
+use memory::{Leader, MemoryGate};
+#[cfg(feature = "redis")]
+use redis::{ClaimGuard, RedisGate};
+
+/// A finished call's result, as the gate hands it to a duplicate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Answer {
+    /// Fingerprint of the arguments stored with the result.
+    pub fingerprint: String,
+    /// The serialized result, as stored.
+    pub response: String,
+}
+
+/// What the gate decided for one call.
+pub(crate) enum Entry<'g> {
+    /// Nobody holds the key: go ahead, and settle the pass afterwards.
+    GoAhead(Pass<'g>),
+    /// A finished call's result: replay it (or answer `KeyReused`).
+    Replay(Arc<Answer>),
+    /// Another call holds the key. If it may have committed since it took
+    /// the key (a Redis claim outlives the commit until the cache write
+    /// lands), the record knows better.
+    Busy { may_have_committed: bool },
+}
+
+/// The right to run, held while the body runs.
+pub(crate) enum Pass<'g> {
+    /// Our Redis claim: duplicates everywhere are kept out.
+    #[cfg(feature = "redis")]
+    Claim(ClaimGuard),
+    /// The first call of its key on this engine: duplicates here wait.
+    Leader(Leader<'g>),
+}
+
+impl Pass<'_> {
+    /// Whether duplicates on other instances are kept out (then the record
+    /// can go in last, with the result).
+    pub(crate) fn holds_claim(&self) -> bool {
+        match self {
+            #[cfg(feature = "redis")]
+            Pass::Claim(_) => true,
+            Pass::Leader(_) => false,
+        }
+    }
+
+    /// The call recorded `answer`, kept until `expires_ms`: hands it on to
+    /// the duplicates (Redis in place of our claim, or the waiters here).
+    pub(crate) fn finish(self, answer: Answer, expires_ms: i64) {
+        match self {
+            #[cfg(feature = "redis")]
+            Pass::Claim(claim) => claim.finish(&answer, expires_ms),
+            Pass::Leader(leader) => {
+                let _ = expires_ms; // waiters take the answer now, not later
+                leader.finish(answer);
+            }
+        }
+    }
+
+    /// The call recorded nothing: the next one may go ahead.
+    pub(crate) async fn abandon(self) {
+        match self {
+            #[cfg(feature = "redis")]
+            Pass::Claim(mut claim) => claim.release().await,
+            // Dropped, it lets its waiters go on as if first.
+            Pass::Leader(leader) => drop(leader),
+        }
+    }
+}
+
+/// The gates of one engine.
+pub(crate) struct Gate {
+    #[cfg(feature = "redis")]
+    redis: Option<Arc<RedisGate>>,
+    memory: MemoryGate,
+}
+
+impl Gate {
+    /// The in-memory gate alone.
+    pub(crate) fn memory() -> Self {
+        Self {
+            #[cfg(feature = "redis")]
+            redis: None,
+            memory: MemoryGate::default(),
+        }
+    }
+
+    /// Claims in Redis first; the in-memory gate when Redis cannot tell.
+    #[cfg(feature = "redis")]
+    pub(crate) fn redis(redis: RedisGate) -> Self {
+        Self { redis: Some(Arc::new(redis)), memory: MemoryGate::default() }
+    }
+
+    /// Decides for the call `(biz, key)`; `lease` bounds a Redis claim,
+    /// `wait` the wait in memory for a duplicate running here.
+    pub(crate) async fn enter<DB: Backend>(
+        &self,
+        pool: &Pool<DB>,
+        biz: &str,
+        key: &str,
+        fingerprint: &str,
+        lease: Duration,
+        wait: Duration,
+    ) -> Entry<'_> {
+        #[cfg(feature = "redis")]
+        if let Some(redis) = &self.redis
+            && let Some(entry) = redis.enter(pool, biz, key, fingerprint, lease).await
+        {
+            return entry;
+        }
+        let _ = (pool, fingerprint, lease);
+        self.memory.enter(biz, key, wait).await
+    }
+
+    /// Whether a call holds `(biz, key)` right now, as far as Redis knows
+    /// (a call running without a claim is invisible until it commits).
+    pub(crate) async fn is_running<DB: Backend>(&self, pool: &Pool<DB>, biz: &str, key: &str) -> bool {
+        #[cfg(feature = "redis")]
+        if let Some(redis) = &self.redis {
+            return redis.is_running(pool, biz, key).await;
+        }
+        let _ = (pool, biz, key);
+        false
+    }
+
+    /// The namespace set on the builder, if any.
+    #[cfg(feature = "redis")]
+    pub(crate) fn fixed_namespace(&self) -> Option<crate::namespace::Namespace> {
+        self.redis.as_ref().and_then(|redis| redis.fixed_namespace())
+    }
+
+    /// Makes the Redis gate read the namespace again (after `migrate`).
+    pub(crate) fn forget_namespace(&self) {
+        #[cfg(feature = "redis")]
+        if let Some(redis) = &self.redis {
+            redis.forget_namespace();
+        }
+    }
+}
+
+impl std::fmt::Debug for Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("Gate");
+        #[cfg(feature = "redis")]
+        d.field("redis", &self.redis);
+        d.finish_non_exhaustive()
+    }
+}

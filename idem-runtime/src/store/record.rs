@@ -1,0 +1,254 @@
+//! The record protocol: what a call asks the record table, one question
+//! per phase, written once for every backend.
+//!
+//! - [`Records::open`], before the body: the transaction the body runs in.
+//!   Without a claim the record goes in first, so a duplicate blocks on the
+//!   unique index before its body runs (bounded by `lock_wait`); with a
+//!   claim, duplicates are already kept out and the record waits for the end.
+//! - [`Records::commit`], after a body that returned a value: the finished
+//!   record, then `COMMIT`; or the duplicate's row that holds the key.
+//! - [`Records::settle`], after any failure once the body ran: the row a
+//!   duplicate committed, if any.
+//! - [`Records::read_live`]: a duplicate's question when the gate says busy.
+
+use std::time::Duration;
+
+use sqlx::{Pool, Transaction};
+
+use super::{Backend, ErrorClass, NewRecord, PROCESSING, SUCCEEDED, StoredRecord};
+use crate::clock;
+use crate::error::Error;
+
+/// How many attempts a deadlock or serialization failure before the body
+/// runs gets: the first and two retries.
+const CONFLICT_ATTEMPTS: u32 = 3;
+
+/// One call's identity in the record table, borrowed for the call.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RecordKey<'a> {
+    pub biz: &'static str,
+    pub key: &'a str,
+    pub fingerprint: &'a str,
+    pub biz_no: Option<&'a str>,
+    pub ttl: Duration,
+}
+
+impl RecordKey<'_> {
+    fn record<'r>(&'r self, status: i16, response: Option<&'r str>) -> NewRecord<'r> {
+        let now = now_ms();
+        NewRecord {
+            biz: self.biz,
+            key: self.key,
+            biz_no: self.biz_no,
+            params_hash: self.fingerprint,
+            status,
+            response,
+            now_ms: now,
+            expires_ms: now.saturating_add(i64::try_from(self.ttl.as_millis()).unwrap_or(i64::MAX)),
+        }
+    }
+
+    fn in_progress(&self) -> Error {
+        Error::InProgress { biz: self.biz, key: self.key.to_owned() }
+    }
+}
+
+/// The record table of one engine.
+pub(crate) struct Records<'p, DB: Backend> {
+    pub pool: &'p Pool<DB>,
+    /// Bound on a wait for a duplicate still in flight.
+    pub lock_wait: Duration,
+}
+
+/// What [`Records::open`] found.
+pub(crate) enum Opened<DB: Backend> {
+    /// Run the body in this transaction.
+    Go(Transaction<'static, DB>),
+    /// A live committed row holds the key: the answer, without the body.
+    Taken(StoredRecord),
+}
+
+/// What [`Records::commit`] did.
+pub(crate) enum Committed {
+    /// Our record and the body's writes committed; the record expires then.
+    Ours { expires_ms: i64 },
+    /// A duplicate's committed row holds the key: ours was rolled back.
+    Theirs(StoredRecord),
+}
+
+/// What [`Records::settle`] found.
+pub(crate) enum Settled {
+    /// A committed, live row holds the key.
+    Replay(StoredRecord),
+    /// A duplicate still holds the key past `lock_wait`.
+    Busy,
+    /// Nothing committed, or the database could not tell.
+    Unknown,
+}
+
+impl<DB: Backend> Records<'_, DB> {
+    /// The transaction the body runs in, or the live row that answers
+    /// instead. `claimed`: a Redis claim keeps duplicates out, so the record
+    /// waits for [`commit`](Records::commit).
+    pub(crate) async fn open(&self, id: &RecordKey<'_>, claimed: bool) -> Result<Opened<DB>, Error> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let opened =
+                if claimed { DB::begin(self.pool).await } else { DB::begin_bounded(self.pool, self.lock_wait).await };
+            // SQLite waits for its write lock at `BEGIN IMMEDIATE`.
+            let mut tx = opened.map_err(|e| db_error::<DB>(id, e))?;
+            if claimed {
+                return Ok(Opened::Go(tx));
+            }
+            let record = id.record(PROCESSING, None);
+            let inserted = match insert(&mut tx, id, &record, Some(self.lock_wait)).await {
+                Ok(Taken::No) => DB::end_bound(&mut tx).await.map(|()| Taken::No),
+                other => other,
+            };
+            match inserted {
+                Ok(Taken::No) => return Ok(Opened::Go(tx)),
+                Ok(Taken::By(row)) => {
+                    rollback(tx).await;
+                    return Ok(Opened::Taken(row));
+                }
+                Err(e) => {
+                    rollback(tx).await;
+                    if DB::classify(&e) == ErrorClass::Conflict && attempt < CONFLICT_ATTEMPTS {
+                        continue;
+                    }
+                    return Err(db_error::<DB>(id, e));
+                }
+            }
+        }
+    }
+
+    /// Writes the finished record holding `response` (inserted with a
+    /// claim, completed without) and commits. On any failure our work is
+    /// rolled back and the key [settled](Records::settle): a duplicate that
+    /// won a conflict (or our own commit, whose answer alone was lost) is
+    /// the answer; a conflict with no committed row is `InProgress`.
+    pub(crate) async fn commit(
+        &self,
+        mut tx: Transaction<'static, DB>,
+        id: &RecordKey<'_>,
+        response: &str,
+        claimed: bool,
+    ) -> Result<Committed, Error> {
+        let record = id.record(SUCCEEDED, Some(response));
+        let written = if claimed {
+            insert(&mut tx, id, &record, None).await
+        } else {
+            DB::mark_succeeded(&mut tx, &record).await.map(|()| Taken::No)
+        };
+        let failure = match written {
+            Ok(Taken::No) => match tx.commit().await {
+                Ok(()) => return Ok(Committed::Ours { expires_ms: record.expires_ms }),
+                Err(e) => e,
+            },
+            // The lease ran out and a duplicate finished first: ours is undone.
+            Ok(Taken::By(row)) => {
+                rollback(tx).await;
+                return Ok(Committed::Theirs(row));
+            }
+            Err(e) => {
+                rollback(tx).await;
+                e
+            }
+        };
+        match self.settle(id).await {
+            Settled::Replay(row) => Ok(Committed::Theirs(row)),
+            Settled::Busy => Err(id.in_progress()),
+            Settled::Unknown => Err(db_error::<DB>(id, failure)),
+        }
+    }
+
+    /// After a failure once the body has run: the committed row of the key,
+    /// if any. Asked the way a call without a claim asks before its body
+    /// (insert the record in a transaction of its own, rolled back), so it
+    /// waits for a duplicate still committing, such as the winner of a
+    /// deadlock with us; a plain read right after our rollback could miss
+    /// it. Bounded by `lock_wait` on the key, and twice that in all: a
+    /// database in trouble must not hold back the call's own error for a
+    /// pool's whole wait.
+    pub(crate) async fn settle(&self, id: &RecordKey<'_>) -> Settled {
+        let probe = async {
+            let mut tx = DB::begin_bounded(self.pool, self.lock_wait).await?;
+            let taken = insert(&mut tx, id, &id.record(PROCESSING, None), Some(self.lock_wait)).await;
+            rollback(tx).await;
+            taken
+        };
+        match tokio::time::timeout(self.lock_wait.saturating_mul(2), probe).await {
+            Ok(Ok(Taken::By(row))) => Settled::Replay(row),
+            Ok(Err(e)) if DB::classify(&e) == ErrorClass::LockTimeout => Settled::Busy,
+            Ok(Ok(Taken::No) | Err(_)) | Err(_) => Settled::Unknown,
+        }
+    }
+
+    /// The committed row of `(biz, key)`, live or expired, read without
+    /// waiting on locks.
+    pub(crate) async fn read(&self, biz: &str, key: &str) -> Result<Option<StoredRecord>, Error> {
+        Ok(DB::read_plain(self.pool, biz, key).await?)
+    }
+
+    /// The live committed row of `(biz, key)`, if any.
+    pub(crate) async fn read_live(&self, biz: &str, key: &str) -> Result<Option<StoredRecord>, Error> {
+        Ok(self.read(biz, key).await?.filter(|row| row.is_live(now_ms())))
+    }
+}
+
+/// Whether the record insert found the key already taken.
+enum Taken {
+    No,
+    By(StoredRecord),
+}
+
+/// Inserts the record: ours, or taken by a live committed row. An expired
+/// row is replaced inside the same transaction. `wait` bounds the wait on a
+/// duplicate still in flight.
+async fn insert<DB: Backend>(
+    tx: &mut Transaction<'static, DB>,
+    id: &RecordKey<'_>,
+    record: &NewRecord<'_>,
+    wait: Option<Duration>,
+) -> Result<Taken, sqlx::Error> {
+    // Each round either inserts, finds the live row, or clears an expired
+    // one; a row that vanishes three times in a row is not worth chasing.
+    for _ in 0..3 {
+        if DB::insert(tx, record, wait).await? {
+            return Ok(Taken::No);
+        }
+        let now = now_ms();
+        match DB::read_locking(&mut **tx, id.biz, id.key, wait).await? {
+            Some(row) if row.expires_ms > now => return Ok(Taken::By(row)),
+            Some(_) => {
+                DB::delete_expired(&mut **tx, id.biz, id.key, now, wait).await?;
+            }
+            None => {}
+        }
+    }
+    Err(sqlx::Error::Protocol("idem_record row of the key keeps changing".into()))
+}
+
+/// Rolls `tx` back. A failed rollback leaves nothing to undo: the server
+/// rolls back when the connection goes, and sqlx discards a connection in a
+/// broken state.
+pub(crate) async fn rollback<DB: Backend>(tx: Transaction<'static, DB>) {
+    if let Err(e) = tx.rollback().await {
+        tracing::debug!(error = %e, "rollback failed");
+    }
+}
+
+/// A database error as the caller sees it: a lock wait past its bound, or
+/// a conflict that outlived its retries, means someone else holds the key.
+fn db_error<DB: Backend>(id: &RecordKey<'_>, error: sqlx::Error) -> Error {
+    match DB::classify(&error) {
+        ErrorClass::LockTimeout | ErrorClass::Conflict => id.in_progress(),
+        _ => Error::Storage(error),
+    }
+}
+
+/// Now, as the record table stores time: Unix epoch milliseconds.
+pub(crate) fn now_ms() -> i64 {
+    i64::try_from(clock::now_ms()).unwrap_or(i64::MAX)
+}
