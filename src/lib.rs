@@ -54,13 +54,14 @@
 //! through the database; only speed is lost.
 #![warn(missing_docs)]
 
-pub use idem_macros::idempotent;
+pub use idem_macros::{State, idempotent};
 #[cfg(feature = "amqp")]
 pub use idem_runtime::amqp;
 #[cfg(feature = "axum")]
 pub use idem_runtime::http;
 pub use idem_runtime::{
-    Backend, Builder, Error, Idem, InvalidNamespace, KeyError, Namespace, Outcome, Status, observe,
+    Backend, Builder, Error, Idem, InvalidNamespace, KeyError, Namespace, Outcome, Status, col, observe, state,
+    transition,
 };
 
 /// Key rules, shared with entry points that take keys from outside

@@ -1,8 +1,9 @@
-//! The `#[idempotent]` attribute. Use it through the `idem` crate, whose
-//! documentation of [`idempotent`] is the reference.
+//! The `#[idempotent]` attribute and `#[derive(State)]`. Use them through
+//! the `idem` crate, whose documentation of [`idempotent`] is the reference.
 //!
 //! Pipeline: `attr` parses the arguments, `key` the key template, `ttl`
 //! the durations, `sig` checks the fn against them, `expand` writes code.
+//! `state` parses, checks and writes the derive.
 
 use proc_macro::TokenStream;
 
@@ -10,6 +11,7 @@ mod attr;
 mod expand;
 mod key;
 mod sig;
+mod state;
 mod ttl;
 
 /// Makes an `async fn` run once per business action.
@@ -109,4 +111,25 @@ mod ttl;
 #[proc_macro_attribute]
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::idempotent(args.into(), item.into()).into()
+}
+
+/// Declares a state column and its allowed transitions (layer 4); see
+/// `idem::state` for the reference.
+///
+/// ```ignore
+/// #[derive(Clone, Copy, Debug, PartialEq, idem::State)]
+/// #[state(table = "orders", id = "id", column = "status")]
+/// #[state(transitions(Pending -> Paid, Paid -> Refunded, Pending -> Closed))]
+/// enum OrderStatus { Pending, Paid, Refunded, Closed }
+/// ```
+///
+/// | argument | meaning |
+/// |---|---|
+/// | `table`, `id`, `column` | the table, its id column and its state column: SQL identifiers (`[A-Za-z_][A-Za-z0-9_]{0,63}`), quoted in every statement |
+/// | `transitions(A -> B, ...)` | the allowed moves; `idem::transition!(T: A -> B)` compiles only for these |
+/// | `storage = "text"` (default) or `"int"` | text stores each state as its name in `SCREAMING_SNAKE_CASE` (or `#[state(rename = "...")]` on the variant); int stores the variant's discriminant (`Paid = 1`, a `SMALLINT`) |
+/// | `crate = "path"` | the path to the `idem` crate, as for `#[idempotent]` |
+#[proc_macro_derive(State, attributes(state))]
+pub fn derive_state(input: TokenStream) -> TokenStream {
+    state::derive(input.into()).into()
 }

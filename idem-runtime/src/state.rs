@@ -12,7 +12,7 @@
 //!
 //! // inside a body, or on any sqlx transaction or connection:
 //! let answer = idem::state::advance(idem::transition!(OrderStatus: Pending -> Paid))
-//!     .set(idem::column!(paid_at), now_ms)
+//!     .set(idem::col!(paid_at), now_ms)
 //!     .run(&mut **tx, order_id)
 //!     .await?;
 //! match answer {
@@ -35,13 +35,16 @@ use sqlx::{Arguments, AssertSqlSafe, Database, Decode, Encode, Executor, Type};
 
 use crate::store::Backend;
 
+/// How many times a row re-read in `from` is updated again.
+const UPDATE_ATTEMPTS: u32 = 3;
+
 /// A SQL identifier checked at compile time. Written with
-/// [`column!`](crate::column) or by `#[derive(State)]`.
+/// [`col!`](crate::col) or by `#[derive(State)]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Ident(&'static str);
 
 impl Ident {
-    /// Not a stable API: `column!` and the derive call it in a `const`
+    /// Not a stable API: `col!` and the derive call it in a `const`
     /// block, where an invalid name is a compile error.
     #[doc(hidden)]
     pub const fn __checked(name: &'static str) -> Ident {
@@ -187,7 +190,7 @@ pub struct Advance<S, DB: Database> {
 
 impl<S: State, DB: Backend> Advance<S, DB> {
     /// Also sets `column` to `value` when the transition applies (never
-    /// when it does not). `column` comes from [`column!`](crate::column).
+    /// when it does not). `column` comes from [`col!`](crate::col).
     pub fn set<T>(mut self, column: Ident, value: T) -> Self
     where
         T: for<'t> Encode<'t, DB> + Type<DB>,
@@ -202,20 +205,24 @@ impl<S: State, DB: Backend> Advance<S, DB> {
     }
 
     /// Moves row `id` along the transition: one conditional `UPDATE`, and
-    /// on zero rows one `SELECT` of the row's state. Works on any
+    /// on zero rows one `SELECT` of the row's state (and the `UPDATE` again
+    /// if the row turns out to be in `from` after all, up to three times). Works on any
     /// connection: `&mut **tx` inside an `#[idempotent]` body, or a
     /// transaction or pool connection of your own.
-    pub async fn run<I>(mut self, conn: &mut DB::Connection, id: I) -> Result<Advanced<S>, sqlx::Error>
+    pub async fn run<C, I>(mut self, conn: &mut C, id: I) -> Result<Advanced<S>, sqlx::Error>
     where
+        // Names the database through the connection's type, so callers
+        // never spell it out.
+        C: sqlx::Connection<Database = DB>,
+        for<'e> &'e mut C: Executor<'e, Database = DB>,
         I: for<'t> Encode<'t, DB> + Type<DB> + Clone,
         &'static str: for<'t> Encode<'t, DB> + Type<DB>,
         i16: for<'t> Encode<'t, DB> + Type<DB>,
-        DB::Arguments: sqlx::IntoArguments<DB>,
+        DB::Arguments: sqlx::IntoArguments<DB> + Clone,
         for<'r> String: Decode<'r, DB> + Type<DB>,
         for<'r> i16: Decode<'r, DB>,
         (String,): for<'r> sqlx::FromRow<'r, DB::Row>,
         (i16,): for<'r> sqlx::FromRow<'r, DB::Row>,
-        for<'e> &'e mut DB::Connection: Executor<'e, Database = DB>,
     {
         if let Some(e) = self.error.take() {
             return Err(sqlx::Error::Encode(e));
@@ -234,43 +241,56 @@ impl<S: State, DB: Backend> Advance<S, DB> {
             DB::quote(S::COLUMN),
             DB::placeholder(n + 2),
         );
-        let mut args = self.args;
-        args.add(id.clone()).map_err(sqlx::Error::Encode)?;
-        bind_state(&mut args, self.transition.from).map_err(sqlx::Error::Encode)?;
-        // Built from checked identifiers and placeholders only.
-        let done = sqlx::query_with(AssertSqlSafe(update), args).execute(&mut *conn).await?;
-        if DB::rows_affected(&done) > 0 {
-            return Ok(Advanced::Applied);
-        }
+        let mut update_args = self.args;
+        update_args.add(id.clone()).map_err(sqlx::Error::Encode)?;
+        bind_state(&mut update_args, self.transition.from).map_err(sqlx::Error::Encode)?;
 
+        // The latest committed state: under MySQL's REPEATABLE READ a plain
+        // read could show a snapshot from before the update that beat ours.
         let select = format!(
-            "SELECT {} FROM {} WHERE {} = {}",
+            "SELECT {} FROM {} WHERE {} = {}{}",
             DB::quote(S::COLUMN),
             DB::quote(S::TABLE),
             DB::quote(S::ID),
             DB::placeholder(1),
+            DB::latest_committed_suffix(),
         );
-        let mut args = DB::Arguments::default();
-        args.add(id).map_err(sqlx::Error::Encode)?;
-        let current = if S::STORED_AS_INT {
-            let found: Option<(i16,)> =
-                sqlx::query_as_with(AssertSqlSafe(select), args).fetch_optional(&mut *conn).await?;
-            found.map(|(n,)| (S::from_int(n), n.to_string()))
-        } else {
-            let found: Option<(String,)> =
-                sqlx::query_as_with(AssertSqlSafe(select), args).fetch_optional(&mut *conn).await?;
-            found.map(|(text,)| (S::from_text(&text), format!("{text:?}")))
-        };
-        match current {
-            None => Ok(Advanced::NotFound),
-            Some((Some(state), _)) if state == self.transition.to => Ok(Advanced::AlreadyThere),
-            Some((Some(state), _)) => Ok(Advanced::Conflict { current: state }),
-            Some((None, value)) => Err(sqlx::Error::Decode(Box::new(UnknownState {
-                table: S::TABLE.as_str(),
-                column: S::COLUMN.as_str(),
-                value,
-                ty: std::any::type_name::<S>(),
-            }))),
+        let mut select_args = DB::Arguments::default();
+        select_args.add(id).map_err(sqlx::Error::Encode)?;
+
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            // Built from checked identifiers and placeholders only.
+            let update = sqlx::query_with(AssertSqlSafe(update.clone()), update_args.clone());
+            if DB::rows_affected(&update.execute(&mut *conn).await?) > 0 {
+                return Ok(Advanced::Applied);
+            }
+            let current = if S::STORED_AS_INT {
+                let select = sqlx::query_as_with(AssertSqlSafe(select.clone()), select_args.clone());
+                let found: Option<(i16,)> = select.fetch_optional(&mut *conn).await?;
+                found.map(|(n,)| (S::from_int(n), n.to_string()))
+            } else {
+                let select = sqlx::query_as_with(AssertSqlSafe(select.clone()), select_args.clone());
+                let found: Option<(String,)> = select.fetch_optional(&mut *conn).await?;
+                found.map(|(text,)| (S::from_text(&text), format!("{text:?}")))
+            };
+            return match current {
+                None => Ok(Advanced::NotFound),
+                Some((Some(state), _)) if state == self.transition.to => Ok(Advanced::AlreadyThere),
+                // In `from` after all: our `UPDATE` ran while another
+                // transaction held the row in a state it then left (on
+                // PostgreSQL it skips a row whose old version does not
+                // match, without waiting). Try again.
+                Some((Some(state), _)) if state == self.transition.from && attempt < UPDATE_ATTEMPTS => continue,
+                Some((Some(state), _)) => Ok(Advanced::Conflict { current: state }),
+                Some((None, value)) => Err(sqlx::Error::Decode(Box::new(UnknownState {
+                    table: S::TABLE.as_str(),
+                    column: S::COLUMN.as_str(),
+                    value,
+                    ty: std::any::type_name::<S>(),
+                }))),
+            };
         }
     }
 }
@@ -297,10 +317,10 @@ macro_rules! transition {
 }
 
 /// A SQL column name checked at compile time, for
-/// [`Advance::set`](crate::state::Advance::set): `column!(paid_at)`. A name
+/// [`Advance::set`](crate::state::Advance::set): `col!(paid_at)`. A name
 /// outside `[A-Za-z_][A-Za-z0-9_]{0,63}` does not compile.
 #[macro_export]
-macro_rules! column {
+macro_rules! col {
     ($name:ident) => {
         const { $crate::state::Ident::__checked(::core::stringify!($name)) }
     };

@@ -193,6 +193,13 @@ pub trait RecordSql: sqlx::Database + Sized {
 
     /// Rows a statement changed.
     fn rows_affected(done: &Self::QueryResult) -> u64;
+
+    /// What makes a `SELECT` inside a transaction read the latest committed
+    /// row rather than the transaction's snapshot (empty where the default
+    /// isolation level already does).
+    fn latest_committed_suffix() -> &'static str {
+        ""
+    }
 }
 
 /// SQL of the statements every backend runs in the same shape.

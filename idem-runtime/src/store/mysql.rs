@@ -87,6 +87,12 @@ impl RecordSql for MySql {
         done.rows_affected()
     }
 
+    /// Under REPEATABLE READ a plain `SELECT` shows the transaction's
+    /// snapshot, which may predate the update that just beat us.
+    fn latest_committed_suffix() -> &'static str {
+        " LOCK IN SHARE MODE"
+    }
+
     fn classify(error: &sqlx::Error) -> ErrorClass {
         if is_unique_violation(error) {
             return ErrorClass::Duplicate;

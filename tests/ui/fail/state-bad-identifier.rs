@@ -1,0 +1,10 @@
+// A table name that is not a SQL identifier never reaches SQL.
+#[derive(Clone, Copy, Debug, PartialEq, idem::State)]
+#[state(table = "orders; DROP TABLE orders", id = "id", column = "status")]
+#[state(transitions(Pending -> Paid))]
+enum OrderStatus {
+    Pending,
+    Paid,
+}
+
+fn main() {}
