@@ -73,6 +73,11 @@ pub mod key {
     };
 }
 
+/// Issued one-time tokens ([`Idem::tokens`]): the rules a token and its
+/// subject follow, and why one is refused.
+pub use idem_runtime::token;
+pub use idem_runtime::{Consumption, IssuedToken, SpentToken, TokenError, Tokens};
+
 /// Not a stable API: what the code written by `#[idempotent]` calls.
 #[doc(hidden)]
 pub mod __private {

@@ -16,6 +16,7 @@ use crate::namespace::Namespace;
 use crate::status::Status;
 use crate::store::Backend;
 use crate::store::record::{Records, now_ms};
+use crate::token::{self, Tokens};
 
 /// The idempotency engine for one database (and optionally one Redis).
 /// Cheap to clone; clones share the pool and the Redis connection.
@@ -27,6 +28,7 @@ struct Inner<DB: Backend> {
     pool: Pool<DB>,
     gate: Gate,
     lock_wait: Duration,
+    tokens: token::Settings,
 }
 
 impl<DB: Backend> Clone for Idem<DB> {
@@ -62,6 +64,7 @@ pub struct Builder<DB: Backend> {
     #[cfg(feature = "redis")]
     redis_timeout: Duration,
     lock_wait: Duration,
+    tokens: token::Settings,
 }
 
 impl<DB: Backend> Builder<DB> {
@@ -114,6 +117,27 @@ impl<DB: Backend> Builder<DB> {
         self
     }
 
+    /// How long a consumed [token](Idem::tokens) answers
+    /// [`AlreadyUsed`](crate::Consumption::AlreadyUsed) to its subject (and
+    /// so lets a resubmission reach the record that replays the first
+    /// result). Default 24 h; make it at least the `ttl` of the calls keyed
+    /// by tokens. Never shorter than the token's own life.
+    pub fn token_used_for(mut self, window: Duration) -> Self {
+        self.tokens.used_for = window;
+        self
+    }
+
+    /// Consumes [tokens](Idem::tokens) in Redis with a Lua script (`GET`
+    /// and `DEL` in one step) instead of `GETDEL`: for Redis before 6.2,
+    /// which lacks `GETDEL`. Not needed to be safe there: a server that
+    /// answers that `GETDEL` is unknown switches the engine to the script
+    /// by itself. Both are atomic.
+    #[cfg(feature = "redis")]
+    pub fn token_consume_with_lua(self, lua: bool) -> Self {
+        self.tokens.set_lua(lua);
+        self
+    }
+
     /// Builds the engine. Connects to nothing yet.
     pub fn build(self) -> Idem<DB> {
         #[cfg(feature = "redis")]
@@ -123,7 +147,7 @@ impl<DB: Backend> Builder<DB> {
         };
         #[cfg(not(feature = "redis"))]
         let gate = Gate::memory();
-        Idem { inner: Arc::new(Inner { pool: self.pool, gate, lock_wait: self.lock_wait }) }
+        Idem { inner: Arc::new(Inner { pool: self.pool, gate, lock_wait: self.lock_wait, tokens: self.tokens }) }
     }
 }
 
@@ -139,6 +163,7 @@ impl<DB: Backend> Idem<DB> {
             #[cfg(feature = "redis")]
             redis_timeout: Duration::from_millis(500),
             lock_wait: Duration::from_secs(5),
+            tokens: token::Settings::default(),
         }
     }
 
@@ -158,6 +183,16 @@ impl<DB: Backend> Idem<DB> {
 
     pub(crate) fn lock_wait(&self) -> Duration {
         self.inner.lock_wait
+    }
+
+    /// Issued one-time tokens: issue one bound to a subject, consume it
+    /// once, give it back when the call it guarded failed. See [`Tokens`].
+    pub fn tokens(&self) -> Tokens<'_, DB> {
+        Tokens::new(self)
+    }
+
+    pub(crate) fn token_settings(&self) -> &token::Settings {
+        &self.inner.tokens
     }
 
     pub(crate) fn records(&self) -> Records<'_, DB> {

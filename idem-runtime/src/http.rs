@@ -39,6 +39,10 @@
 //! | database unreachable | 503 | `IDEMPOTENCY_STORAGE_UNAVAILABLE` |
 //! | stored result no longer deserializes / cannot serialize | 500 | `IDEMPOTENCY_REPLAY_FAILED` / `IDEMPOTENCY_SERIALIZE_FAILED` |
 //! | `biz` breaks `[a-z0-9_]{1,32}` (a server bug, e.g. in `Idem::status`) | 500 | `IDEMPOTENCY_MISCONFIGURED` |
+//! | `Idempotency-Token` forged, malformed, sent twice, expired, or issued to another caller ([`IdempotencyToken`], [`TokenError::Refused`]) | 403 | `IDEMPOTENCY_TOKEN_INVALID` |
+//! | `Idempotency-Token` used before by this caller | as a duplicate: the first result replayed, or 409 while it runs | |
+//! | both `Idempotency-Key` and `Idempotency-Token` ([`KeyOrToken`]) | 400 | `INVALID_IDEMPOTENCY_KEY` |
+//! | the token store (Redis, or the database without it) unreachable | 503, `Retry-After: 1` | `IDEMPOTENCY_STORAGE_UNAVAILABLE` |
 //!
 //! Error bodies are `application/problem+json` (RFC 9457) with `type`,
 //! `title`, `status`, `code` and `detail`. The detail never repeats the key
@@ -76,7 +80,7 @@
 //!   handler's own task (not ones in a `tokio::spawn`ed task); with several,
 //!   the last one decides.
 
-use axum::extract::{FromRequestParts, Request};
+use axum::extract::{FromRequestParts, OptionalFromRequestParts, Request};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
@@ -88,6 +92,7 @@ use idem_rules::Shown;
 use crate::error::{Error, KeyError};
 use crate::key::{MAX_KEY_LEN, is_key_char, validate_header_key};
 use crate::outcome::{Outcome, observe};
+use crate::token::{TokenError, is_well_formed};
 
 /// The request header carrying the caller's key.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -95,6 +100,9 @@ pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 /// The media type of error bodies.
 pub const PROBLEM_JSON: &str = "application/problem+json";
+/// The request header carrying a token the server issued
+/// ([`Idem::tokens`](crate::Idem::tokens)).
+pub const IDEMPOTENCY_TOKEN: HeaderName = HeaderName::from_static("idempotency-token");
 
 /// The request's `Idempotency-Key` header, checked against
 /// `[A-Za-z0-9_.:-]{8,255}`, bare (`abc-123-xyz`) or as a structured-field
@@ -219,6 +227,100 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
     }
 }
 
+/// The request's `Idempotency-Token` header: a token the server issued
+/// ([`Idem::tokens`](crate::Idem::tokens)), bare or as a structured-field
+/// string (`"..."`). Checked for shape only (32 characters of base64url);
+/// whether it was issued, to whom, and whether it is used is for
+/// [`Tokens::redeem`](crate::Tokens::redeem) to say. A header that cannot
+/// be a token (or is sent twice) is refused like a forged token: 403
+/// `IDEMPOTENCY_TOKEN_INVALID`, before the handler runs. As an extractor it
+/// requires the header (403 without it too); take `Option<IdempotencyToken>`
+/// where it is one way among others, or [`KeyOrToken`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct IdempotencyToken(pub String);
+
+impl IdempotencyToken {
+    /// Reads and checks the token from request headers: `Ok(None)` when
+    /// there is none.
+    pub fn from_headers(headers: &http::HeaderMap) -> Result<Option<Self>, Problem> {
+        let mut values = headers.get_all(&IDEMPOTENCY_TOKEN).iter();
+        let Some(value) = values.next() else {
+            return Ok(None);
+        };
+        if values.next().is_some() {
+            return Err(Problem::token_invalid());
+        }
+        let text = value.to_str().unwrap_or_default();
+        let token = text.strip_prefix('"').and_then(|quoted| quoted.strip_suffix('"')).unwrap_or(text);
+        if is_well_formed(token) { Ok(Some(IdempotencyToken(token.to_owned()))) } else { Err(Problem::token_invalid()) }
+    }
+
+    /// The token, unquoted.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for IdempotencyToken {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        Self::from_headers(&parts.headers)?.ok_or_else(Problem::token_invalid)
+    }
+}
+
+impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyToken {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Option<Self>, Self::Rejection> {
+        Self::from_headers(&parts.headers)
+    }
+}
+
+/// Either way a request may name its call: a client's `Idempotency-Key`,
+/// or an `Idempotency-Token` the server issued. Neither: 400
+/// `MISSING_IDEMPOTENCY_KEY`; both: 400 `INVALID_IDEMPOTENCY_KEY` (which
+/// one counts would be a guess); a malformed key: 400 as for
+/// [`IdempotencyKey`]; a malformed token: 403 as for [`IdempotencyToken`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyOrToken {
+    /// The client's key.
+    Key(IdempotencyKey),
+    /// The token the server issued.
+    Token(IdempotencyToken),
+}
+
+impl KeyOrToken {
+    /// Reads and checks either header.
+    pub fn from_headers(headers: &http::HeaderMap) -> Result<Self, Problem> {
+        let has_key = headers.contains_key(&IDEMPOTENCY_KEY);
+        match IdempotencyToken::from_headers(headers)? {
+            Some(_) if has_key => {
+                Err(Problem::invalid_key("send either an Idempotency-Key or an Idempotency-Token, not both".into()))
+            }
+            Some(token) => Ok(KeyOrToken::Token(token)),
+            None if has_key => IdempotencyKey::from_headers(headers).map(KeyOrToken::Key),
+            None => Err(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "MISSING_IDEMPOTENCY_KEY",
+                "Idempotency-Key or Idempotency-Token header required",
+                "send the Idempotency-Token the server issued for this form, or an Idempotency-Key header of \
+                 8 to 255 characters from A-Z a-z 0-9 _ . : -, and the same value again when retrying"
+                    .into(),
+            )),
+        }
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for KeyOrToken {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        Self::from_headers(&parts.headers)
+    }
+}
+
 /// An `application/problem+json` error response (RFC 9457) with a stable
 /// `code`. Built from an [`Error`] (`Problem::from(&error)`), by the
 /// [`IdempotencyKey`] extractor, or by [`check_principal`].
@@ -271,6 +373,20 @@ impl Problem {
     /// only as visible ASCII or a code point (see `KeyError`'s `Display`).
     fn invalid_header_key(reason: &KeyError) -> Self {
         Problem::invalid_key(format!("the Idempotency-Key header is invalid ({reason}); {KEY_RULE}"))
+    }
+
+    /// A token that is forged, malformed, expired, or issued to another
+    /// caller: 403 `IDEMPOTENCY_TOKEN_INVALID`, alike for all (the caller
+    /// learns nothing about other callers' tokens).
+    pub fn token_invalid() -> Self {
+        Problem::new(
+            StatusCode::FORBIDDEN,
+            "IDEMPOTENCY_TOKEN_INVALID",
+            "Idempotency token invalid",
+            "the Idempotency-Token is unknown, expired, or was issued to another caller; \
+             ask for a new one; nothing was written"
+                .into(),
+        )
     }
 
     /// The `type` URI: `urn:idem:problem:` and the code in kebab case.
@@ -365,6 +481,68 @@ impl From<&Error> for Problem {
 impl From<Error> for Problem {
     fn from(error: Error) -> Self {
         Problem::from(&error)
+    }
+}
+
+impl From<&TokenError> for Problem {
+    fn from(error: &TokenError) -> Self {
+        match error {
+            TokenError::Refused(_) => Problem::token_invalid(),
+            TokenError::InvalidSubject { .. } => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "INVALID_PRINCIPAL",
+                "Caller identity cannot hold an idempotency token",
+                format!(
+                    "the caller's identity cannot hold an idempotency token; it must be 1 to {MAX_PRINCIPAL_LEN} \
+                     characters from A-Z a-z 0-9 _ . -"
+                ),
+            ),
+            TokenError::Unavailable(_) | TokenError::Storage(_) => Problem {
+                retry_after: Some(1),
+                ..Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "IDEMPOTENCY_STORAGE_UNAVAILABLE",
+                    "Idempotency storage unavailable",
+                    "the idempotency token could not be checked or issued; retry with the same token: \
+                     nothing was decided"
+                        .into(),
+                )
+            },
+            TokenError::Random(_) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "IDEMPOTENCY_TOKEN_UNAVAILABLE",
+                "Idempotency token cannot be issued",
+                "no idempotency token could be issued right now; ask again later".into(),
+            ),
+            // `biz` or ttl: the server's code, not the request.
+            TokenError::InvalidBiz | TokenError::InvalidTtl => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "IDEMPOTENCY_MISCONFIGURED",
+                "Idempotency misconfigured on the server",
+                "the server names this action or its token lifetime in a way idempotency does not accept; \
+                 nothing was written"
+                    .into(),
+            ),
+        }
+    }
+}
+
+impl From<TokenError> for Problem {
+    fn from(error: TokenError) -> Self {
+        Problem::from(&error)
+    }
+}
+
+/// The response for a [`TokenError`]: 403 `IDEMPOTENCY_TOKEN_INVALID` for
+/// a refused token, 503 when its store is unavailable (see the table in
+/// the [module docs](self)).
+impl IntoResponse for TokenError {
+    fn into_response(self) -> Response {
+        let problem = Problem::from(&self);
+        if problem.status.is_server_error() {
+            tracing::error!(error = %self, "idempotency token failed");
+        }
+        problem.into_response()
     }
 }
 
@@ -646,6 +824,79 @@ mod tests {
             assert!(!problem.detail.contains("key") && !problem.title.contains("key"), "{problem:?}");
             assert!(!problem.detail.contains("amount"), "{problem:?}");
         }
+    }
+
+    fn token_from(values: &[&[u8]]) -> Result<Option<IdempotencyToken>, Problem> {
+        let mut headers = HeaderMap::new();
+        for v in values {
+            headers.append(&IDEMPOTENCY_TOKEN, HeaderValue::from_bytes(v).unwrap());
+        }
+        IdempotencyToken::from_headers(&headers)
+    }
+
+    #[test]
+    fn token_headers_are_checked_for_shape_and_refused_as_forged() {
+        let token = "AbCdEfGhIjKlMnOpQrStUvWxYz0123-_";
+        assert_eq!(token_from(&[token.as_bytes()]).unwrap().unwrap().as_str(), token);
+        assert_eq!(token_from(&[format!("\"{token}\"").as_bytes()]).unwrap().unwrap().as_str(), token);
+        assert_eq!(token_from(&[]).unwrap(), None);
+        let short = &token[1..];
+        let long = format!("{token}A");
+        let plus = token.replace('-', "+");
+        for bad in [
+            &b""[..],
+            short.as_bytes(),
+            long.as_bytes(),
+            plus.as_bytes(),
+            b"\"",
+            b"AbCdEfGhIjKlMnOpQrStUvWxYz0123-\xff",
+        ] {
+            let problem = token_from(&[bad]).unwrap_err();
+            assert_eq!((problem.status, problem.code), (StatusCode::FORBIDDEN, "IDEMPOTENCY_TOKEN_INVALID"));
+            assert_shows_no_raw_bytes(&problem, "AbCdEfGh");
+        }
+        assert_eq!(token_from(&[token.as_bytes(), token.as_bytes()]).unwrap_err().code, "IDEMPOTENCY_TOKEN_INVALID");
+    }
+
+    #[test]
+    fn key_or_token_takes_exactly_one() {
+        let token = "AbCdEfGhIjKlMnOpQrStUvWxYz0123-_";
+        let mut headers = HeaderMap::new();
+        assert_eq!(KeyOrToken::from_headers(&headers).unwrap_err().code, "MISSING_IDEMPOTENCY_KEY");
+        headers.insert(&IDEMPOTENCY_KEY, HeaderValue::from_static("abcdefgh"));
+        assert_eq!(KeyOrToken::from_headers(&headers).unwrap(), KeyOrToken::Key(IdempotencyKey("abcdefgh".into())));
+        headers.insert(&IDEMPOTENCY_TOKEN, HeaderValue::from_static(token));
+        assert_eq!(KeyOrToken::from_headers(&headers).unwrap_err().code, "INVALID_IDEMPOTENCY_KEY");
+        headers.remove(&IDEMPOTENCY_KEY);
+        assert_eq!(KeyOrToken::from_headers(&headers).unwrap(), KeyOrToken::Token(IdempotencyToken(token.into())));
+        headers.insert(&IDEMPOTENCY_TOKEN, HeaderValue::from_static("forged"));
+        assert_eq!(KeyOrToken::from_headers(&headers).unwrap_err().status, StatusCode::FORBIDDEN);
+    }
+
+    #[test]
+    fn token_errors_answer_with_their_status_and_code() {
+        use crate::token::Refusal;
+        let cases = [
+            (TokenError::Refused(Refusal::Unknown), 403, "IDEMPOTENCY_TOKEN_INVALID"),
+            (TokenError::Refused(Refusal::OtherSubject), 403, "IDEMPOTENCY_TOKEN_INVALID"),
+            (TokenError::Unavailable("redis did not answer in time"), 503, "IDEMPOTENCY_STORAGE_UNAVAILABLE"),
+            (TokenError::Storage(sqlx::Error::PoolTimedOut), 503, "IDEMPOTENCY_STORAGE_UNAVAILABLE"),
+            (TokenError::InvalidSubject { len: 65 }, 400, "INVALID_PRINCIPAL"),
+            (TokenError::InvalidBiz, 500, "IDEMPOTENCY_MISCONFIGURED"),
+            (TokenError::InvalidTtl, 500, "IDEMPOTENCY_MISCONFIGURED"),
+        ];
+        for (error, status, code) in cases {
+            let problem = Problem::from(&error);
+            assert_eq!((problem.status.as_u16(), problem.code), (status, code), "{error:?}");
+            let response = error.into_response();
+            assert_eq!(response.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
+            assert_eq!(response.headers().get(header::RETRY_AFTER).is_some(), status == 503);
+        }
+        // Both refusals read the same: nothing tells another caller's token from a forged one.
+        assert_eq!(
+            Problem::from(&TokenError::Refused(Refusal::Unknown)),
+            Problem::from(&TokenError::Refused(Refusal::OtherSubject))
+        );
     }
 
     #[test]

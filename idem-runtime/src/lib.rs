@@ -31,6 +31,7 @@ mod spec;
 pub mod state;
 mod status;
 mod store;
+pub mod token;
 
 pub use engine::{Builder, Idem};
 pub use error::{Error, KeyError};
@@ -39,6 +40,7 @@ pub use namespace::{InvalidNamespace, Namespace};
 pub use outcome::{Outcome, observe};
 pub use status::Status;
 pub use store::Backend;
+pub use token::{Consumption, IssuedToken, SpentToken, TokenError, Tokens};
 
 /// Not a stable API: what the code written by `#[idempotent]` calls.
 #[doc(hidden)]

@@ -154,6 +154,12 @@ impl Gate {
             redis.forget_namespace();
         }
     }
+
+    /// The Redis side, for the engine's other Redis users (issued tokens).
+    #[cfg(feature = "redis")]
+    pub(crate) fn redis_gate(&self) -> Option<&Arc<RedisGate>> {
+        self.redis.as_ref()
+    }
 }
 
 impl std::fmt::Debug for Gate {

@@ -412,6 +412,63 @@ impl RedisGate {
     }
 }
 
+/// What another user of the engine's Redis (issued tokens, `crate::token`)
+/// got back for one operation.
+#[derive(Debug)]
+pub(crate) enum Reply<T> {
+    /// The server's answer.
+    Value(T),
+    /// The server answered with an error of its own (`ERR ...`, such as an
+    /// unknown command): Redis is up, the operation did not run.
+    Refused(redis::RedisError),
+    /// No answer within the timeout, or the connection failed: the
+    /// operation may or may not have run.
+    Unreachable,
+}
+
+/// The gate's connection, timeout and namespace, lent to the engine's other
+/// Redis users. Their operations are tried even while claims back off:
+/// they have no database to fall back on, so a try costs at most a timeout.
+impl RedisGate {
+    /// The namespace this engine's Redis keys carry, if known yet.
+    pub(crate) async fn namespace<DB: Backend>(&self, pool: &Pool<DB>) -> Option<Namespace> {
+        self.namespace.get(pool).await
+    }
+
+    /// Sends `cmd` under the gate's timeout.
+    pub(crate) async fn send<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> Reply<T> {
+        self.lent(|mut c| async move { cmd.query_async(&mut c).await }).await
+    }
+
+    /// Runs `call` (EVALSHA, EVAL when the script is not loaded) under the
+    /// gate's timeout.
+    pub(crate) async fn send_script<T: FromRedisValue>(&self, call: &ScriptInvocation<'_>) -> Reply<T> {
+        self.lent(|mut c| async move { call.invoke_async(&mut c).await }).await
+    }
+
+    async fn lent<T, F, Fut>(&self, op: F) -> Reply<T>
+    where
+        F: FnOnce(ConnectionHandle) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        // A refusal is an answer: Redis is up, and claims need not back off.
+        let answered = self
+            .guarded(Backoff::Ignore, |c| async move {
+                match op(c).await {
+                    Ok(value) => Ok(Ok(value)),
+                    Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) => Ok(Err(e)),
+                    Err(e) => Err(e),
+                }
+            })
+            .await;
+        match answered {
+            Ok(Ok(value)) => Reply::Value(value),
+            Ok(Err(refused)) => Reply::Refused(refused),
+            Err(_) => Reply::Unreachable,
+        }
+    }
+}
+
 /// A claim sent but not answered. Dropped so (the answer failed or timed
 /// out, or the caller's future was dropped while waiting), the script may
 /// still run and set our claim: it is released off the caller's path and

@@ -95,6 +95,52 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// The namespace recorded by [`migrate`](RecordSql::migrate), if any.
     fn namespace(pool: &Pool<Self>) -> impl Future<Output = Result<Option<String>, sqlx::Error>> + Send;
 
+    // Issued tokens without Redis (`crate::token::database`), in `idem_token`,
+    // which `migrate` creates beside `idem_record`. Times are epoch ms.
+
+    /// Inserts a token issued now, live (and kept) until `expires_ms`.
+    /// `Ok(false)`: the primary key `(biz_type, token)` is taken.
+    fn token_insert(
+        pool: &Pool<Self>,
+        id: TokenId<'_>,
+        now_ms: i64,
+        expires_ms: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// The one conditional statement that consumes a token: marks it used at
+    /// `now_ms` (the row kept until `used_until_ms`, to answer "already
+    /// used") if it is `id.subject`'s, unused and live. `Ok(true)`: this
+    /// call consumed it.
+    fn token_consume(
+        pool: &Pool<Self>,
+        id: TokenId<'_>,
+        now_ms: i64,
+        used_until_ms: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// The row of a token, whoever it belongs to, without locking.
+    fn token_read(
+        pool: &Pool<Self>,
+        biz: &str,
+        token: &str,
+    ) -> impl Future<Output = Result<Option<TokenRow>, sqlx::Error>> + Send;
+
+    /// Makes the token consumed at `used_at_ms` unused again, until its own
+    /// expiry. `Ok(false)`: that consumption is not the row's (any more).
+    fn token_give_back(
+        pool: &Pool<Self>,
+        id: TokenId<'_>,
+        used_at_ms: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Deletes up to `limit` tokens kept until `now_ms` or before: expired
+    /// unused ones, and used ones past the time they answer "already used".
+    fn token_purge_expired(
+        pool: &Pool<Self>,
+        now_ms: i64,
+        limit: i64,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
     /// Opens the transaction the record and the body share.
     fn begin(pool: &Pool<Self>) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send {
         pool.begin()
@@ -306,6 +352,97 @@ macro_rules! record_queries {
     };
 }
 pub(crate) use record_queries;
+
+/// One issued token in `idem_token`: its business action, its text, and
+/// the subject it was issued to.
+#[derive(Debug, Clone, Copy)]
+pub struct TokenId<'a> {
+    pub biz: &'a str,
+    pub token: &'a str,
+    pub subject: &'a str,
+}
+
+/// A token row as read back: `subject`, `used_at`, `expires_at`, `keep_until`.
+pub type TokenRow = (String, Option<i64>, i64, i64);
+
+/// SQL of the token statements, the same in shape on every backend.
+pub(crate) struct TokenQueries {
+    pub insert: &'static str,
+    pub consume: &'static str,
+    pub read: &'static str,
+    pub give_back: &'static str,
+    pub purge_expired: &'static str,
+}
+
+/// Writes the token methods of [`RecordSql`], which differ only in SQL text.
+macro_rules! token_queries {
+    ($q:expr) => {
+        async fn token_insert(
+            pool: &::sqlx::Pool<Self>,
+            id: $crate::store::TokenId<'_>,
+            now_ms: i64,
+            expires_ms: i64,
+        ) -> Result<bool, ::sqlx::Error> {
+            let done = ::sqlx::query($q.insert)
+                .bind(id.biz)
+                .bind(id.token)
+                .bind(id.subject)
+                .bind(now_ms)
+                .bind(expires_ms)
+                .bind(expires_ms)
+                .execute(pool)
+                .await;
+            $crate::store::inserted(done.map(|d| d.rows_affected()))
+        }
+
+        async fn token_consume(
+            pool: &::sqlx::Pool<Self>,
+            id: $crate::store::TokenId<'_>,
+            now_ms: i64,
+            used_until_ms: i64,
+        ) -> Result<bool, ::sqlx::Error> {
+            let done = ::sqlx::query($q.consume)
+                .bind(now_ms)
+                .bind(used_until_ms)
+                .bind(id.biz)
+                .bind(id.token)
+                .bind(id.subject)
+                .bind(now_ms)
+                .execute(pool)
+                .await?;
+            Ok(done.rows_affected() == 1)
+        }
+
+        async fn token_read(
+            pool: &::sqlx::Pool<Self>,
+            biz: &str,
+            token: &str,
+        ) -> Result<Option<$crate::store::TokenRow>, ::sqlx::Error> {
+            ::sqlx::query_as($q.read).bind(biz).bind(token).fetch_optional(pool).await
+        }
+
+        async fn token_give_back(
+            pool: &::sqlx::Pool<Self>,
+            id: $crate::store::TokenId<'_>,
+            used_at_ms: i64,
+        ) -> Result<bool, ::sqlx::Error> {
+            let done = ::sqlx::query($q.give_back)
+                .bind(id.biz)
+                .bind(id.token)
+                .bind(id.subject)
+                .bind(used_at_ms)
+                .execute(pool)
+                .await?;
+            Ok(done.rows_affected() == 1)
+        }
+
+        async fn token_purge_expired(pool: &::sqlx::Pool<Self>, now_ms: i64, limit: i64) -> Result<u64, ::sqlx::Error> {
+            let done = ::sqlx::query($q.purge_expired).bind(now_ms).bind(limit).execute(pool).await?;
+            Ok(done.rows_affected())
+        }
+    };
+}
+pub(crate) use token_queries;
 
 /// An insert's answer: `Ok(true)` inserted, `Ok(false)` the key is taken
 /// (a unique violation, or 0 rows under `ON CONFLICT DO NOTHING`).

@@ -5,7 +5,9 @@ use std::time::Duration;
 use sqlx::mysql::{MySql, MySqlDatabaseError};
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr};
 
-use super::{Backend, ErrorClass, Queries, RecordSql, is_unique_violation, record_queries};
+use super::{
+    Backend, ErrorClass, Queries, RecordSql, TokenQueries, is_unique_violation, record_queries, token_queries,
+};
 
 // `read_locking` is a locking read: under REPEATABLE READ a plain SELECT would show
 // the transaction's snapshot, not the duplicate committed since.
@@ -41,6 +43,28 @@ const Q: Queries = Queries {
     init_namespace: "INSERT INTO idem_meta (name, value) VALUES ('namespace', ?) ON DUPLICATE KEY UPDATE name = name",
 };
 
+// Issued tokens without Redis (`crate::token::database`). Tokens are
+// case-sensitive (base64url): `ascii_bin`, or `aB` and `Ab` would be one token.
+const TOKEN_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_token (
+    biz_type VARCHAR(32) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+    token CHAR(32) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+    subject VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+    created_at BIGINT NOT NULL,
+    expires_at BIGINT NOT NULL,
+    used_at BIGINT NULL,
+    keep_until BIGINT NOT NULL,
+    PRIMARY KEY (biz_type, token),
+    KEY idx_idem_token_keep_until (keep_until)
+) ENGINE = InnoDB";
+
+const TQ: TokenQueries = TokenQueries {
+    insert: "INSERT INTO idem_token (biz_type, token, subject, created_at, expires_at, used_at, keep_until) VALUES (?, ?, ?, ?, ?, NULL, ?)",
+    consume: "UPDATE idem_token SET used_at = ?, keep_until = ? WHERE biz_type = ? AND token = ? AND subject = ? AND used_at IS NULL AND expires_at > ?",
+    read: "SELECT subject, used_at, expires_at, keep_until FROM idem_token WHERE biz_type = ? AND token = ?",
+    give_back: "UPDATE idem_token SET used_at = NULL, keep_until = expires_at WHERE biz_type = ? AND token = ? AND subject = ? AND used_at = ?",
+    purge_expired: "DELETE FROM idem_token WHERE keep_until <= ? LIMIT ?",
+};
+
 /// The largest `innodb_lock_wait_timeout` the server takes (2^30 s).
 const MAX_LOCK_WAIT_SECS: u64 = 1 << 30;
 const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
@@ -52,6 +76,7 @@ impl RecordSql for MySql {
     async fn migrate(pool: &Pool<Self>, namespace: &str) -> Result<(), sqlx::Error> {
         sqlx::raw_sql(DDL).execute(pool).await?;
         sqlx::raw_sql(Q.meta_ddl).execute(pool).await?;
+        sqlx::raw_sql(TOKEN_DDL).execute(pool).await?;
         sqlx::query(Q.init_namespace).bind(namespace).execute(pool).await.map(drop)
     }
 
@@ -73,6 +98,8 @@ impl RecordSql for MySql {
     }
 
     record_queries!(Q);
+
+    token_queries!(TQ);
 
     fn quote(ident: crate::state::Ident) -> String {
         // A checked identifier holds no quote character.

@@ -5,7 +5,9 @@ use std::time::Duration;
 use sqlx::postgres::Postgres;
 use sqlx::{AssertSqlSafe, Pool, Transaction};
 
-use super::{Backend, ErrorClass, Queries, RecordSql, is_unique_violation, record_queries};
+use super::{
+    Backend, ErrorClass, Queries, RecordSql, TokenQueries, is_unique_violation, record_queries, token_queries,
+};
 
 // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide in the catalog,
 // so migrations take a transaction-scoped advisory lock first.
@@ -42,6 +44,29 @@ const Q: Queries = Queries {
     init_namespace: "INSERT INTO idem_meta (name, value) VALUES ('namespace', $1) ON CONFLICT (name) DO NOTHING",
 };
 
+// Issued tokens without Redis (`crate::token::database`).
+const TOKEN_DDL: [&str; 2] = [
+    "CREATE TABLE IF NOT EXISTS idem_token (
+        biz_type VARCHAR(32) NOT NULL,
+        token CHAR(32) NOT NULL,
+        subject VARCHAR(64) NOT NULL,
+        created_at BIGINT NOT NULL,
+        expires_at BIGINT NOT NULL,
+        used_at BIGINT NULL,
+        keep_until BIGINT NOT NULL,
+        CONSTRAINT pk_idem_token PRIMARY KEY (biz_type, token)
+    )",
+    "CREATE INDEX IF NOT EXISTS idx_idem_token_keep_until ON idem_token (keep_until)",
+];
+
+const TQ: TokenQueries = TokenQueries {
+    insert: "INSERT INTO idem_token (biz_type, token, subject, created_at, expires_at, used_at, keep_until) VALUES ($1, $2, $3, $4, $5, NULL, $6) ON CONFLICT (biz_type, token) DO NOTHING",
+    consume: "UPDATE idem_token SET used_at = $1, keep_until = $2 WHERE biz_type = $3 AND token = $4 AND subject = $5 AND used_at IS NULL AND expires_at > $6",
+    read: "SELECT subject, used_at, expires_at, keep_until FROM idem_token WHERE biz_type = $1 AND token = $2",
+    give_back: "UPDATE idem_token SET used_at = NULL, keep_until = expires_at WHERE biz_type = $1 AND token = $2 AND subject = $3 AND used_at = $4",
+    purge_expired: "DELETE FROM idem_token WHERE (biz_type, token) IN (SELECT biz_type, token FROM idem_token WHERE keep_until <= $1 LIMIT $2)",
+};
+
 const LOCK_NOT_AVAILABLE: &str = "55P03";
 const DEADLOCK_DETECTED: &str = "40P01";
 const SERIALIZATION_FAILURE: &str = "40001";
@@ -56,6 +81,9 @@ impl RecordSql for Postgres {
             sqlx::raw_sql(ddl).execute(&mut *tx).await?;
         }
         sqlx::raw_sql(Q.meta_ddl).execute(&mut *tx).await?;
+        for ddl in TOKEN_DDL {
+            sqlx::raw_sql(ddl).execute(&mut *tx).await?;
+        }
         sqlx::query(Q.init_namespace).bind(namespace).execute(&mut *tx).await?;
         tx.commit().await
     }
@@ -81,6 +109,8 @@ impl RecordSql for Postgres {
     }
 
     record_queries!(Q);
+
+    token_queries!(TQ);
 
     fn quote(ident: crate::state::Ident) -> String {
         // A checked identifier holds no quote character.

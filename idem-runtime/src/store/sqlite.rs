@@ -3,7 +3,9 @@
 use sqlx::sqlite::Sqlite;
 use sqlx::{Pool, Transaction};
 
-use super::{Backend, ErrorClass, Queries, RecordSql, is_unique_violation, record_queries};
+use super::{
+    Backend, ErrorClass, Queries, RecordSql, TokenQueries, is_unique_violation, record_queries, token_queries,
+};
 
 const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
         id INTEGER PRIMARY KEY,
@@ -32,6 +34,28 @@ const Q: Queries = Queries {
     init_namespace: "INSERT INTO idem_meta (name, value) VALUES ('namespace', ?) ON CONFLICT (name) DO NOTHING",
 };
 
+// Issued tokens without Redis (`crate::token::database`). TEXT compares
+// byte for byte (BINARY collation): tokens are case-sensitive.
+const TOKEN_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_token (
+        biz_type TEXT NOT NULL,
+        token TEXT NOT NULL,
+        subject TEXT NOT NULL,
+        created_at INTEGER NOT NULL,
+        expires_at INTEGER NOT NULL,
+        used_at INTEGER NULL,
+        keep_until INTEGER NOT NULL,
+        PRIMARY KEY (biz_type, token)
+    );
+    CREATE INDEX IF NOT EXISTS idx_idem_token_keep_until ON idem_token (keep_until);";
+
+const TQ: TokenQueries = TokenQueries {
+    insert: "INSERT INTO idem_token (biz_type, token, subject, created_at, expires_at, used_at, keep_until) VALUES (?, ?, ?, ?, ?, NULL, ?)",
+    consume: "UPDATE idem_token SET used_at = ?, keep_until = ? WHERE biz_type = ? AND token = ? AND subject = ? AND used_at IS NULL AND expires_at > ?",
+    read: "SELECT subject, used_at, expires_at, keep_until FROM idem_token WHERE biz_type = ? AND token = ?",
+    give_back: "UPDATE idem_token SET used_at = NULL, keep_until = expires_at WHERE biz_type = ? AND token = ? AND subject = ? AND used_at = ?",
+    purge_expired: "DELETE FROM idem_token WHERE rowid IN (SELECT rowid FROM idem_token WHERE keep_until <= ? LIMIT ?)",
+};
+
 // Primary result codes; extended codes keep them in the low byte.
 const SQLITE_BUSY: u32 = 5;
 const SQLITE_LOCKED: u32 = 6;
@@ -42,6 +66,7 @@ impl RecordSql for Sqlite {
     async fn migrate(pool: &Pool<Self>, namespace: &str) -> Result<(), sqlx::Error> {
         sqlx::raw_sql(DDL).execute(pool).await?;
         sqlx::raw_sql(Q.meta_ddl).execute(pool).await?;
+        sqlx::raw_sql(TOKEN_DDL).execute(pool).await?;
         sqlx::query(Q.init_namespace).bind(namespace).execute(pool).await.map(drop)
     }
 
@@ -54,6 +79,8 @@ impl RecordSql for Sqlite {
     }
 
     record_queries!(Q);
+
+    token_queries!(TQ);
 
     fn quote(ident: crate::state::Ident) -> String {
         // A checked identifier holds no quote character.

@@ -1,0 +1,800 @@
+//! Issued one-time tokens (`Idem::tokens`) against the real servers: the
+//! same suite on SQLite, MariaDB and PostgreSQL, each with the tokens in
+//! Redis through `GETDEL`, in Redis through the Lua script, and in the
+//! database (no Redis). Then what only Redis has (the key layout, the Lua
+//! fallback on a server without `GETDEL`, an outage), and HTTP end to end:
+//! `GET /orders/{id}/pay-token`, then `POST /orders/{id}/pay` with
+//! `Idempotency-Token`.
+//!
+//! Self-contained: the shared test helpers are being moved into a crate of
+//! their own, so this target reaches the servers by itself (the same URLs,
+//! and the same `IDEM_REQUIRE_SERVICES=1` rule for a server that is down).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use idem::{Backend, Consumption, Idem, Outcome, Status, TokenError, idempotent, observe, token::Refusal};
+use sqlx::{Pool, Transaction};
+use tokio::sync::{Barrier, mpsc, watch};
+
+/// The action of the tokens and of the calls they key.
+const BIZ: &str = "tok_test_pay";
+/// How long a duplicate without a Redis claim waits for the running call
+/// (in memory) before it answers `InProgress`.
+const LOCK_WAIT: Duration = Duration::from_millis(500);
+/// Tokens meant to stay live through a test.
+const LONG: Duration = Duration::from_secs(600);
+/// Tokens meant to expire during a test: long enough to be consumed first
+/// on a loaded machine, short enough to wait out.
+const SHORT: Duration = Duration::from_secs(2);
+/// Submits racing one token.
+const CROWD: usize = 100;
+/// How long a consumed token answers "already used" here (the engine's
+/// default is a day; the tests' keys need not outlive them that long).
+const USED_FOR: Duration = Duration::from_secs(900);
+
+mod servers {
+    //! Reaching the servers; skipping (or failing, under
+    //! `IDEM_REQUIRE_SERVICES=1`) when one does not answer.
+
+    use std::process::{Child, Command, Stdio};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+    pub fn mysql_url() -> String {
+        std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+    }
+
+    pub fn pg_url() -> String {
+        std::env::var("IDEM_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    }
+
+    pub fn redis_url() -> String {
+        std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+    }
+
+    /// Reports a server that does not answer: a visible line, or a failure
+    /// when `IDEM_REQUIRE_SERVICES=1`.
+    pub fn skip(service: &str) {
+        if std::env::var("IDEM_REQUIRE_SERVICES").is_ok_and(|v| v == "1") {
+            panic!("{service} unreachable and IDEM_REQUIRE_SERVICES=1");
+        }
+        println!("skipped: {service} unreachable");
+    }
+
+    /// `connect`, tried for up to 5 s.
+    pub async fn reach<T, F, Fut>(service: &str, mut connect: F) -> Option<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Option<T>>,
+    {
+        for _ in 0..20 {
+            if let Some(t) = connect().await {
+                return Some(t);
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        skip(service);
+        None
+    }
+
+    pub async fn redis_client(url: String) -> Option<redis::Client> {
+        reach("redis", || async {
+            let client = redis::Client::open(url.as_str()).ok()?;
+            let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+            let pong: String = redis::cmd("PING").query_async(&mut conn).await.ok()?;
+            (pong == "PONG").then_some(client)
+        })
+        .await
+    }
+
+    /// A name nobody else uses: this process, this instant, a counter;
+    /// letters and digits only (it may be a user id).
+    pub fn unique(prefix: &str) -> String {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
+        format!("{prefix}{}x{nanos}x{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// A `redis-server` of this test alone, on a free loopback port, with
+    /// `extra` arguments; killed when dropped. `None` (after saying why)
+    /// when `redis-server` cannot run.
+    pub struct PrivateRedis {
+        port: u16,
+        child: Child,
+    }
+
+    impl PrivateRedis {
+        pub fn start(extra: &[&str]) -> Option<Self> {
+            let port = std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
+            let child = Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .args(extra)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn();
+            let Ok(child) = child else {
+                skip("redis-server (not installed)");
+                return None;
+            };
+            let server = PrivateRedis { port, child };
+            let start = Instant::now();
+            while server.query::<String>(&redis::cmd("PING")).is_err() {
+                assert!(start.elapsed() < Duration::from_secs(10), "private redis-server on {port} did not start");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Some(server)
+        }
+
+        pub fn client(&self) -> redis::Client {
+            redis::Client::open(format!("redis://127.0.0.1:{}", self.port)).expect("redis url")
+        }
+
+        pub fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
+            let mut conn = self.client().get_connection_with_timeout(Duration::from_millis(500))?;
+            cmd.query(&mut conn)
+        }
+
+        /// Calls of `command` so far (`INFO commandstats`), 0 when never called.
+        pub fn calls(&self, command: &str) -> u64 {
+            let info: String = self.query(redis::cmd("INFO").arg("commandstats")).expect("INFO");
+            let prefix = format!("cmdstat_{command}:calls=");
+            info.lines()
+                .find_map(|line| line.strip_prefix(&prefix))
+                .and_then(|rest| rest.split(',').next())
+                .map_or(0, |n| n.parse().expect("calls"))
+        }
+    }
+
+    impl Drop for PrivateRedis {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+use servers::unique;
+
+/// What the guarded bodies of one test do and saw.
+struct Probe {
+    /// Bodies that started.
+    runs: AtomicUsize,
+    /// The next body fails (once).
+    fail_next: AtomicBool,
+    /// Bodies wait here until it is open.
+    open: watch::Sender<bool>,
+    /// Told each time a body starts.
+    started: mpsc::UnboundedSender<()>,
+}
+
+impl Probe {
+    fn new(open: bool) -> (Arc<Self>, mpsc::UnboundedReceiver<()>) {
+        let (started, starts) = mpsc::unbounded_channel();
+        let probe = Probe {
+            runs: AtomicUsize::new(0),
+            fail_next: AtomicBool::new(false),
+            open: watch::Sender::new(open),
+            started,
+        };
+        (Arc::new(probe), starts)
+    }
+
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    /// A body's part: counted, held while closed, failing when told to.
+    async fn body(&self) -> Result<(), TestError> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        let _ = self.started.send(());
+        let mut open = self.open.subscribe();
+        // Bounded: a test that never opens it fails on its answers instead of hanging.
+        let _ = tokio::time::timeout(Duration::from_secs(30), open.wait_for(|open| *open)).await;
+        if self.fail_next.swap(false, Ordering::SeqCst) { Err(TestError::Body) } else { Ok(()) }
+    }
+}
+
+#[derive(Debug)]
+enum TestError {
+    Idem(idem::Error),
+    Token(TokenError),
+    /// The body failed (nothing recorded).
+    Body,
+}
+
+impl From<idem::Error> for TestError {
+    fn from(e: idem::Error) -> Self {
+        TestError::Idem(e)
+    }
+}
+
+impl From<TokenError> for TestError {
+    fn from(e: TokenError) -> Self {
+        TestError::Token(e)
+    }
+}
+
+/// Where the tokens of one run of the suite live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    /// Redis, consumed with `GETDEL`.
+    Getdel,
+    /// Redis, consumed with the Lua script (`Builder::token_consume_with_lua`).
+    Lua,
+    /// The `idem_token` table: no Redis.
+    Database,
+}
+
+/// An engine over `pool` with its tokens in `place`, migrated; `None` when
+/// Redis is needed and does not answer.
+async fn engine<DB: Backend>(pool: Pool<DB>, place: Place) -> Option<Idem<DB>> {
+    let builder = Idem::builder(pool).lock_wait(LOCK_WAIT).token_used_for(USED_FOR);
+    let builder = match place {
+        Place::Database => builder,
+        Place::Getdel => builder.redis(servers::redis_client(servers::redis_url()).await?),
+        Place::Lua => builder.redis(servers::redis_client(servers::redis_url()).await?).token_consume_with_lua(true),
+    };
+    let idem = builder.build();
+    idem.migrate().await.expect("migrate");
+    Some(idem)
+}
+
+/// A SQLite file of its own (WAL, so reads go on beside a writer), deleted
+/// with this guard.
+struct LiteFile(std::path::PathBuf);
+
+impl Drop for LiteFile {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", self.0.display()));
+        }
+    }
+}
+
+async fn sqlite_pool() -> Option<(Pool<sqlx::Sqlite>, LiteFile)> {
+    let file = std::env::temp_dir().join(format!("{}.db", unique("idem-tokens")));
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(&file)
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_secs(30));
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(60))
+        .connect_with(options)
+        .await
+        .expect("sqlite file");
+    Some((pool, LiteFile(file)))
+}
+
+async fn mysql_pool() -> Option<(Pool<sqlx::MySql>, ())> {
+    let pool = servers::reach("mysql", || async {
+        let options = sqlx::mysql::MySqlPoolOptions::new().max_connections(10).acquire_timeout(Duration::from_secs(60));
+        options.connect(&servers::mysql_url()).await.ok()
+    })
+    .await?;
+    Some((pool, ()))
+}
+
+async fn pg_pool() -> Option<(Pool<sqlx::Postgres>, ())> {
+    let pool = servers::reach("postgres", || async {
+        let options = sqlx::postgres::PgPoolOptions::new().max_connections(10).acquire_timeout(Duration::from_secs(60));
+        options.connect(&servers::pg_url()).await.ok()
+    })
+    .await?;
+    Some((pool, ()))
+}
+
+/// Waits until this process's clock is past `at_ms` (a token's expiry):
+/// the moment the engine compares expiries with.
+async fn wait_past(at_ms: u64) {
+    loop {
+        let now = u64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis()).unwrap();
+        if now > at_ms {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(at_ms + 1 - now)).await;
+    }
+}
+
+/// A well-formed token nobody issued.
+fn forged() -> String {
+    let seed = unique("f");
+    let mut token: String = seed.chars().rev().filter(char::is_ascii_alphanumeric).take(32).collect();
+    while token.len() < 32 {
+        token.push('Q');
+    }
+    token
+}
+
+/// One test per check and place: `async fn $check()` running the
+/// backend module's `$check($place)`.
+macro_rules! checks {
+    ($place:expr, $($check:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $check() {
+                super::$check($place).await
+            }
+        )*
+    };
+}
+
+/// Every check of the suite, for one place.
+macro_rules! every_check {
+    ($place:expr) => {
+        checks!(
+            $place,
+            consumes_once_then_already_used,
+            another_subject_is_refused_without_consuming,
+            forged_malformed_other_biz_and_expired_are_unknown,
+            concurrent_consumes_have_one_winner,
+            concurrent_submits_run_the_body_once,
+            a_submit_while_the_first_runs_is_in_progress,
+            a_failed_body_gives_the_token_back,
+            a_give_back_after_expiry_leaves_it_unknown,
+            refused_tokens_write_nothing,
+            bad_subjects_biz_and_ttl_are_refused,
+        );
+    };
+}
+
+/// The test's part of the suite, per backend: a guarded call keyed by the
+/// token, and every check, run for each place.
+macro_rules! backend_suite {
+    ($module:ident, $db:ty, $pool:path, $count_token_rows:expr) => {
+        mod $module {
+            use super::*;
+
+            type Db = $db;
+
+            /// The call a token guards, keyed by it (scoped to the subject).
+            #[idempotent(key = "<subject>:<token>", ttl = "1h", biz = "tok_test_pay")]
+            async fn pay(
+                idem: &Idem<Db>,
+                tx: &mut Transaction<'_, Db>,
+                subject: String,
+                token: String,
+                amount: i64,
+                #[idem(skip)] probe: &Probe,
+            ) -> Result<i64, TestError> {
+                sqlx::query("SELECT 1").execute(&mut **tx).await.map_err(idem::Error::from)?;
+                probe.body().await?;
+                Ok(amount)
+            }
+
+            /// One submit: the token redeemed for one call to `pay`, and how that call ended.
+            pub(crate) async fn submit(
+                idem: &Idem<Db>,
+                subject: &str,
+                token: &str,
+                amount: i64,
+                probe: &Probe,
+            ) -> (Result<i64, TestError>, Option<Outcome>) {
+                let call = || pay(idem, subject.to_owned(), token.to_owned(), amount, probe);
+                observe(idem.tokens().redeem(BIZ, subject, token, call)).await
+            }
+
+            async fn setup(place: Place) -> Option<(Idem<Db>, impl Sized)> {
+                let (pool, guard) = $pool().await?;
+                Some((engine(pool, place).await?, guard))
+            }
+
+            /// Issue → consume → `Consumed`; again → `AlreadyUsed`.
+            pub async fn consumes_once_then_already_used(place: Place) {
+                let Some((idem, _guard)) = setup(place).await else { return };
+                let user = unique("u");
+                let issued = idem.tokens().issue(BIZ, &user, LONG).await.expect("issue");
+                assert_eq!(issued.token.len(), idem::token::TOKEN_LEN);
+                assert!(idem::token::is_well_formed(&issued.token), "{issued:?}");
+                assert_eq!(issued.ttl, LONG);
+                match idem.tokens().consume(BIZ, &user, &issued.token).await.expect("consume") {
+                    Consumption::Consumed(spent) => {
+                        assert_eq!((spent.token(), spent.subject()), (issued.token.as_str(), user.as_str()));
+                        assert_eq!(spent.expires_at_ms(), issued.expires_at_ms);
+                    }
+                    other => panic!("first consume: {other:?}"),
+                }
+                for _ in 0..2 {
+                    let again = idem.tokens().consume(BIZ, &user, &issued.token).await.expect("consume");
+                    assert!(matches!(again, Consumption::AlreadyUsed), "{again:?}");
+                }
+            }
+
+            /// Another subject's token is refused and left as it was: its
+            /// subject still consumes it.
+            pub async fn another_subject_is_refused_without_consuming(place: Place) {
+                let Some((idem, _guard)) = setup(place).await else { return };
+                let (alice, bob) = (unique("alice"), unique("bob"));
+                let issued = idem.tokens().issue(BIZ, &alice, LONG).await.expect("issue");
+                for _ in 0..2 {
+                    let theirs = idem.tokens().consume(BIZ, &bob, &issued.token).await.expect("consume");
+                    assert!(matches!(theirs, Consumption::OtherSubject), "{theirs:?}");
+                }
+                let ours = idem.tokens().consume(BIZ, &alice, &issued.token).await.expect("consume");
+                assert!(matches!(ours, Consumption::Consumed(_)), "{ours:?}");
+                let theirs = idem.tokens().consume(BIZ, &bob, &issued.token).await.expect("consume");
+                assert!(matches!(theirs, Consumption::OtherSubject), "once used, still another's: {theirs:?}");
+            }
+
+            /// Forged, malformed, another `biz`'s and expired tokens are unknown.
+            pub async fn forged_malformed_other_biz_and_expired_are_unknown(place: Place) {
+                let Some((idem, _guard)) = setup(place).await else { return };
+                let user = unique("u");
+                let tokens = idem.tokens();
+                let unknown = |c: &Consumption| matches!(c, Consumption::Unknown);
+                let forged = forged();
+                assert!(idem::token::is_well_formed(&forged));
+                for token in [forged.as_str(), "", "short", &"A".repeat(33), &format!("{}:", "A".repeat(31))] {
+                    let answer = tokens.consume(BIZ, &user, token).await.expect("consume");
+                    assert!(unknown(&answer), "{token:?}: {answer:?}");
+                }
+                let issued = tokens.issue(BIZ, &user, LONG).await.expect("issue");
+                let other_biz = tokens.consume("tok_test_other", &user, &issued.token).await.expect("consume");
+                assert!(unknown(&other_biz), "{other_biz:?}");
+
+                let short = tokens.issue(BIZ, &user, SHORT).await.expect("issue");
+                wait_past(short.expires_at_ms).await;
+                for _ in 0..2 {
+                    let expired = tokens.consume(BIZ, &user, &short.token).await.expect("consume");
+                    assert!(unknown(&expired), "{expired:?}");
+                }
+                // Not consumed by the refusals: the live one is still there.
+                let live = tokens.consume(BIZ, &user, &issued.token).await.expect("consume");
+                assert!(matches!(live, Consumption::Consumed(_)), "{live:?}");
+            }
+
+            /// 100 concurrent consumes of one token: exactly one `Consumed`.
+            pub async fn concurrent_consumes_have_one_winner(place: Place) {
+                let Some((idem, _guard)) = setup(place).await else { return };
+                let user = unique("u");
+                let issued = idem.tokens().issue(BIZ, &user, LONG).await.expect("issue");
+                let barrier = Arc::new(Barrier::new(CROWD));
+                let mut tasks = tokio::task::JoinSet::new();
+                for _ in 0..CROWD {
+                    let (idem, user, token, barrier) =
+                        (idem.clone(), user.clone(), issued.token.clone(), Arc::clone(&barrier));
+                    tasks.spawn(async move {
+                        barrier.wait().await;
+                        idem.tokens().consume(BIZ, &user, &token).await.expect("consume")
+                    });
+                }
+                let (mut consumed, mut used) = (0, 0);
+                while let Some(answer) = tasks.join_next().await {
+                    match answer.expect("task") {
+                        Consumption::Consumed(_) => consumed += 1,
+                        Consumption::AlreadyUsed => used += 1,
+                        other => panic!("{other:?}"),
+                    }
+                }
+                assert_eq!((consumed, used), (1, CROWD - 1));
+            }
+
+            /// 100 concurrent submits of one token through an
+            /// `#[idempotent]` fn keyed by it: the body runs once, every
+            /// other answer is its replay or `InProgress`.
+            pub async fn concurrent_submits_run_the_body_once(place: Place) {
+                let Some((idem, _guard)) = setup(place).await else { return };
+                let user = unique("u");
+                let issued = idem.tokens().issue(BIZ, &user, LONG).await.expect("issue");
+                let (probe, _starts) = Probe::new(true);
+                let barrier = Arc::new(Barrier::new(CROWD));
+                let mut tasks = tokio::task::JoinSet::new();
+                for _ in 0..CROWD {
+                    let (idem, user, token, barrier, probe) =
+                        (idem.clone(), user.clone(), issued.token.clone(), Arc::clone(&barrier), Arc::clone(&probe));
+                    tasks.spawn(async move {
+                        barrier.wait().await;
+                        submit(&idem, &user, &token, 1999, &probe).await
+                    });
+                }
+                let (mut executed, mut replayed, mut in_progress) = (0, 0, 0);
+                while let Some(answer) = tasks.join_next().await {
+                    match answer.expect("task") {
+                        (Ok(1999), Some(Outcome::Executed)) => executed += 1,
+                        (Ok(1999), Some(Outcome::Replayed)) => replayed += 1,
+                        (Err(TestError::Idem(idem::Error::InProgress { .. })), Some(Outcome::InProgress)) => {
+                            in_progress += 1
+                        }
+                        other => panic!("{other:?}"),
+                    }
+                }
+                assert_eq!(probe.runs(), 1, "the body ran once");
+                assert_eq!(executed, 1);
+                assert_eq!(executed + replayed + in_progress, CROWD);
+                let key = format!("{user}:{}", issued.token);
+                assert!(matches!(idem.status(BIZ, &key).await.expect("status"), Status::Completed { .. }));
+                let (again, outcome) = submit(&idem, &user, &issued.token, 1999, &probe).await;
+                assert!(matches!((again, outcome), (Ok(1999), Some(Outcome::Replayed))));
+                assert_eq!(probe.runs(), 1);
+            }
+
+            /// A submit while the first still runs answers `InProgress`;
+            /// once it finished, the replay.
+            pub async fn a_submit_while_the_first_runs_is_in_progress(place: Place) {
+                let Some((idem, _guard)) = setup(place).await else { return };
+                let user = unique("u");
+                let issued = idem.tokens().issue(BIZ, &user, LONG).await.expect("issue");
+                let (probe, mut starts) = Probe::new(false);
+                let first = {
+                    let (idem, user, token, probe) =
+                        (idem.clone(), user.clone(), issued.token.clone(), Arc::clone(&probe));
+                    tokio::spawn(async move { submit(&idem, &user, &token, 5, &probe).await })
+                };
+                starts.recv().await.expect("the first body started");
+                let (second, outcome) = submit(&idem, &user, &issued.token, 5, &probe).await;
+                assert!(
+                    matches!(second, Err(TestError::Idem(idem::Error::InProgress { .. }))),
+                    "{second:?} {outcome:?}"
+                );
+                probe.open.send_replace(true);
+                let (first, outcome) = first.await.expect("first");
+                assert!(matches!((first, outcome), (Ok(5), Some(Outcome::Executed))));
+                let (third, outcome) = submit(&idem, &user, &issued.token, 5, &probe).await;
+                assert!(matches!((third, outcome), (Ok(5), Some(Outcome::Replayed))));
+                assert_eq!(probe.runs(), 1);
+            }
+
+            /// A body that fails gives the token back: it can be consumed
+            /// again, and the next submit executes.
+            pub async fn a_failed_body_gives_the_token_back(place: Place) {
+                let Some((idem, _guard)) = setup(place).await else { return };
+                let user = unique("u");
+                let issued = idem.tokens().issue(BIZ, &user, LONG).await.expect("issue");
+                let (probe, _starts) = Probe::new(true);
+                probe.fail_next.store(true, Ordering::SeqCst);
+                let (failed, outcome) = submit(&idem, &user, &issued.token, 7, &probe).await;
+                assert!(matches!((failed, outcome), (Err(TestError::Body), Some(Outcome::Failed))));
+
+                // Back, for the rest of its life: consumable, not "already used".
+                let Consumption::Consumed(spent) = idem.tokens().consume(BIZ, &user, &issued.token).await.unwrap()
+                else {
+                    panic!("the failed call did not give the token back");
+                };
+                assert_eq!(spent.expires_at_ms(), issued.expires_at_ms);
+                assert!(idem.tokens().give_back(spent).await.expect("give back"));
+
+                let (paid, outcome) = submit(&idem, &user, &issued.token, 7, &probe).await;
+                assert!(matches!((paid, outcome), (Ok(7), Some(Outcome::Executed))));
+                let (again, outcome) = submit(&idem, &user, &issued.token, 7, &probe).await;
+                assert!(matches!((again, outcome), (Ok(7), Some(Outcome::Replayed))));
+                assert_eq!(probe.runs(), 2, "the failed run and the one that executed");
+                let after = idem.tokens().consume(BIZ, &user, &issued.token).await.unwrap();
+                assert!(matches!(after, Consumption::AlreadyUsed), "{after:?}");
+            }
+
+            /// A token given back after it expired stays gone: unknown, not
+            /// "already used".
+            pub async fn a_give_back_after_expiry_leaves_it_unknown(place: Place) {
+                let Some((idem, _guard)) = setup(place).await else { return };
+                let user = unique("u");
+                let issued = idem.tokens().issue(BIZ, &user, SHORT).await.expect("issue");
+                let Consumption::Consumed(spent) = idem.tokens().consume(BIZ, &user, &issued.token).await.unwrap()
+                else {
+                    panic!("not consumed");
+                };
+                wait_past(issued.expires_at_ms).await;
+                assert!(!idem.tokens().give_back(spent).await.expect("give back"));
+                let after = idem.tokens().consume(BIZ, &user, &issued.token).await.unwrap();
+                assert!(matches!(after, Consumption::Unknown), "{after:?}");
+            }
+
+            /// Forged, expired and another subject's tokens: refused, the
+            /// body never runs, and no record is written.
+            pub async fn refused_tokens_write_nothing(place: Place) {
+                let Some((idem, _guard)) = setup(place).await else { return };
+                let (alice, bob) = (unique("alice"), unique("bob"));
+                let (probe, _starts) = Probe::new(true);
+                let alices = idem.tokens().issue(BIZ, &alice, LONG).await.expect("issue");
+                let short = idem.tokens().issue(BIZ, &bob, SHORT).await.expect("issue");
+                wait_past(short.expires_at_ms).await;
+                let cases = [
+                    (bob.as_str(), forged(), Refusal::Unknown),
+                    (bob.as_str(), short.token.clone(), Refusal::Unknown),
+                    (bob.as_str(), alices.token.clone(), Refusal::OtherSubject),
+                ];
+                for (subject, token, why) in cases {
+                    let (refused, outcome) = submit(&idem, subject, &token, 1, &probe).await;
+                    match refused {
+                        Err(TestError::Token(TokenError::Refused(got))) => assert_eq!(got, why, "{token}"),
+                        other => panic!("{token}: {other:?}"),
+                    }
+                    assert_eq!(outcome, None, "no call was made");
+                    let key = format!("{subject}:{token}");
+                    assert_eq!(idem.status(BIZ, &key).await.expect("status"), Status::Absent);
+                }
+                assert_eq!(probe.runs(), 0);
+                // Alice's token was left alone.
+                let (paid, outcome) = submit(&idem, &alice, &alices.token, 1, &probe).await;
+                assert!(matches!((paid, outcome), (Ok(1), Some(Outcome::Executed))));
+            }
+
+            /// What the engine refuses before it touches a store.
+            pub async fn bad_subjects_biz_and_ttl_are_refused(place: Place) {
+                let Some((idem, _guard)) = setup(place).await else { return };
+                let tokens = idem.tokens();
+                for subject in ["", "a:b", "a b", "zoë", &"p".repeat(65)] {
+                    let issued = tokens.issue(BIZ, subject, LONG).await;
+                    assert!(matches!(issued, Err(TokenError::InvalidSubject { .. })), "{subject:?}: {issued:?}");
+                    let consumed = tokens.consume(BIZ, subject, &forged()).await;
+                    assert!(matches!(consumed, Err(TokenError::InvalidSubject { .. })), "{subject:?}: {consumed:?}");
+                }
+                for biz in ["", "Pay", "a:b", "tok.live"] {
+                    assert!(matches!(tokens.issue(biz, "u", LONG).await, Err(TokenError::InvalidBiz)), "{biz:?}");
+                }
+                assert!(matches!(tokens.issue(BIZ, "u", Duration::ZERO).await, Err(TokenError::InvalidTtl)));
+                let too_long = Duration::from_secs(101 * 365 * 86_400);
+                assert!(matches!(tokens.issue(BIZ, "u", too_long).await, Err(TokenError::InvalidTtl)));
+            }
+
+            /// Without Redis, expired rows go with `purge_expired`; live
+            /// ones stay.
+            pub async fn purge_removes_expired_token_rows(place: Place) {
+                let Some((idem, _guard)) = setup(place).await else { return };
+                let user = unique("u");
+                let gone = idem.tokens().issue(BIZ, &user, SHORT).await.expect("issue");
+                let kept = idem.tokens().issue(BIZ, &user, LONG).await.expect("issue");
+                let rows = |token: String| {
+                    let pool = idem.pool().clone();
+                    async move {
+                        let n: i64 = sqlx::query_scalar($count_token_rows).bind(token).fetch_one(&pool).await.unwrap();
+                        n
+                    }
+                };
+                assert_eq!((rows(gone.token.clone()).await, rows(kept.token.clone()).await), (1, 1));
+                wait_past(gone.expires_at_ms).await;
+                while idem.tokens().purge_expired(1_000).await.expect("purge") > 0 {}
+                assert_eq!((rows(gone.token).await, rows(kept.token).await), (0, 1));
+            }
+
+            mod redis_getdel {
+                use super::*;
+                every_check!(Place::Getdel);
+            }
+
+            mod redis_lua {
+                use super::*;
+                every_check!(Place::Lua);
+            }
+
+            mod database {
+                use super::*;
+                every_check!(Place::Database);
+                checks!(Place::Database, purge_removes_expired_token_rows);
+            }
+        }
+    };
+}
+
+backend_suite!(sqlite, sqlx::Sqlite, sqlite_pool, "SELECT COUNT(*) FROM idem_token WHERE token = ?");
+backend_suite!(mysql, sqlx::MySql, mysql_pool, "SELECT COUNT(*) FROM idem_token WHERE token = ?");
+backend_suite!(postgres, sqlx::Postgres, pg_pool, "SELECT COUNT(*) FROM idem_token WHERE token = $1");
+
+// What only Redis has.
+
+/// The keys of the module docs of `token::redis`: the live key holds the
+/// expiry, the owner key the state and subject; a consume deletes the
+/// live key and marks the owner used; another subject's attempt touches
+/// neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_keys_follow_the_layout() {
+    let Some((pool, _file)) = sqlite_pool().await else { return };
+    let Some(idem) = engine(pool, Place::Getdel).await else { return };
+    let Some(client) = servers::redis_client(servers::redis_url()).await else { return };
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let namespace = idem.redis_namespace().await.expect("namespace").expect("migrated");
+    let (alice, bob) = (unique("alice"), unique("bob"));
+    let issued = idem.tokens().issue(BIZ, &alice, LONG).await.expect("issue");
+    let live = format!("idem:{namespace}:tok.live:{BIZ}:{alice}:{}", issued.token);
+    let owner = format!("idem:{namespace}:tok.owner:{BIZ}:{}", issued.token);
+    let get = |key: String| {
+        let mut conn = conn.clone();
+        async move {
+            let value: Option<String> = redis::cmd("GET").arg(&key).query_async(&mut conn).await.expect("GET");
+            let ttl: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut conn).await.expect("PTTL");
+            (value, ttl)
+        }
+    };
+    let ttl_ms = i64::try_from(LONG.as_millis()).unwrap();
+    let (value, ttl) = get(live.clone()).await;
+    assert_eq!(value, Some(issued.expires_at_ms.to_string()));
+    assert!((1..=ttl_ms).contains(&ttl), "{ttl}");
+    let (value, ttl) = get(owner.clone()).await;
+    assert_eq!(value, Some(format!("i:{}:{alice}", issued.expires_at_ms)));
+    assert!((1..=ttl_ms).contains(&ttl), "{ttl}");
+
+    let theirs = idem.tokens().consume(BIZ, &bob, &issued.token).await.expect("consume");
+    assert!(matches!(theirs, Consumption::OtherSubject), "{theirs:?}");
+    assert_eq!(get(live.clone()).await.0, Some(issued.expires_at_ms.to_string()), "untouched");
+    let bobs_key = format!("idem:{namespace}:tok.live:{BIZ}:{bob}:{}", issued.token);
+    assert_eq!(get(bobs_key).await.0, None);
+
+    let ours = idem.tokens().consume(BIZ, &alice, &issued.token).await.expect("consume");
+    assert!(matches!(ours, Consumption::Consumed(_)), "{ours:?}");
+    assert_eq!(get(live.clone()).await, (None, -2), "consumed: gone");
+    let (value, ttl) = get(owner.clone()).await;
+    assert_eq!(value, Some(format!("u:{}:{alice}", issued.expires_at_ms)));
+    let used_ms = i64::try_from(USED_FOR.as_millis()).unwrap();
+    assert!(ttl > ttl_ms && ttl <= used_ms, "kept for the used window: {ttl}");
+    let _: i64 = redis::cmd("DEL").arg(&owner).query_async(&mut conn).await.expect("DEL");
+}
+
+/// The `GETDEL` path sends `GETDEL`; the Lua path (forced on the builder)
+/// never does, and consumes through the script: counted by the server
+/// itself (`INFO commandstats`) on a Redis of this test alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_path_sends_what_it_says() {
+    let Some(server) = servers::PrivateRedis::start(&[]) else { return };
+    let Some((pool, _file)) = sqlite_pool().await else { return };
+    let build = |lua: bool| {
+        let builder = Idem::builder(pool.clone()).redis(server.client()).token_consume_with_lua(lua);
+        builder.build()
+    };
+    let (with_getdel, with_lua) = (build(false), build(true));
+    with_getdel.migrate().await.expect("migrate");
+    let scripts = || server.calls("evalsha") + server.calls("eval");
+
+    let user = unique("u");
+    let issued = with_getdel.tokens().issue(BIZ, &user, LONG).await.expect("issue");
+    let first = with_getdel.tokens().consume(BIZ, &user, &issued.token).await.expect("consume");
+    assert!(matches!(first, Consumption::Consumed(_)), "{first:?}");
+    assert_eq!((server.calls("getdel"), scripts()), (1, 0));
+
+    let issued = with_lua.tokens().issue(BIZ, &user, LONG).await.expect("issue");
+    let first = with_lua.tokens().consume(BIZ, &user, &issued.token).await.expect("consume");
+    assert!(matches!(first, Consumption::Consumed(_)), "{first:?}");
+    let again = with_lua.tokens().consume(BIZ, &user, &issued.token).await.expect("consume");
+    assert!(matches!(again, Consumption::AlreadyUsed), "{again:?}");
+    assert_eq!(server.calls("getdel"), 1, "the Lua path never sends GETDEL");
+    // Two consumes; the first EVALSHA may meet NOSCRIPT and go again as EVAL.
+    assert!((2..=3).contains(&scripts()), "{}", scripts());
+}
+
+/// A Redis that does not know `GETDEL` (as before 6.2; here renamed away)
+/// answers an error: the engine switches to the script by itself, and
+/// every answer stays right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_without_getdel_switches_to_the_script() {
+    let Some(server) = servers::PrivateRedis::start(&["--rename-command", "GETDEL", ""]) else { return };
+    assert!(server.query::<Option<String>>(redis::cmd("GETDEL").arg("k")).is_err(), "GETDEL still known");
+    let Some((pool, _file)) = sqlite_pool().await else { return };
+    let idem = Idem::builder(pool).redis(server.client()).build();
+    idem.migrate().await.expect("migrate");
+    let (alice, bob) = (unique("alice"), unique("bob"));
+    let issued = idem.tokens().issue(BIZ, &alice, LONG).await.expect("issue");
+    let theirs = idem.tokens().consume(BIZ, &bob, &issued.token).await.expect("consume");
+    assert!(matches!(theirs, Consumption::OtherSubject), "{theirs:?}");
+    let Consumption::Consumed(spent) = idem.tokens().consume(BIZ, &alice, &issued.token).await.expect("consume") else {
+        panic!("not consumed");
+    };
+    let again = idem.tokens().consume(BIZ, &alice, &issued.token).await.expect("consume");
+    assert!(matches!(again, Consumption::AlreadyUsed), "{again:?}");
+    assert!(idem.tokens().give_back(spent).await.expect("give back"));
+    let back = idem.tokens().consume(BIZ, &alice, &issued.token).await.expect("consume");
+    assert!(matches!(back, Consumption::Consumed(_)), "{back:?}");
+    assert!(server.calls("evalsha") + server.calls("eval") >= 3, "consumed through the script");
+}
+
+/// Tokens live where they were issued: with Redis down, issuing and
+/// consuming answer `Unavailable` (retryable), never a pass, and the body
+/// does not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_outage_answers_unavailable_never_a_pass() {
+    let Some((pool, _file)) = sqlite_pool().await else { return };
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
+    let idem = Idem::builder(pool).redis(client).redis_timeout(Duration::from_millis(200)).build();
+    idem.migrate().await.expect("migrate");
+    let user = unique("u");
+    let issued = idem.tokens().issue(BIZ, &user, LONG).await;
+    assert!(matches!(&issued, Err(e @ TokenError::Unavailable(_)) if e.is_retryable()), "{issued:?}");
+    let consumed = idem.tokens().consume(BIZ, &user, &forged()).await;
+    assert!(matches!(&consumed, Err(e @ TokenError::Unavailable(_)) if e.is_retryable()), "{consumed:?}");
+    let (probe, _starts) = Probe::new(true);
+    let (refused, outcome) = sqlite::submit(&idem, &user, &forged(), 1, &probe).await;
+    assert!(matches!(refused, Err(TestError::Token(TokenError::Unavailable(_)))), "{refused:?}");
+    assert_eq!((outcome, probe.runs()), (None, 0));
+}
