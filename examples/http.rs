@@ -3,7 +3,9 @@
 //! An axum server with one idempotent endpoint, `POST /orders/{id}/pay`
 //! (JSON body `{"amount": <integer cents>}`), the caller named by an
 //! `X-User-Id` header (a stand-in for real authentication) and the retry key
-//! in `Idempotency-Key`. Orders 1..=10000 exist as `PENDING`.
+//! either made by the client (`Idempotency-Key`) or issued by the server
+//! (`GET /orders/{id}/pay-token`, then `Idempotency-Token`). Orders
+//! 1..=10000 exist as `PENDING`.
 //!
 //! Environment:
 //! - `IDEM_HTTP_ADDR`: where to listen (default `127.0.0.1:3000`);
@@ -21,6 +23,22 @@
 //! the IETF draft: the same key); with `{"amount":5}` it answers 422
 //! `IDEMPOTENCY_KEY_REUSED`, and with `-H 'X-User-Id: alice:x'` 400
 //! `INVALID_PRINCIPAL`.
+//!
+//! For clients that must not make up their own keys, the form asks for a
+//! token first (it is alice's alone, for 15 minutes) and the submit sends it:
+//! ```sh
+//! curl -s localhost:3000/orders/43/pay-token -H 'X-User-Id: alice'
+//! # {"token":"<32 characters>","expires_in":900}
+//! curl -i -X POST localhost:3000/orders/43/pay -H 'X-User-Id: alice' \
+//!   -H 'Idempotency-Token: <token>' -H 'Content-Type: application/json' -d '{"amount":1999}'
+//! ```
+//! The same submit again replays the first answer (`Idempotent-Replayed:
+//! true`), or answers 409 while the first runs; a submit whose payment fails
+//! (say `{"amount":0}`, 422) gives the token back, so the corrected submit
+//! runs. A forged, expired or another user's token answers 403
+//! `IDEMPOTENCY_TOKEN_INVALID`, and nothing is written. Tokens live in Redis
+//! when `IDEM_REDIS_URL` is set (then a Redis outage answers 503, never a
+//! pass), in the table `idem_token` otherwise.
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -29,12 +47,25 @@ use axum::extract::{FromRequestParts, Path, State};
 use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use axum::{Json, Router, middleware};
-use idem::http::{IdempotencyKey, Problem, check_principal, replay_header};
-use idem::{Backend, Idem, idempotent};
+use idem::http::{IdempotencyKey, IdempotencyToken, KeyOrToken, Problem, check_principal, replay_header};
+use idem::{Backend, Idem, TokenError, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{AssertSqlSafe, Transaction};
+
+/// The business action pay tokens are issued for.
+const PAY_TOKENS: &str = "http_pay";
+/// How long a pay token lives: the time a user may take to fill the form.
+const PAY_TOKEN_TTL: Duration = Duration::from_secs(15 * 60);
+
+/// What `GET /orders/{id}/pay-token` answers.
+#[derive(Debug, Serialize)]
+struct PayToken {
+    token: String,
+    /// Seconds the token stays usable.
+    expires_in: u64,
+}
 
 /// The request body.
 #[derive(Debug, Serialize, Deserialize)]
@@ -63,6 +94,8 @@ impl IntoResponse for PayResponse {
 #[derive(Debug)]
 enum ApiError {
     Idem(idem::Error),
+    /// The token is refused (403) or cannot be checked (503).
+    Token(TokenError),
     /// The order exists but is not `PENDING` (already paid, e.g. through another key).
     NotPayable(i64),
     NotFound(i64),
@@ -72,6 +105,12 @@ enum ApiError {
 impl From<idem::Error> for ApiError {
     fn from(e: idem::Error) -> Self {
         ApiError::Idem(e)
+    }
+}
+
+impl From<TokenError> for ApiError {
+    fn from(e: TokenError) -> Self {
+        ApiError::Token(e)
     }
 }
 
@@ -86,6 +125,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         match self {
             ApiError::Idem(e) => e.into_response(),
+            ApiError::Token(e) => e.into_response(),
             ApiError::NotPayable(id) => {
                 problem(StatusCode::CONFLICT, "ORDER_NOT_PAYABLE", format!("order {id} is not pending payment"))
             }
@@ -138,17 +178,70 @@ macro_rules! pay_service {
                 pub idem: Idem<$db>,
             }
 
-            /// Pays an order once per (user, Idempotency-Key). The key
-            /// template is scoped to the principal; `app` (the engine's
-            /// root) is not part of the fingerprint, everything else is.
-            #[idempotent(key = "<user>:<idem_key>", ttl = "24h", biz = "http_pay", engine = app.idem)]
+            /// A token for paying an order, for this user alone.
+            async fn pay_token(
+                State(app): State<App>,
+                UserId(user): UserId,
+                Path(_order_id): Path<i64>,
+            ) -> Result<Json<PayToken>, ApiError> {
+                let issued = app.idem.tokens().issue(PAY_TOKENS, &user, PAY_TOKEN_TTL).await?;
+                Ok(Json(PayToken { token: issued.token, expires_in: issued.ttl.as_secs() }))
+            }
+
+            /// Pays an order once per retry key: the client's
+            /// `Idempotency-Key`, or the `Idempotency-Token` the server
+            /// issued (consumed here, given back if the payment fails).
             async fn pay(
                 State(app): State<App>,
-                tx: &mut Transaction<'_, $db>,
                 UserId(user): UserId,
-                IdempotencyKey(idem_key): IdempotencyKey,
+                proof: KeyOrToken,
                 Path(order_id): Path<i64>,
                 Json(req): Json<PayReq>,
+            ) -> Result<PayResponse, ApiError> {
+                match proof {
+                    KeyOrToken::Key(IdempotencyKey(idem_key)) => pay_by_key(&app, user, idem_key, order_id, req).await,
+                    KeyOrToken::Token(IdempotencyToken(token)) => {
+                        let call = || pay_by_token(&app, user.clone(), token.clone(), order_id, req);
+                        app.idem.tokens().redeem(PAY_TOKENS, &user, &token, call).await
+                    }
+                }
+            }
+
+            /// Once per (user, Idempotency-Key). The key template is scoped
+            /// to the principal; `app` (the engine's root) is not part of the
+            /// fingerprint, everything else is.
+            #[idempotent(key = "<user>:<idem_key>", ttl = "24h", biz = "http_pay", engine = app.idem)]
+            async fn pay_by_key(
+                app: &App,
+                tx: &mut Transaction<'_, $db>,
+                user: String,
+                idem_key: String,
+                order_id: i64,
+                req: PayReq,
+            ) -> Result<PayResponse, ApiError> {
+                charge(tx, &user, order_id, &req).await
+            }
+
+            /// Once per token: every submit of one token meets this record
+            /// (another `biz`, so a client's key can never name it).
+            #[idempotent(key = "<user>:<token>", ttl = "24h", biz = "http_pay_token", engine = app.idem)]
+            async fn pay_by_token(
+                app: &App,
+                tx: &mut Transaction<'_, $db>,
+                user: String,
+                token: String,
+                order_id: i64,
+                req: PayReq,
+            ) -> Result<PayResponse, ApiError> {
+                charge(tx, &user, order_id, &req).await
+            }
+
+            /// The payment itself, in the call's transaction.
+            async fn charge(
+                tx: &mut Transaction<'_, $db>,
+                user: &str,
+                order_id: i64,
+                req: &PayReq,
             ) -> Result<PayResponse, ApiError> {
                 if req.amount <= 0 {
                     return Err(ApiError::BadAmount);
@@ -166,7 +259,7 @@ macro_rules! pay_service {
                 }
                 let inserted = sqlx::query("INSERT INTO payments (order_id, user_id, amount) VALUES (?, ?, ?)")
                     .bind(order_id)
-                    .bind(&user)
+                    .bind(user)
                     .bind(req.amount)
                     .execute(&mut **tx)
                     .await?;
@@ -181,6 +274,7 @@ macro_rules! pay_service {
             pub fn router(idem: Idem<$db>) -> Router {
                 Router::new()
                     .route("/orders/{id}/pay", post(pay))
+                    .route("/orders/{id}/pay-token", get(pay_token))
                     .layer(middleware::from_fn(replay_header))
                     .with_state(App { idem })
             }
@@ -226,12 +320,16 @@ fn engine<DB: Backend>(pool: sqlx::Pool<DB>, redis: Option<redis::Client>) -> Id
     }
 }
 
-/// Deletes expired records now and then, keeping `idem_record` bounded.
+/// Deletes expired records and tokens now and then, keeping `idem_record`
+/// and `idem_token` bounded.
 fn purge_periodically<DB: Backend>(idem: Idem<DB>) {
     tokio::spawn(async move {
         loop {
             if let Err(e) = idem.purge_expired(1_000).await {
                 eprintln!("purge failed: {e}");
+            }
+            if let Err(e) = idem.tokens().purge_expired(1_000).await {
+                eprintln!("token purge failed: {e}");
             }
             tokio::time::sleep(Duration::from_secs(3_600)).await;
         }

@@ -798,3 +798,431 @@ async fn a_redis_outage_answers_unavailable_never_a_pass() {
     assert!(matches!(refused, Err(TestError::Token(TokenError::Unavailable(_)))), "{refused:?}");
     assert_eq!((outcome, probe.runs()), (None, 0));
 }
+
+// HTTP end to end: the example's two routes, on an ephemeral port.
+
+mod over_http {
+    //! `GET /orders/{id}/pay-token`, then `POST /orders/{id}/pay` with the
+    //! token in `Idempotency-Token` (or a client's `Idempotency-Key`): on
+    //! MariaDB with the tokens in Redis, on PostgreSQL with them in Redis
+    //! through the script, and on SQLite with them in the database.
+
+    use super::*;
+    use axum::extract::{FromRequestParts, Path, State};
+    use axum::http::StatusCode;
+    use axum::http::request::Parts;
+    use axum::response::{IntoResponse, Response};
+    use axum::routing::{get, post};
+    use axum::{Json, Router, middleware};
+    use idem::http::{IdempotencyKey, IdempotencyToken, KeyOrToken, Problem, check_principal, replay_header};
+    use serde::{Deserialize, Serialize};
+
+    /// The action tokens are issued for, and the one of the calls they key.
+    const PAY_TOKENS: &str = "tok_http_pay";
+    const TOKEN_TTL: Duration = Duration::from_secs(900);
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub struct PayReq {
+        amount: i64,
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub struct PayResponse {
+        order_id: i64,
+        user: String,
+        amount: i64,
+    }
+
+    impl IntoResponse for PayResponse {
+        fn into_response(self) -> Response {
+            (StatusCode::OK, Json(self)).into_response()
+        }
+    }
+
+    #[derive(Debug)]
+    pub enum ApiError {
+        Idem(idem::Error),
+        Token(TokenError),
+        BadAmount,
+        NotPayable,
+    }
+
+    impl From<idem::Error> for ApiError {
+        fn from(e: idem::Error) -> Self {
+            ApiError::Idem(e)
+        }
+    }
+
+    impl From<TokenError> for ApiError {
+        fn from(e: TokenError) -> Self {
+            ApiError::Token(e)
+        }
+    }
+
+    impl From<sqlx::Error> for ApiError {
+        fn from(e: sqlx::Error) -> Self {
+            ApiError::Idem(e.into())
+        }
+    }
+
+    impl IntoResponse for ApiError {
+        fn into_response(self) -> Response {
+            match self {
+                ApiError::Idem(e) => e.into_response(),
+                ApiError::Token(e) => e.into_response(),
+                ApiError::BadAmount => (StatusCode::UNPROCESSABLE_ENTITY, "amount").into_response(),
+                ApiError::NotPayable => (StatusCode::CONFLICT, "not payable").into_response(),
+            }
+        }
+    }
+
+    /// The caller, from `X-User-Id`.
+    pub struct UserId(String);
+
+    impl<S: Send + Sync> FromRequestParts<S> for UserId {
+        type Rejection = Response;
+
+        async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Response> {
+            let Some(value) = parts.headers.get("x-user-id") else {
+                return Err(StatusCode::UNAUTHORIZED.into_response());
+            };
+            let user = String::from_utf8_lossy(value.as_bytes());
+            check_principal(&user).map_err(IntoResponse::into_response)?;
+            Ok(UserId(user.into_owned()))
+        }
+    }
+
+    #[derive(Serialize)]
+    struct PayToken {
+        token: String,
+        expires_in: u64,
+    }
+
+    /// One answer, read whole.
+    struct Answer {
+        status: u16,
+        replayed: Option<String>,
+        retry_after: Option<String>,
+        content_type: String,
+        body: String,
+    }
+
+    impl Answer {
+        fn json(&self) -> serde_json::Value {
+            serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+        }
+
+        /// Asserts this is `expected`, byte for byte, as `application/problem+json`.
+        fn assert_problem(&self, expected: &Problem) {
+            assert_eq!(self.status, expected.status.as_u16(), "{}", self.body);
+            assert_eq!(self.body, expected.body());
+            assert_eq!(self.content_type, "application/problem+json");
+            assert_eq!(self.retry_after, expected.retry_after.map(|s| s.to_string()));
+            assert_eq!(self.replayed, None);
+        }
+    }
+
+    async fn read(response: reqwest::Response) -> Answer {
+        let header = |name: &str| response.headers().get(name).map(|v| v.to_str().unwrap().to_owned());
+        let (status, replayed, retry_after, content_type) = (
+            response.status().as_u16(),
+            header("idempotent-replayed"),
+            header("retry-after"),
+            header("content-type").unwrap_or_default(),
+        );
+        Answer { status, replayed, retry_after, content_type, body: response.text().await.expect("body") }
+    }
+
+    async fn pay_token(client: &reqwest::Client, base: &str, order: i64, user: &str) -> Answer {
+        let request = client.get(format!("{base}/orders/{order}/pay-token")).header("x-user-id", user);
+        read(request.send().await.expect("request")).await
+    }
+
+    async fn pay(
+        client: &reqwest::Client,
+        base: &str,
+        order: i64,
+        user: &str,
+        headers: &[(&str, &str)],
+        amount: i64,
+    ) -> Answer {
+        let mut request = client
+            .post(format!("{base}/orders/{order}/pay"))
+            .header("x-user-id", user)
+            .header("content-type", "application/json")
+            .body(format!(r#"{{"amount":{amount}}}"#));
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        read(request.send().await.expect("request")).await
+    }
+
+    /// Serves `router` on an ephemeral port; returns its base URL.
+    async fn serve(router: Router) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router).await.expect("serve") });
+        format!("http://{addr}")
+    }
+
+    /// What differs per database: the type, and SQL placeholders.
+    macro_rules! http_app {
+        ($module:ident, $db:ty, $pool:path, $place:expr, $q:expr) => {
+            mod $module {
+                use super::*;
+
+                type Db = $db;
+
+                /// The statements, in this database's placeholders.
+                struct Sql {
+                    pay: &'static str,
+                    insert_payment: &'static str,
+                    new_order: &'static str,
+                    payments: &'static str,
+                    records: &'static str,
+                }
+                const SQL: Sql = $q;
+
+                #[derive(Clone)]
+                pub struct App {
+                    pub idem: Idem<Db>,
+                    pub probe: Arc<Probe>,
+                }
+
+                async fn pay_token_route(
+                    State(app): State<App>,
+                    UserId(user): UserId,
+                    Path(_order_id): Path<i64>,
+                ) -> Result<Json<PayToken>, ApiError> {
+                    let issued = app.idem.tokens().issue(PAY_TOKENS, &user, TOKEN_TTL).await?;
+                    Ok(Json(PayToken { token: issued.token, expires_in: issued.ttl.as_secs() }))
+                }
+
+                async fn pay_route(
+                    State(app): State<App>,
+                    UserId(user): UserId,
+                    proof: KeyOrToken,
+                    Path(order_id): Path<i64>,
+                    Json(req): Json<PayReq>,
+                ) -> Result<PayResponse, ApiError> {
+                    match proof {
+                        KeyOrToken::Key(IdempotencyKey(idem_key)) => {
+                            pay_by_key(&app, user, idem_key, order_id, req).await
+                        }
+                        KeyOrToken::Token(IdempotencyToken(token)) => {
+                            let call = || pay_by_token(&app, user.clone(), token.clone(), order_id, req);
+                            app.idem.tokens().redeem(PAY_TOKENS, &user, &token, call).await
+                        }
+                    }
+                }
+
+                #[idempotent(key = "<user>:<idem_key>", ttl = "1h", biz = "tok_http_key", engine = app.idem)]
+                async fn pay_by_key(
+                    app: &App,
+                    tx: &mut Transaction<'_, Db>,
+                    user: String,
+                    idem_key: String,
+                    order_id: i64,
+                    req: PayReq,
+                ) -> Result<PayResponse, ApiError> {
+                    charge(app, tx, user, order_id, req).await
+                }
+
+                #[idempotent(key = "<user>:<token>", ttl = "1h", biz = "tok_http_pay", engine = app.idem)]
+                async fn pay_by_token(
+                    app: &App,
+                    tx: &mut Transaction<'_, Db>,
+                    user: String,
+                    token: String,
+                    order_id: i64,
+                    req: PayReq,
+                ) -> Result<PayResponse, ApiError> {
+                    charge(app, tx, user, order_id, req).await
+                }
+
+                async fn charge(
+                    app: &App,
+                    tx: &mut Transaction<'_, Db>,
+                    user: String,
+                    order_id: i64,
+                    req: PayReq,
+                ) -> Result<PayResponse, ApiError> {
+                    if req.amount <= 0 {
+                        return Err(ApiError::BadAmount);
+                    }
+                    let paid = sqlx::query(SQL.pay).bind(order_id).execute(&mut **tx).await?;
+                    if paid.rows_affected() == 0 {
+                        return Err(ApiError::NotPayable);
+                    }
+                    app.probe.body().await.map_err(|_| ApiError::NotPayable)?;
+                    sqlx::query(SQL.insert_payment)
+                        .bind(order_id)
+                        .bind(&user)
+                        .bind(req.amount)
+                        .execute(&mut **tx)
+                        .await?;
+                    Ok(PayResponse { order_id, user, amount: req.amount })
+                }
+
+                async fn count(pool: &Pool<Db>, sql: &'static str, bind: String) -> i64 {
+                    sqlx::query_scalar(sql).bind(bind).fetch_one(pool).await.expect(sql)
+                }
+
+                /// The whole flow, on one app.
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn pay_token_then_pay_with_it() {
+                    let Some((pool, _guard)) = $pool().await else { return };
+                    let Some(idem) = engine(pool.clone(), $place).await else { return };
+                    sqlx::raw_sql(
+                        "CREATE TABLE IF NOT EXISTS tok_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL);
+                         CREATE TABLE IF NOT EXISTS tok_payments (order_id BIGINT NOT NULL, user_id VARCHAR(100) NOT NULL,
+                             amount BIGINT NOT NULL)",
+                    )
+                    .execute(&pool)
+                    .await
+                    .expect("tables");
+                    let (probe, mut starts) = Probe::new(false);
+                    let app = App { idem: idem.clone(), probe: Arc::clone(&probe) };
+                    let router = Router::new()
+                        .route("/orders/{id}/pay", post(pay_route))
+                        .route("/orders/{id}/pay-token", get(pay_token_route))
+                        .layer(middleware::from_fn(replay_header))
+                        .with_state(app);
+                    let base = serve(router).await;
+                    let client = reqwest::Client::new();
+                    let (alice, bob) = (unique("alice"), unique("bob"));
+                    let new_order = || {
+                        let pool = pool.clone();
+                        async move {
+                            static NEXT: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+                            let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
+                            let id = i64::try_from(nanos % 1_000_000_000_000_000).unwrap() * 100
+                                + NEXT.fetch_add(1, Ordering::Relaxed) % 100;
+                            sqlx::query(SQL.new_order).bind(id).execute(&pool).await.expect("order");
+                            id
+                        }
+                    };
+                    let payments = |order: i64| count(&pool, SQL.payments, order.to_string());
+                    let records = |user: &str, token: &str| count(&pool, SQL.records, format!("{user}:{token}"));
+                    let invalid = Problem::token_invalid();
+                    let order = new_order().await;
+
+                    // The token: alice's, for 15 minutes.
+                    let answer = pay_token(&client, &base, order, &alice).await;
+                    assert_eq!(answer.status, 200, "{}", answer.body);
+                    let json = answer.json();
+                    let token = json["token"].as_str().expect("token").to_owned();
+                    assert!(idem::token::is_well_formed(&token), "{token}");
+                    assert_eq!(json["expires_in"], 900);
+                    let with_token = [("idempotency-token", token.as_str())];
+
+                    // Another user's, a forged and a malformed token: 403, nothing written.
+                    pay(&client, &base, order, &bob, &with_token, 1999).await.assert_problem(&invalid);
+                    for forged in [forged(), "not-a-token".to_owned()] {
+                        let answer = pay(&client, &base, order, &alice, &[("idempotency-token", &forged)], 1999).await;
+                        answer.assert_problem(&invalid);
+                        assert_eq!(records(&alice, &forged).await, 0);
+                    }
+                    assert_eq!((payments(order).await, records(&bob, &token).await), (0, 0));
+
+                    // A payment that fails gives the token back: nothing written, and the next one runs.
+                    let failed = pay(&client, &base, order, &alice, &with_token, 0).await;
+                    assert_eq!(failed.status, 422, "{}", failed.body);
+                    assert_eq!((payments(order).await, records(&alice, &token).await), (0, 0));
+
+                    // The first payment, held in its body: a resubmission meanwhile is 409.
+                    let first = {
+                        let (client, base, alice, token) = (client.clone(), base.clone(), alice.clone(), token.clone());
+                        tokio::spawn(async move {
+                            pay(&client, &base, order, &alice, &[("idempotency-token", &token)], 1999).await
+                        })
+                    };
+                    starts.recv().await.expect("the first body started");
+                    let busy = pay(&client, &base, order, &alice, &with_token, 1999).await;
+                    let in_progress = idem::Error::InProgress { biz: "tok_http_pay", key: String::new() };
+                    busy.assert_problem(&Problem::from(&in_progress));
+                    probe.open.send_replace(true);
+                    let first = first.await.expect("first");
+                    assert_eq!((first.status, first.replayed.as_deref()), (200, None), "{}", first.body);
+                    assert_eq!(first.json()["amount"], 1999);
+
+                    // Submitted again: the first answer, replayed.
+                    let again = pay(&client, &base, order, &alice, &with_token, 1999).await;
+                    assert_eq!((again.status, again.replayed.as_deref()), (200, Some("true")), "{}", again.body);
+                    assert_eq!(again.body, first.body);
+                    assert_eq!((payments(order).await, records(&alice, &token).await), (1, 1));
+                    assert_eq!(probe.runs(), 1);
+
+                    // Bob's token, tried by alice first, is still bob's.
+                    let bobs_order = new_order().await;
+                    let bobs = pay_token(&client, &base, bobs_order, &bob).await.json()["token"].as_str().unwrap().to_owned();
+                    let bobs_header = [("idempotency-token", bobs.as_str())];
+                    pay(&client, &base, bobs_order, &alice, &bobs_header, 5).await.assert_problem(&invalid);
+                    let paid = pay(&client, &base, bobs_order, &bob, &bobs_header, 5).await;
+                    assert_eq!((paid.status, paid.replayed.as_deref()), (200, None), "{}", paid.body);
+                    assert_eq!((payments(bobs_order).await, records(&alice, &bobs).await), (1, 0));
+
+                    // An expired token: 403, nothing written.
+                    let late_order = new_order().await;
+                    let expired = idem.tokens().issue(PAY_TOKENS, &alice, SHORT).await.expect("issue");
+                    wait_past(expired.expires_at_ms).await;
+                    let answer = pay(&client, &base, late_order, &alice, &[("idempotency-token", &expired.token)], 9).await;
+                    answer.assert_problem(&invalid);
+                    assert_eq!((payments(late_order).await, records(&alice, &expired.token).await), (0, 0));
+
+                    // Both headers: 400; a client's key alone still works.
+                    let fresh = pay_token(&client, &base, late_order, &alice).await.json()["token"].as_str().unwrap().to_owned();
+                    let key = unique("key");
+                    let both = [("idempotency-token", fresh.as_str()), ("idempotency-key", key.as_str())];
+                    let answer = pay(&client, &base, late_order, &alice, &both, 9).await;
+                    assert_eq!((answer.status, answer.json()["code"].as_str()), (400, Some("INVALID_IDEMPOTENCY_KEY")));
+                    let by_key = pay(&client, &base, late_order, &alice, &[("idempotency-key", &key)], 9).await;
+                    assert_eq!(by_key.status, 200, "{}", by_key.body);
+                    assert_eq!(payments(late_order).await, 1);
+                }
+            }
+        };
+    }
+
+    http_app!(
+        mysql_with_redis,
+        sqlx::MySql,
+        mysql_pool,
+        Place::Getdel,
+        Sql {
+            pay: "UPDATE tok_orders SET status = 'PAID' WHERE id = ? AND status = 'PENDING'",
+            insert_payment: "INSERT INTO tok_payments (order_id, user_id, amount) VALUES (?, ?, ?)",
+            new_order: "INSERT INTO tok_orders (id, status) VALUES (?, 'PENDING')",
+            payments: "SELECT COUNT(*) FROM tok_payments WHERE order_id = CAST(? AS SIGNED)",
+            records: "SELECT COUNT(*) FROM idem_record WHERE biz_type = 'tok_http_pay' AND idem_key = ?",
+        }
+    );
+
+    http_app!(
+        postgres_with_redis_lua,
+        sqlx::Postgres,
+        pg_pool,
+        Place::Lua,
+        Sql {
+            pay: "UPDATE tok_orders SET status = 'PAID' WHERE id = $1 AND status = 'PENDING'",
+            insert_payment: "INSERT INTO tok_payments (order_id, user_id, amount) VALUES ($1, $2, $3)",
+            new_order: "INSERT INTO tok_orders (id, status) VALUES ($1, 'PENDING')",
+            payments: "SELECT COUNT(*) FROM tok_payments WHERE order_id = CAST($1 AS BIGINT)",
+            records: "SELECT COUNT(*) FROM idem_record WHERE biz_type = 'tok_http_pay' AND idem_key = $1",
+        }
+    );
+
+    http_app!(
+        sqlite_without_redis,
+        sqlx::Sqlite,
+        sqlite_pool,
+        Place::Database,
+        Sql {
+            pay: "UPDATE tok_orders SET status = 'PAID' WHERE id = ? AND status = 'PENDING'",
+            insert_payment: "INSERT INTO tok_payments (order_id, user_id, amount) VALUES (?, ?, ?)",
+            new_order: "INSERT INTO tok_orders (id, status) VALUES (?, 'PENDING')",
+            payments: "SELECT COUNT(*) FROM tok_payments WHERE order_id = CAST(? AS INTEGER)",
+            records: "SELECT COUNT(*) FROM idem_record WHERE biz_type = 'tok_http_pay' AND idem_key = ?",
+        }
+    );
+}

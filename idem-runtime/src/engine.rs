@@ -120,8 +120,9 @@ impl<DB: Backend> Builder<DB> {
     /// How long a consumed [token](Idem::tokens) answers
     /// [`AlreadyUsed`](crate::Consumption::AlreadyUsed) to its subject (and
     /// so lets a resubmission reach the record that replays the first
-    /// result). Default 24 h; make it at least the `ttl` of the calls keyed
-    /// by tokens. Never shorter than the token's own life.
+    /// result). Default 24 h; never shorter than the token's own life.
+    /// Keep it at most the `ttl` of the calls keyed by tokens: past its
+    /// record's expiry, a resubmission let through would run again.
     pub fn token_used_for(mut self, window: Duration) -> Self {
         self.tokens.used_for = window;
         self
