@@ -14,6 +14,9 @@
 //!   or, unset too, an in-memory database;
 //! - `IDEM_REDIS_URL`: the optional Redis claim, e.g. `redis://127.0.0.1:6379`.
 //!
+//! With `--features metrics` too, `GET /metrics` answers the engine's metrics
+//! in the Prometheus text format (`curl localhost:3000/metrics`).
+//!
 //! ```sh
 //! curl -i -X POST localhost:3000/orders/42/pay -H 'X-User-Id: alice' \
 //!   -H 'Idempotency-Key: 5d0c2a6e-pay-42' -H 'Content-Type: application/json' -d '{"amount":1999}'
@@ -336,6 +339,23 @@ fn purge_periodically<DB: Backend>(idem: Idem<DB>) {
     });
 }
 
+/// `GET /metrics`: what the engine recorded, in the Prometheus text format.
+/// The exporter only renders; axum serves it (no listener of its own).
+#[cfg(feature = "metrics")]
+fn metrics_route() -> Result<Router, Box<dyn std::error::Error>> {
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
+    idem::metrics::describe();
+    // Histograms are summarised on upkeep, which nothing else runs here.
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            upkeep.run_upkeep();
+        }
+    });
+    Ok(Router::new().route("/metrics", axum::routing::get(move || std::future::ready(handle.render()))))
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let addr = std::env::var("IDEM_HTTP_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
@@ -369,6 +389,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         (on_sqlite::router(idem), "SQLite")
     };
 
+    #[cfg(feature = "metrics")]
+    let router = router.merge(metrics_route()?);
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     println!("listening on http://{} ({store}, {claims})", listener.local_addr()?);
     axum::serve(listener, router).await?;

@@ -57,8 +57,12 @@
 pub use idem_macros::{State, idempotent};
 #[cfg(feature = "amqp")]
 pub use idem_runtime::amqp;
+#[cfg(feature = "cron")]
+pub use idem_runtime::cron;
 #[cfg(feature = "axum")]
 pub use idem_runtime::http;
+#[cfg(feature = "metrics")]
+pub use idem_runtime::metrics;
 pub use idem_runtime::{
     Backend, Builder, Error, Idem, InvalidNamespace, KeyError, Namespace, Outcome, Status, col, observe, state,
     transition,

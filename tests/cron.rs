@@ -1,6 +1,10 @@
-//! Cron jobs: three scheduler instances (three engines, three pools, one
-//! database) fire the same 20 slots; each slot runs exactly once, and a late
-//! backfill of a past slot does not run it again. MariaDB and PostgreSQL.
+//! Cron jobs on MariaDB and PostgreSQL. By hand: three scheduler instances
+//! (three engines, three pools, one database) fire the same 20 slots; each
+//! slot runs exactly once, and a late backfill of a past slot does not run
+//! it again. With `idem::cron::Runner`: three instances on a one-second
+//! schedule for 30 slots, one of them stopped for 10 slots; every slot runs
+//! once, missed slots within the window are caught up once, older ones are
+//! skipped; a job cancelled at shutdown runs on the next start, once.
 
 mod common;
 
@@ -159,4 +163,272 @@ cron_suite!(
     "INSERT INTO cron_runs (run, slot, instance) VALUES ($1, $2, $3)",
     "SELECT COUNT(*) FROM cron_runs WHERE run = $1",
     "SELECT COUNT(DISTINCT slot) FROM cron_runs WHERE run = $1"
+);
+
+/// How late a slot the runner finds already due may still run.
+const WINDOW: Duration = Duration::from_millis(2_500);
+/// The runner's jitter before each slot (and before its start-up catch-up).
+const JITTER: Duration = Duration::from_millis(100);
+/// Slots of the runner test: S0 .. S29, one a second.
+const RUNNER_SLOTS: i64 = 30;
+
+/// One slot as an instance reported it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Seen {
+    instance: u32,
+    slot: i64,
+    outcome: idem::cron::SlotOutcome,
+    catch_up: bool,
+}
+
+/// Sleeps until the wall-clock instant `at` (the schedule's own time).
+async fn sleep_until(at: std::time::SystemTime) {
+    tokio::time::sleep(at.duration_since(std::time::SystemTime::now()).unwrap_or_default()).await;
+}
+
+macro_rules! runner_suite {
+    ($module:ident, $db:ident, $redis:expr, $open:expr, $ddl:literal, $insert:literal, $per_slot:literal) => {
+        mod $module {
+            use std::sync::Mutex;
+            use std::time::{SystemTime, UNIX_EPOCH};
+
+            use idem::cron::{Runner, SlotOutcome, Stopped};
+            use sqlx::{Transaction, $db};
+
+            use super::*;
+
+            const REDIS: bool = $redis;
+
+            /// The job: one row per run, keyed by the slot's fire time. With
+            /// `hang`, it says so once its row is written and never finishes.
+            #[idempotent(key = "tick_<run>_<slot>", ttl = "1h", biz = "cron_runner")]
+            async fn tick(
+                idem: &Idem<$db>,
+                tx: &mut Transaction<'_, $db>,
+                run: String,
+                slot: i64,
+                #[idem(skip)] instance: u32,
+                #[idem(skip)] hang: Option<tokio::sync::mpsc::UnboundedSender<i64>>,
+            ) -> Result<(), JobError> {
+                sqlx::query($insert).bind(&run).bind(slot).bind(instance as i64).execute(&mut **tx).await?;
+                if let Some(started) = hang {
+                    let _ = started.send(slot);
+                    std::future::pending::<()>().await;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                Ok(())
+            }
+
+            async fn engines(redis: bool) -> Option<Vec<Idem<$db>>> {
+                let mut engines = Vec::new();
+                for _ in 0..INSTANCES {
+                    let pool: sqlx::Pool<$db> = $open.await?;
+                    sqlx::raw_sql($ddl).execute(&pool).await.expect("cron table");
+                    let mut builder = Idem::builder(pool);
+                    if redis {
+                        builder = builder.redis(common::redis_client().await?);
+                    }
+                    let idem = builder.build();
+                    idem.migrate().await.expect("migrate");
+                    engines.push(idem);
+                }
+                Some(engines)
+            }
+
+            /// One instance's runner, until it has reported `last` (a slot's
+            /// Unix second): the shutdown follows what it did, not a timer.
+            async fn instance(
+                idem: Idem<$db>,
+                run: String,
+                instance: u32,
+                resume: Option<SystemTime>,
+                last: i64,
+                seen: Arc<Mutex<Vec<Seen>>>,
+            ) -> Stopped {
+                let (reported, mut reported_rx) = tokio::sync::watch::channel(i64::MIN);
+                let mut runner =
+                    Runner::new("tick", "* * * * * *").unwrap().catch_up(WINDOW).jitter(JITTER).on_slot(move |r| {
+                        let (slot, outcome, catch_up) = (r.slot.unix_secs(), r.outcome, r.slot.is_catch_up());
+                        seen.lock().unwrap().push(Seen { instance, slot, outcome, catch_up });
+                        reported.send_replace(slot);
+                    });
+                if let Some(resume) = resume {
+                    runner = runner.resume_after(resume);
+                }
+                let shutdown = async move {
+                    let _ = reported_rx.wait_for(|slot| *slot >= last).await;
+                };
+                runner
+                    .run(shutdown, move |slot| {
+                        let (idem, run) = (idem.clone(), run.clone());
+                        async move { tick(&idem, run, slot.unix_secs(), instance, None).await }
+                    })
+                    .await
+            }
+
+            async fn thirty_slots_one_instance_stopped_for_ten(redis: bool) {
+                let Some(engines) = engines(redis).await else { return };
+                let run = common::unique("runner");
+                let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64;
+                let t0 = now + 3; // S0, a whole second far enough ahead to start before it
+                let at = |slot: i64, ms: u64| {
+                    UNIX_EPOCH + Duration::from_secs((t0 + slot) as u64) + Duration::from_millis(ms)
+                };
+                let seen = Arc::new(Mutex::new(Vec::new()));
+
+                // All three start just after S2: S0..S2 came due before
+                // anyone ran, inside the 2.5 s window (S-1 is outside it).
+                sleep_until(at(2, 50)).await;
+                let start = |i: usize, resume, last| {
+                    tokio::spawn(instance(engines[i].clone(), run.clone(), i as u32, resume, t0 + last, seen.clone()))
+                };
+                let a = start(0, None, 9);
+                let b = start(1, None, RUNNER_SLOTS - 1);
+                let c = start(2, None, RUNNER_SLOTS - 1);
+
+                // Instance 0 stops once it has settled S9, and comes back
+                // just after S19: S10..S16 are older than the window then,
+                // S17..S19 within it.
+                let stopped = a.await.unwrap();
+                assert_eq!((stopped.last_slot, stopped.schedule_ended), (Some(at(9, 0)), false));
+                sleep_until(at(19, 50)).await;
+                let a = start(0, stopped.last_slot, RUNNER_SLOTS - 1);
+                for task in [a, b, c] {
+                    let stopped = task.await.unwrap();
+                    assert_eq!(stopped.last_slot, Some(at(RUNNER_SLOTS - 1, 0)));
+                }
+
+                // Every slot ran exactly once, and no other slot ran.
+                let pool = engines[0].pool();
+                let rows: Vec<(i64, i64)> = sqlx::query_as($per_slot).bind(&run).fetch_all(pool).await.unwrap();
+                let expected: Vec<(i64, i64)> = (0..RUNNER_SLOTS).map(|i| (t0 + i, 1)).collect();
+                assert_eq!(rows, expected, "one row per slot S0..S29");
+
+                let seen = seen.lock().unwrap().clone();
+                let of = |instance: u32| -> Vec<(i64, SlotOutcome, bool)> {
+                    seen.iter()
+                        .filter(|s| s.instance == instance)
+                        .map(|s| (s.slot - t0, s.outcome, s.catch_up))
+                        .collect()
+                };
+                use SlotOutcome::{DoneElsewhere, Executed, InProgressElsewhere, Skipped};
+                let ran = |o: SlotOutcome| matches!(o, Executed | DoneElsewhere | InProgressElsewhere);
+                // Instances 1 and 2 settled every slot once, in order, none
+                // skipped; S0..S2 as catch-ups, the rest on time.
+                for instance in [1, 2] {
+                    let slots = of(instance);
+                    assert_eq!(slots.iter().map(|s| s.0).collect::<Vec<_>>(), (0..RUNNER_SLOTS).collect::<Vec<_>>());
+                    assert!(slots.iter().all(|s| ran(s.1)), "instance {instance}: {slots:?}");
+                    assert!(slots.iter().all(|s| s.2 == (s.0 <= 2)), "instance {instance} catch-ups: {slots:?}");
+                }
+                // Instance 0: S0..S9; after the restart S10..S16 skipped,
+                // S17..S19 caught up (S17 and S18 were done by the others a
+                // second or two before), then S20..S29 on time.
+                let slots = of(0);
+                assert_eq!(slots.iter().map(|s| s.0).collect::<Vec<_>>(), (0..RUNNER_SLOTS).collect::<Vec<_>>());
+                for &(slot, outcome, catch_up) in &slots {
+                    match slot {
+                        0..=2 => assert!(ran(outcome) && catch_up, "S{slot}: {outcome:?}"),
+                        3..=9 | 20.. => assert!(ran(outcome) && !catch_up, "S{slot}: {outcome:?}"),
+                        10..=16 => assert_eq!((outcome, catch_up), (Skipped, true), "S{slot}"),
+                        17 | 18 => assert_eq!((outcome, catch_up), (DoneElsewhere, true), "S{slot}"),
+                        _ => assert!(ran(outcome) && catch_up, "S{slot}: {outcome:?}"),
+                    }
+                }
+                // Each slot was executed by exactly one instance.
+                for slot in 0..RUNNER_SLOTS {
+                    let executed = seen.iter().filter(|s| s.slot == t0 + slot && s.outcome == Executed).count();
+                    assert_eq!(executed, 1, "S{slot}: {seen:?}");
+                }
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn runner_thirty_slots_one_instance_stopped_for_ten() {
+                let test = thirty_slots_one_instance_stopped_for_ten(REDIS);
+                tokio::time::timeout(Duration::from_secs(60), test).await.expect("the runner test hung");
+            }
+
+            /// A job still running at shutdown, past the grace, is dropped:
+            /// its transaction rolls back, the slot is reported cancelled and
+            /// is not the last settled; the next start runs it, once.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_job_cancelled_at_shutdown_runs_on_the_next_start() {
+                let Some(engines) = engines(REDIS).await else { return };
+                let idem = engines[0].clone();
+                let run = common::unique("cancel");
+                let seen = Arc::new(Mutex::new(Vec::new()));
+                let (started, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<i64>();
+                let log = seen.clone();
+                let (job_idem, job_run) = (idem.clone(), run.clone());
+                let first = Runner::new("tick", "* * * * * *")
+                    .unwrap()
+                    .shutdown_grace(Duration::from_millis(200))
+                    .on_slot(move |r| log.lock().unwrap().push((r.slot.unix_secs(), r.outcome)))
+                    .run(async move { started_rx.recv().await }, move |slot| {
+                        let (idem, run, started) = (job_idem.clone(), job_run.clone(), started.clone());
+                        async move { tick(&idem, run, slot.unix_secs(), 0, Some(started)).await }
+                    });
+                let stopped = tokio::time::timeout(Duration::from_secs(10), first).await.expect("stopped");
+                assert_eq!(stopped.last_slot, None, "the cancelled slot is not settled");
+                let cancelled = seen.lock().unwrap().clone();
+                assert_eq!(cancelled.len(), 1, "{cancelled:?}");
+                assert_eq!(cancelled[0].1, SlotOutcome::Cancelled);
+                let slot = cancelled[0].0;
+
+                // The next start looks back over its window and runs it.
+                let log = seen.clone();
+                let (job_idem, job_run) = (idem.clone(), run.clone());
+                let (done, mut done_rx) = tokio::sync::watch::channel(false);
+                let second = Runner::new("tick", "* * * * * *")
+                    .unwrap()
+                    .catch_up(Duration::from_secs(3))
+                    .on_slot(move |r| {
+                        log.lock().unwrap().push((r.slot.unix_secs(), r.outcome));
+                        if r.slot.unix_secs() == slot {
+                            done.send_replace(true);
+                        }
+                    })
+                    .run(
+                        async move {
+                            let _ = done_rx.wait_for(|d| *d).await;
+                        },
+                        move |s| {
+                            let (idem, run) = (job_idem.clone(), job_run.clone());
+                            async move { tick(&idem, run, s.unix_secs(), 1, None).await }
+                        },
+                    );
+                tokio::time::timeout(Duration::from_secs(10), second).await.expect("caught up");
+                let seen = seen.lock().unwrap().clone();
+                let again: Vec<_> = seen[1..].iter().filter(|s| s.0 == slot).collect();
+                assert_eq!(again, [&(slot, SlotOutcome::Executed)], "{seen:?}");
+                // The cancelled run left nothing: every slot has one row, its own.
+                let rows: Vec<(i64, i64)> = sqlx::query_as($per_slot).bind(&run).fetch_all(idem.pool()).await.unwrap();
+                assert!(rows.contains(&(slot, 1)) && rows.iter().all(|r| r.1 == 1), "{rows:?}");
+            }
+        }
+    };
+}
+
+runner_suite!(
+    mysql_runner,
+    MySql,
+    true,
+    common::reach("mysql", || async {
+        sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&common::mysql_url()).await.ok()
+    }),
+    "CREATE TABLE IF NOT EXISTS cron_ticks (id BIGINT AUTO_INCREMENT PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL, KEY (run))",
+    "INSERT INTO cron_ticks (run, slot, instance) VALUES (?, ?, ?)",
+    "SELECT slot, COUNT(*) FROM cron_ticks WHERE run = ? GROUP BY slot ORDER BY slot"
+);
+
+runner_suite!(
+    postgres_runner,
+    Postgres,
+    false,
+    common::reach("postgres", || async {
+        sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&common::pg_url()).await.ok()
+    }),
+    "SELECT pg_advisory_xact_lock(7306232718293615); CREATE TABLE IF NOT EXISTS cron_ticks (id BIGSERIAL PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL)",
+    "INSERT INTO cron_ticks (run, slot, instance) VALUES ($1, $2, $3)",
+    "SELECT slot, COUNT(*) FROM cron_ticks WHERE run = $1 GROUP BY slot ORDER BY slot"
 );

@@ -616,6 +616,7 @@ fn settle(settings: &Settings, result: lapin::Result<bool>, settled: Settled) {
     if let Some(action_error) = &settled.error {
         tracing::warn!(queue = %settings.queue, action = ?settled.action, error = %action_error, "delivery not done");
     }
+    crate::metrics::consumer_settled(&settings.queue, settled.action);
     if let Some(hook) = &settings.on_settle {
         hook(&settled);
     }

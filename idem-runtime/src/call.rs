@@ -16,6 +16,7 @@ use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::gate::{Answer, Entry};
 use crate::key::{validate_biz_no, validate_key};
+use crate::metrics::{Source, Timer};
 use crate::outcome::{self, Outcome};
 use crate::spec::Spec;
 use crate::store::record::{Committed, Opened, RecordKey, Settled, rollback};
@@ -33,10 +34,12 @@ impl<E> From<Error> for CallError<E> {
     }
 }
 
-/// A finished call: its value and whether it ran now or was replayed.
+/// A finished call: its value, whether it ran now or was replayed, and
+/// where a replay came from.
 struct Done<T> {
     value: T,
     outcome: Outcome,
+    source: Option<Source>,
 }
 
 /// Runs `body` once per `(spec.biz, key)`; the code the attribute writes
@@ -57,6 +60,7 @@ where
     F: FnOnce(Transaction<'static, DB>) -> Fut,
     Fut: Future<Output = (Transaction<'static, DB>, Result<T, E>)>,
 {
+    let timer = Timer::start();
     let checked = validate_key(&key);
     // A rejected key is not logged: it may hold anything the caller sent.
     let shown_key = if checked.is_ok() { key.as_str() } else { "<invalid>" };
@@ -72,6 +76,7 @@ where
     };
     span.record("outcome", outcome.as_str());
     outcome::report(outcome);
+    crate::metrics::call_finished(spec.biz, outcome, result.as_ref().ok().and_then(|done| done.source), timer);
     match result {
         Ok(done) => Ok(done.value),
         Err(CallError::Idem(e)) => Err(E::from(e)),
@@ -103,9 +108,9 @@ where
     let entry = engine.gate().enter(engine.pool(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
     let pass = match entry {
         Entry::GoAhead(pass) => pass,
-        Entry::Replay(answer) => {
+        Entry::Replay(answer, source) => {
             let value = replay(&id, &answer.fingerprint, &answer.response)?;
-            return Ok(Done { value, outcome: Outcome::Replayed });
+            return Ok(Done { value, outcome: Outcome::Replayed, source: Some(source) });
         }
         Entry::Busy { may_have_committed } => {
             // A claim outlives its call's commit until the cache write lands
@@ -113,7 +118,7 @@ where
             // call is in the record.
             if may_have_committed && let Some(row) = engine.records().read_live(spec.biz, key).await? {
                 let recorded = replay_row(&id, row)?;
-                return Ok(Done { value: recorded.value, outcome: Outcome::Replayed });
+                return Ok(Done { value: recorded.value, outcome: Outcome::Replayed, source: Some(Source::Database) });
             }
             return Err(id_in_progress(&id).into());
         }
@@ -124,7 +129,8 @@ where
             // The stored result goes on to the duplicates: to Redis in place
             // of our claim, or to those waiting here.
             pass.finish(Answer { fingerprint, response: recorded.response }, recorded.expires_ms);
-            Ok(Done { value: recorded.value, outcome: recorded.outcome })
+            let source = (recorded.outcome == Outcome::Replayed).then_some(Source::Database);
+            Ok(Done { value: recorded.value, outcome: recorded.outcome, source })
         }
         Err(e) => {
             pass.abandon().await;

@@ -17,6 +17,8 @@ compile_error!(
 pub mod amqp;
 mod call;
 mod clock;
+#[cfg(feature = "cron")]
+pub mod cron;
 mod engine;
 mod error;
 mod fingerprint;
@@ -24,6 +26,10 @@ mod gate;
 #[cfg(feature = "axum")]
 pub mod http;
 pub mod key;
+#[cfg(feature = "metrics")]
+pub mod metrics;
+#[cfg(not(feature = "metrics"))]
+mod metrics;
 mod namespace;
 mod outcome;
 mod random;

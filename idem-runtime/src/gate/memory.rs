@@ -55,7 +55,7 @@ impl MemoryGate {
             match tokio::time::timeout_at(deadline, running.wait_for(Option::is_some)).await {
                 Ok(Ok(answer)) => {
                     if let Some(answer) = answer.as_ref() {
-                        return Entry::Replay(Arc::clone(answer));
+                        return Entry::Replay(Arc::clone(answer), crate::metrics::Source::Memory);
                     }
                 }
                 // It failed or was dropped: whoever enters next goes first.
@@ -109,7 +109,7 @@ mod tests {
         };
         let (answers, ()) = tokio::join!(futures_join_all(waiters), finish);
         for answer in answers {
-            let Entry::Replay(answer) = answer else { panic!("not answered") };
+            let Entry::Replay(answer, _) = answer else { panic!("not answered") };
             assert_eq!((answer.fingerprint.as_str(), answer.response.as_str()), ("fp", "{\"a\":1}"));
         }
         assert_eq!(gate.len(), 0, "the finished call left the map");
@@ -149,7 +149,7 @@ mod tests {
             leader.finish(answer("fp", "1"));
         };
         let (answer, ()) = tokio::join!(gate.enter("pay", "k", Duration::MAX), finish);
-        assert!(matches!(answer, Entry::Replay(answer) if answer.response == "1"));
+        assert!(matches!(answer, Entry::Replay(answer, _) if answer.response == "1"));
     }
 
     #[tokio::test(start_paused = true)]

@@ -34,8 +34,9 @@ pub(crate) struct Answer {
 pub(crate) enum Entry<'g> {
     /// Nobody holds the key: go ahead, and settle the pass afterwards.
     GoAhead(Pass<'g>),
-    /// A finished call's result: replay it (or answer `KeyReused`).
-    Replay(Arc<Answer>),
+    /// A finished call's result: replay it (or answer `KeyReused`). The
+    /// source says which gate had it (for metrics).
+    Replay(Arc<Answer>, crate::metrics::Source),
     /// Another call holds the key. If it may have committed since it took
     /// the key (a Redis claim outlives the commit until the cache write
     /// lands), the record knows better.

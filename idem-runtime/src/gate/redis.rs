@@ -181,7 +181,7 @@ impl RedisGate {
             Found::Ours(held) => {
                 Some(Entry::GoAhead(Pass::Claim(ClaimGuard { gate: Arc::clone(self), held: Some(held) })))
             }
-            Found::Finished(answer) => Some(Entry::Replay(Arc::new(answer))),
+            Found::Finished(answer) => Some(Entry::Replay(Arc::new(answer), crate::metrics::Source::Redis)),
             Found::Running => Some(Entry::Busy { may_have_committed: true }),
             Found::Unavailable => None,
         }
@@ -242,6 +242,7 @@ impl RedisGate {
     /// at once, and like an unanswered one if that fails.
     fn release_in_background(self: &Arc<Self>, held: HeldClaim) {
         self.spawn_later(|claims| async move {
+            crate::metrics::background_release();
             if claims.release_with(&held, Backoff::Respect).await.is_err() {
                 claims.release_after_failure(&held).await;
             }
@@ -251,7 +252,10 @@ impl RedisGate {
     /// Releases, from a background task, a claim whose answer (or whose
     /// release's answer) was lost.
     fn release_unanswered(self: &Arc<Self>, held: HeldClaim) {
-        self.spawn_later(|claims| async move { claims.release_after_failure(&held).await });
+        self.spawn_later(|claims| async move {
+            crate::metrics::background_release();
+            claims.release_after_failure(&held).await
+        });
     }
 
     async fn release_with(&self, held: &HeldClaim, backoff: Backoff) -> Result<i64, Missed> {
@@ -378,6 +382,7 @@ impl RedisGate {
                 if self.down_until_ms.load(Ordering::Relaxed) != 0 && self.down_until_ms.swap(0, Ordering::Relaxed) != 0
                 {
                     tracing::info!("redis answers again; idempotency claims resume");
+                    crate::metrics::redis_recovered();
                 }
                 return Ok(value);
             }
@@ -387,6 +392,7 @@ impl RedisGate {
         let until = clock::now_ms() + millis(BACKOFF);
         if self.down_until_ms.swap(until, Ordering::Relaxed) == 0 {
             tracing::warn!(error = %failure, "redis unavailable; idempotency continues on the database alone");
+            crate::metrics::redis_degraded();
         }
         Err(Missed::Failed)
     }

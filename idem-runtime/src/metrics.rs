@@ -1,0 +1,195 @@
+//! Metrics through the [`metrics`](https://docs.rs/metrics) facade (feature
+//! `metrics`): nothing is recorded until the application installs a
+//! recorder (for Prometheus, `metrics-exporter-prometheus`). Without the
+//! feature every hook below is an empty inline function and the timer has
+//! no size: the call path pays nothing.
+//!
+//! | name | kind | labels | counts |
+//! |---|---|---|---|
+//! | `idem_calls_total` | counter | `biz`, `outcome` | every call that ended: `executed`, `replayed`, `in_progress`, `key_reused`, `rejected`, `failed` |
+//! | `idem_call_duration_seconds` | histogram | `biz`, `outcome` | the same calls, from entry to answer |
+//! | `idem_replays_total` | counter | `biz`, `source` | replayed calls, by where the result came from: `redis` (the cached result), `memory` (a duplicate running on the same engine, waited for), `database` (the record), `local` (the engine's local replay cache) |
+//! | `idem_redis_degraded_total` | counter | | periods in which Redis failed and calls went on with the database alone (begun) |
+//! | `idem_redis_degraded` | gauge | | engines in such a period now |
+//! | `idem_background_releases_total` | counter | | claims released from a background task (the call panicked or was dropped, or the claim's or its release's answer was lost) |
+//! | `idem_consumer_settlements_total` | counter | `queue`, `action` | deliveries settled by the RabbitMQ consumer runner: `ack`, `requeue`, `retry`, `returned`, `dead_letter_poison`, `dead_letter_key_reused`, `dead_letter_rejected`, `dead_letter_retries_exhausted` |
+//! | `idem_cron_slots_total` | counter | `job`, `outcome` | slots settled by the cron runner: `executed`, `done_elsewhere`, `in_progress_elsewhere`, `failed`, `cancelled`, `skipped` |
+//!
+//! A call whose future is dropped, or whose body panics, never ends, so it
+//! is not counted (its claim, if any, shows in the background releases).
+//! Call [`describe`] once after installing the recorder to give each metric
+//! its help text and unit.
+
+use crate::outcome::Outcome;
+
+/// Where a replayed result came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// This process's local replay cache.
+    #[allow(dead_code)] // until the local replay cache (`gate::local`) lands
+    Local,
+    /// The finished call's result cached in Redis.
+    #[cfg(feature = "redis")]
+    Redis,
+    /// A duplicate running on the same engine, waited for in memory.
+    Memory,
+    /// The committed record.
+    Database,
+}
+
+impl Source {
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    fn as_str(self) -> &'static str {
+        match self {
+            #[cfg(feature = "redis")]
+            Source::Redis => "redis",
+            Source::Local => "local",
+            Source::Memory => "memory",
+            Source::Database => "database",
+        }
+    }
+}
+
+/// `idem_calls_total{biz, outcome}`.
+#[cfg(feature = "metrics")]
+pub const CALLS: &str = "idem_calls_total";
+/// `idem_call_duration_seconds{biz, outcome}`.
+#[cfg(feature = "metrics")]
+pub const CALL_DURATION: &str = "idem_call_duration_seconds";
+/// `idem_replays_total{biz, source}`.
+#[cfg(feature = "metrics")]
+pub const REPLAYS: &str = "idem_replays_total";
+/// `idem_redis_degraded_total`.
+#[cfg(feature = "metrics")]
+pub const REDIS_DEGRADED_PERIODS: &str = "idem_redis_degraded_total";
+/// `idem_redis_degraded`.
+#[cfg(feature = "metrics")]
+pub const REDIS_DEGRADED_NOW: &str = "idem_redis_degraded";
+/// `idem_background_releases_total`.
+#[cfg(feature = "metrics")]
+pub const BACKGROUND_RELEASES: &str = "idem_background_releases_total";
+/// `idem_consumer_settlements_total{queue, action}`.
+#[cfg(feature = "metrics")]
+pub const CONSUMER_SETTLEMENTS: &str = "idem_consumer_settlements_total";
+/// `idem_cron_slots_total{job, outcome}`.
+#[cfg(feature = "metrics")]
+pub const CRON_SLOTS: &str = "idem_cron_slots_total";
+
+/// Gives every metric above its help text and unit, in the installed
+/// recorder. Optional: metrics record without it.
+#[cfg(feature = "metrics")]
+pub fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(CALLS, Unit::Count, "Idempotent calls that ended, by biz and outcome.");
+    describe_histogram!(CALL_DURATION, Unit::Seconds, "Time from entry to answer of idempotent calls.");
+    describe_counter!(REPLAYS, Unit::Count, "Replayed calls, by biz and where the result came from.");
+    describe_counter!(
+        REDIS_DEGRADED_PERIODS,
+        Unit::Count,
+        "Periods in which Redis failed and calls used the database alone."
+    );
+    describe_gauge!(REDIS_DEGRADED_NOW, Unit::Count, "Engines whose Redis is failing now.");
+    describe_counter!(BACKGROUND_RELEASES, Unit::Count, "Redis claims released from a background task.");
+    describe_counter!(
+        CONSUMER_SETTLEMENTS,
+        Unit::Count,
+        "Deliveries settled by the consumer runner, by queue and action."
+    );
+    describe_counter!(CRON_SLOTS, Unit::Count, "Slots settled by the cron runner, by job and outcome.");
+}
+
+/// When a call began; no size without the feature.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timer {
+    #[cfg(feature = "metrics")]
+    started: std::time::Instant,
+}
+
+impl Timer {
+    #[inline]
+    pub(crate) fn start() -> Self {
+        Timer {
+            #[cfg(feature = "metrics")]
+            started: std::time::Instant::now(),
+        }
+    }
+}
+
+/// A call ended with `outcome`; `source` says where a replay came from.
+#[inline]
+pub(crate) fn call_finished(biz: &'static str, outcome: Outcome, source: Option<Source>, timer: Timer) {
+    #[cfg(feature = "metrics")]
+    {
+        let outcome_label = outcome.as_str();
+        metrics::counter!(CALLS, "biz" => biz, "outcome" => outcome_label).increment(1);
+        metrics::histogram!(CALL_DURATION, "biz" => biz, "outcome" => outcome_label)
+            .record(timer.started.elapsed().as_secs_f64());
+        if outcome == Outcome::Replayed
+            && let Some(source) = source
+        {
+            metrics::counter!(REPLAYS, "biz" => biz, "source" => source.as_str()).increment(1);
+        }
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = (biz, outcome, source, timer);
+}
+
+/// Redis began failing for an engine: calls go on with the database alone.
+#[cfg(feature = "redis")]
+#[inline]
+pub(crate) fn redis_degraded() {
+    #[cfg(feature = "metrics")]
+    {
+        metrics::counter!(REDIS_DEGRADED_PERIODS).increment(1);
+        metrics::gauge!(REDIS_DEGRADED_NOW).increment(1.0);
+    }
+}
+
+/// Redis answers an engine again.
+#[cfg(feature = "redis")]
+#[inline]
+pub(crate) fn redis_recovered() {
+    #[cfg(feature = "metrics")]
+    metrics::gauge!(REDIS_DEGRADED_NOW).decrement(1.0);
+}
+
+/// A background task began releasing a claim.
+#[cfg(feature = "redis")]
+#[inline]
+pub(crate) fn background_release() {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(BACKGROUND_RELEASES).increment(1);
+}
+
+/// The consumer runner settled a delivery of `queue`.
+#[cfg(feature = "amqp")]
+#[inline]
+pub(crate) fn consumer_settled(queue: &str, action: crate::amqp::Action) {
+    #[cfg(feature = "metrics")]
+    {
+        use crate::amqp::{Action, Reason};
+        let action = match action {
+            Action::Ack => "ack",
+            Action::Requeue => "requeue",
+            Action::Retry { .. } => "retry",
+            Action::Returned => "returned",
+            Action::DeadLetter(Reason::Poison) => "dead_letter_poison",
+            Action::DeadLetter(Reason::KeyReused) => "dead_letter_key_reused",
+            Action::DeadLetter(Reason::Rejected) => "dead_letter_rejected",
+            Action::DeadLetter(Reason::RetriesExhausted) => "dead_letter_retries_exhausted",
+        };
+        metrics::counter!(CONSUMER_SETTLEMENTS, "queue" => queue.to_owned(), "action" => action).increment(1);
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = (queue, action);
+}
+
+/// The cron runner settled a slot of `job`.
+#[cfg(feature = "cron")]
+#[inline]
+pub(crate) fn cron_settled(job: &str, outcome: crate::cron::SlotOutcome) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(CRON_SLOTS, "job" => job.to_owned(), "outcome" => outcome.as_str()).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (job, outcome);
+}
