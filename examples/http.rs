@@ -25,7 +25,10 @@
 //! and so does `-H 'Idempotency-Key: "5d0c2a6e-pay-42"'` (the quoted form of
 //! the IETF draft: the same key); with `{"amount":5}` it answers 422
 //! `IDEMPOTENCY_KEY_REUSED`, and with `-H 'X-User-Id: alice:x'` 400
-//! `INVALID_PRINCIPAL`.
+//! `INVALID_PRINCIPAL`. A client that sends a fresh key with its retry
+//! defeats the record, not the order's own state (layer 4,
+//! `idem::state`): the second body finds the order already paid and answers
+//! 200 with the first payment, writing nothing.
 //!
 //! For clients that must not make up their own keys, the form asks for a
 //! token first (it is alice's alone, for 15 minutes) and the submit sends it:
@@ -53,7 +56,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router, middleware};
 use idem::http::{IdempotencyKey, IdempotencyToken, KeyOrToken, Problem, check_principal, replay_header};
-use idem::{Backend, Idem, TokenError, idempotent};
+use idem::state::{Advanced, advance};
+use idem::{Backend, Idem, TokenError, idempotent, transition};
 use serde::{Deserialize, Serialize};
 use sqlx::{AssertSqlSafe, Transaction};
 
@@ -68,6 +72,17 @@ struct PayToken {
     token: String,
     /// Seconds the token stays usable.
     expires_in: u64,
+}
+
+/// The order's state column and its allowed moves (layer 4).
+#[derive(Clone, Copy, Debug, PartialEq, idem::State)]
+#[state(table = "orders", id = "id", column = "status")]
+#[state(transitions(Pending -> Paid, Paid -> Refunded, Pending -> Closed))]
+enum OrderStatus {
+    Pending,
+    Paid,
+    Refunded,
+    Closed,
 }
 
 /// The request body.
@@ -99,7 +114,7 @@ enum ApiError {
     Idem(idem::Error),
     /// The token is refused (403) or cannot be checked (503).
     Token(TokenError),
-    /// The order exists but is not `PENDING` (already paid, e.g. through another key).
+    /// The order exists but can no longer be paid (closed, refunded).
     NotPayable(i64),
     NotFound(i64),
     BadAmount,
@@ -249,16 +264,21 @@ macro_rules! pay_service {
                 if req.amount <= 0 {
                     return Err(ApiError::BadAmount);
                 }
-                let paid = sqlx::query("UPDATE orders SET status = 'PAID' WHERE id = ? AND status = 'PENDING'")
-                    .bind(order_id)
-                    .execute(&mut **tx)
-                    .await?;
-                if paid.rows_affected() == 0 {
-                    let known: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM orders WHERE id = ?")
-                        .bind(order_id)
-                        .fetch_one(&mut **tx)
-                        .await?;
-                    return Err(if known > 0 { ApiError::NotPayable(order_id) } else { ApiError::NotFound(order_id) });
+                // Layer 4: the order's own state decides, even when two keys
+                // (a client that invents a new one per retry) reach this body.
+                match advance(transition!(OrderStatus: Pending -> Paid)).run(&mut **tx, order_id).await? {
+                    Advanced::Applied => {}
+                    Advanced::AlreadyThere => {
+                        // Paid before, under another key: success, with that payment.
+                        let (payment_id, amount): (i64, i64) =
+                            sqlx::query_as("SELECT id, amount FROM payments WHERE order_id = ?")
+                                .bind(order_id)
+                                .fetch_one(&mut **tx)
+                                .await?;
+                        return Ok(PayResponse { order_id, amount, payment_id, status: "PAID".into() });
+                    }
+                    Advanced::Conflict { .. } => return Err(ApiError::NotPayable(order_id)),
+                    Advanced::NotFound => return Err(ApiError::NotFound(order_id)),
                 }
                 let inserted = sqlx::query("INSERT INTO payments (order_id, user_id, amount) VALUES (?, ?, ?)")
                     .bind(order_id)
