@@ -108,6 +108,10 @@ mod servers {
     impl PrivateRedis {
         pub fn start(extra: &[&str]) -> Option<Self> {
             let port = std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
+            Self::start_on(port, extra)
+        }
+
+        pub fn start_on(port: u16, extra: &[&str]) -> Option<Self> {
             let child = Command::new("redis-server")
                 .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
                 .args(extra)
@@ -126,6 +130,10 @@ mod servers {
                 std::thread::sleep(Duration::from_millis(20));
             }
             Some(server)
+        }
+
+        pub fn port(&self) -> u16 {
+            self.port
         }
 
         pub fn client(&self) -> redis::Client {
@@ -797,6 +805,81 @@ async fn a_redis_outage_answers_unavailable_never_a_pass() {
     let (refused, outcome) = sqlite::submit(&idem, &user, &forged(), 1, &probe).await;
     assert!(matches!(refused, Err(TestError::Token(TokenError::Unavailable(_)))), "{refused:?}");
     assert_eq!((outcome, probe.runs()), (None, 0));
+}
+
+/// On a Redis Cluster (three masters of this test alone) every token
+/// operation touches one key, so each is routed to its slot: both paths
+/// answer as on one node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_work_on_a_redis_cluster() {
+    let mut ports = Vec::new();
+    while ports.len() < 3 {
+        // A node also listens on its port + 10 000 (the cluster bus).
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        if port <= 55_535
+            && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok()
+            && !ports.iter().any(|&p: &u16| p.abs_diff(port) == 10_000 || p == port)
+        {
+            ports.push(port);
+        }
+    }
+    let dir = std::env::temp_dir().join(unique("idem-tokens-cluster"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut nodes = Vec::new();
+    for port in &ports {
+        let conf = dir.join(format!("nodes-{port}.conf")).display().to_string();
+        let dir = dir.display().to_string();
+        let args = ["--cluster-enabled", "yes", "--cluster-config-file", &conf, "--dir", &dir];
+        let Some(node) = servers::PrivateRedis::start_on(*port, &args) else { return };
+        nodes.push(node);
+    }
+    let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port())).collect();
+    let created = std::process::Command::new("redis-cli")
+        .arg("--cluster")
+        .arg("create")
+        .args(&addrs)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status();
+    if !created.is_ok_and(|s| s.success()) {
+        servers::skip("redis cluster (redis-cli --cluster create failed)");
+        return;
+    }
+    for node in &nodes {
+        let start = std::time::Instant::now();
+        while !node.query::<String>(redis::cmd("CLUSTER").arg("INFO")).is_ok_and(|i| i.contains("cluster_state:ok")) {
+            assert!(start.elapsed() < Duration::from_secs(30), "cluster not ok");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let urls: Vec<String> = addrs.iter().map(|a| format!("redis://{a}")).collect();
+    let Some((pool, _file)) = sqlite_pool().await else { return };
+    for lua in [false, true] {
+        let client = redis::cluster::ClusterClient::new(urls.clone()).expect("cluster client");
+        let idem = Idem::builder(pool.clone()).redis_cluster(client).token_consume_with_lua(lua).build();
+        idem.migrate().await.expect("migrate");
+        let (alice, bob) = (unique("alice"), unique("bob"));
+        for _ in 0..5 {
+            let issued = idem.tokens().issue(BIZ, &alice, LONG).await.expect("issue");
+            let theirs = idem.tokens().consume(BIZ, &bob, &issued.token).await.expect("consume");
+            assert!(matches!(theirs, Consumption::OtherSubject), "{theirs:?}");
+            let Consumption::Consumed(spent) =
+                idem.tokens().consume(BIZ, &alice, &issued.token).await.expect("consume")
+            else {
+                panic!("not consumed (lua: {lua})");
+            };
+            let again = idem.tokens().consume(BIZ, &alice, &issued.token).await.expect("consume");
+            assert!(matches!(again, Consumption::AlreadyUsed), "{again:?}");
+            assert!(idem.tokens().give_back(spent).await.expect("give back"));
+            let back = idem.tokens().consume(BIZ, &alice, &issued.token).await.expect("consume");
+            assert!(matches!(back, Consumption::Consumed(_)), "{back:?}");
+        }
+        let forged = idem.tokens().consume(BIZ, &alice, &forged()).await.expect("consume");
+        assert!(matches!(forged, Consumption::Unknown), "{forged:?}");
+    }
+    drop(nodes);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 // HTTP end to end: the example's two routes, on an ephemeral port.
