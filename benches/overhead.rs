@@ -16,9 +16,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use idem::{Idem, idempotent};
-
-#[path = "../tests/common/mod.rs"]
-mod common;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Barrier;
 
@@ -402,7 +399,7 @@ macro_rules! backend {
                     idem.migrate().await.expect("migrate");
                     let client = claims.nodes();
                     let label = claims.label();
-                    let run_id = common::unique(label);
+                    let run_id = idem_testkit::unique(label);
                     let executions = Arc::new(AtomicUsize::new(0));
 
                     for tasks in [1, CONCURRENCY] {
@@ -556,7 +553,7 @@ backend!(
     MySql,
     "mariadb",
     true,
-    common::mysql_url(),
+    idem_testkit::mysql_url(),
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT IGNORE INTO bench_orders (id, status) WITH RECURSIVE n (i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) SELECT i, 'PENDING' FROM n",
     "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = ? AND status = 'PENDING'",
@@ -568,7 +565,7 @@ backend!(
     Postgres,
     "postgres",
     false,
-    common::pg_url(),
+    idem_testkit::pg_url(),
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT INTO bench_orders (id, status) SELECT i, 'PENDING' FROM generate_series(1, $1) AS i ON CONFLICT DO NOTHING",
     "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = $1 AND status = 'PENDING'",
@@ -586,14 +583,14 @@ fn main() {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
     let started = Instant::now();
     let rows = runtime.block_on(async {
-        let redis_url = common::redis_url();
+        let redis_url = idem_testkit::redis_url();
         let mut passes = vec![Claims::None];
         match redis::Client::open(redis_url) {
             Ok(c) if c.get_multiplexed_async_connection().await.is_ok() => passes.push(Claims::Single(c)),
             _ => println!("skipped: redis unreachable (rows with Redis left out)"),
         }
         // A private 3-master cluster on loopback ports, stopped when dropped.
-        let cluster = common::servers::RedisCluster::start();
+        let cluster = idem_testkit::servers::RedisCluster::start();
         if let Some(cluster) = &cluster {
             let nodes = cluster.urls().into_iter().map(|u| redis::Client::open(u).expect("node url")).collect();
             passes.push(Claims::Cluster(Box::new(cluster.client()), nodes));

@@ -2,8 +2,6 @@
 //! (`IDEM_MYSQL_URL`) and Redis (`IDEM_REDIS_URL`). Every test uses its own
 //! queues, SKUs and order ids, so they run in parallel and again.
 
-mod common;
-
 use std::collections::HashMap;
 use std::fmt::Debug;
 use std::future::Future;
@@ -178,7 +176,7 @@ async fn rabbitmq() -> Option<Connection> {
             return Some(conn);
         }
     }
-    common::skip("rabbitmq");
+    idem_testkit::skip("rabbitmq");
     None
 }
 
@@ -203,15 +201,15 @@ async fn env(stock: i64) -> Option<Env> {
 /// same names.
 async fn env_with(stock: i64, queue_args: FieldTable) -> Option<Env> {
     let conn = rabbitmq().await?;
-    let pool = common::reach("mysql", || async {
-        MySqlPoolOptions::new().max_connections(8).connect(&common::mysql_url()).await.ok()
+    let pool = idem_testkit::reach("mysql", || async {
+        MySqlPoolOptions::new().max_connections(8).connect(&idem_testkit::mysql_url()).await.ok()
     })
     .await?;
-    let redis = common::redis_client().await?;
+    let redis = idem_testkit::redis_client().await?;
     let idem = Idem::builder(pool).redis(redis.clone()).build();
     idem.migrate().await.expect("migrate");
     sqlx::raw_sql(DDL).execute(idem.pool()).await.expect("stock tables");
-    let sku = common::unique("sku");
+    let sku = idem_testkit::unique("sku");
     sqlx::query("INSERT INTO idem_amqp_stock (sku, qty) VALUES (?, ?)")
         .bind(&sku)
         .bind(stock)
@@ -221,7 +219,7 @@ async fn env_with(stock: i64, queue_args: FieldTable) -> Option<Env> {
 
     let channel = conn.create_channel().await.expect("channel");
     channel.confirm_select(ConfirmSelectOptions::default()).await.expect("confirms");
-    let queue = common::unique("idem.test.order.paid");
+    let queue = idem_testkit::unique("idem.test.order.paid");
     let names = if queue_args.inner().is_empty() {
         idem::amqp::declare_with_dead_letter(&channel, &queue).await.expect("declare queues")
     } else {
@@ -615,7 +613,7 @@ async fn poison_and_key_reused_are_dead_lettered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_key_is_dead_lettered_and_nothing_written() {
     let Some(env) = env(100).await else { return };
-    let reference = format!("bad ref {}", common::unique("r"));
+    let reference = format!("bad ref {}", idem_testkit::unique("r"));
     let payload =
         serde_json::to_vec(&Restocked { reference: reference.clone(), sku: env.sku.clone(), qty: 5 }).unwrap();
     env.publish(&payload, "invalid-key").await;
@@ -664,7 +662,7 @@ async fn invalid_key_is_dead_lettered_and_nothing_written() {
 async fn failing_body_is_retried_up_to_the_bound_then_dead_lettered() {
     let Some(env) = env(100).await else { return };
     let order = order_id();
-    let unknown = common::unique("no-such-sku");
+    let unknown = idem_testkit::unique("no-such-sku");
     env.publish(&event(order, &unknown, 1), "failing").await;
 
     let calls = Arc::new(AtomicUsize::new(0));
@@ -782,7 +780,7 @@ async fn refused_retry_copy_is_counted_then_dead_lettered() {
     args.insert("x-max-length".into(), AMQPValue::LongInt(1));
     args.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
     let Some(env) = env_with(100, args).await else { return };
-    let unknown = common::unique("no-such-sku");
+    let unknown = idem_testkit::unique("no-such-sku");
     env.publish(&event(order_id(), &unknown, 1), "failing").await;
 
     // While the failing body holds, its delivery is unacked (not counted by
@@ -837,7 +835,7 @@ async fn refused_retry_copy_is_counted_then_dead_lettered() {
 async fn handler_returning_ok_is_acked_whatever_the_outcome() {
     let Some(env) = env(100).await else { return };
     let order = order_id();
-    let unknown = common::unique("no-such-sku");
+    let unknown = idem_testkit::unique("no-such-sku");
     env.publish(&event(order, &env.sku, 2), "first").await;
     env.publish(&event(order, &env.sku, 5), "reused").await;
     env.publish(&event(order_id(), &unknown, 1), "failing").await;

@@ -6,8 +6,6 @@
 //! once, missed slots within the window are caught up once, older ones are
 //! skipped; a job cancelled at shutdown runs on the next start, once.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -72,7 +70,7 @@ macro_rules! cron_suite {
                     sqlx::raw_sql($ddl).execute(&pool).await.expect("cron table");
                     let mut builder = Idem::builder(pool);
                     if redis {
-                        builder = builder.redis(common::redis_client().await?);
+                        builder = builder.redis(idem_testkit::redis_client().await?);
                     }
                     let idem = builder.build();
                     idem.migrate().await.expect("migrate");
@@ -83,7 +81,7 @@ macro_rules! cron_suite {
 
             async fn three_instances_twenty_slots(redis: bool) {
                 let Some(engines) = engines(redis).await else { return };
-                let run = common::unique("cron");
+                let run = idem_testkit::unique("cron");
                 let mut executed = 0;
                 for slot in 0..SLOTS {
                     let barrier = Arc::new(Barrier::new(INSTANCES as usize));
@@ -144,8 +142,8 @@ macro_rules! cron_suite {
 cron_suite!(
     mysql,
     MySql,
-    common::reach("mysql", || async {
-        sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&common::mysql_url()).await.ok()
+    idem_testkit::reach("mysql", || async {
+        sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&idem_testkit::mysql_url()).await.ok()
     }),
     "CREATE TABLE IF NOT EXISTS cron_runs (id BIGINT AUTO_INCREMENT PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL, KEY (run))",
     "INSERT INTO cron_runs (run, slot, instance) VALUES (?, ?, ?)",
@@ -156,8 +154,8 @@ cron_suite!(
 cron_suite!(
     postgres,
     Postgres,
-    common::reach("postgres", || async {
-        sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&common::pg_url()).await.ok()
+    idem_testkit::reach("postgres", || async {
+        sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&idem_testkit::pg_url()).await.ok()
     }),
     "SELECT pg_advisory_xact_lock(7306232718293613); CREATE TABLE IF NOT EXISTS cron_runs (id BIGSERIAL PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL)",
     "INSERT INTO cron_runs (run, slot, instance) VALUES ($1, $2, $3)",
@@ -226,7 +224,7 @@ macro_rules! runner_suite {
                     sqlx::raw_sql($ddl).execute(&pool).await.expect("cron table");
                     let mut builder = Idem::builder(pool);
                     if redis {
-                        builder = builder.redis(common::redis_client().await?);
+                        builder = builder.redis(idem_testkit::redis_client().await?);
                     }
                     let idem = builder.build();
                     idem.migrate().await.expect("migrate");
@@ -268,7 +266,7 @@ macro_rules! runner_suite {
 
             async fn thirty_slots_one_instance_stopped_for_ten(redis: bool) {
                 let Some(engines) = engines(redis).await else { return };
-                let run = common::unique("runner");
+                let run = idem_testkit::unique("runner");
                 let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64;
                 let t0 = now + 3; // S0, a whole second far enough ahead to start before it
                 let at = |slot: i64, ms: u64| {
@@ -355,7 +353,7 @@ macro_rules! runner_suite {
             async fn a_job_cancelled_at_shutdown_runs_on_the_next_start() {
                 let Some(engines) = engines(REDIS).await else { return };
                 let idem = engines[0].clone();
-                let run = common::unique("cancel");
+                let run = idem_testkit::unique("cancel");
                 let seen = Arc::new(Mutex::new(Vec::new()));
                 let (started, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<i64>();
                 let log = seen.clone();
@@ -413,8 +411,8 @@ runner_suite!(
     mysql_runner,
     MySql,
     true,
-    common::reach("mysql", || async {
-        sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&common::mysql_url()).await.ok()
+    idem_testkit::reach("mysql", || async {
+        sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&idem_testkit::mysql_url()).await.ok()
     }),
     "CREATE TABLE IF NOT EXISTS cron_ticks (id BIGINT AUTO_INCREMENT PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL, KEY (run))",
     "INSERT INTO cron_ticks (run, slot, instance) VALUES (?, ?, ?)",
@@ -425,8 +423,8 @@ runner_suite!(
     postgres_runner,
     Postgres,
     false,
-    common::reach("postgres", || async {
-        sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&common::pg_url()).await.ok()
+    idem_testkit::reach("postgres", || async {
+        sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&idem_testkit::pg_url()).await.ok()
     }),
     "SELECT pg_advisory_xact_lock(7306232718293615); CREATE TABLE IF NOT EXISTS cron_ticks (id BIGSERIAL PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL)",
     "INSERT INTO cron_ticks (run, slot, instance) VALUES ($1, $2, $3)",

@@ -3,8 +3,6 @@
 //! without Redis, and SQLite without Redis; a database that is down; a
 //! business number that does not fit its column.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -242,18 +240,18 @@ struct App {
 const LOCK_WAIT: Duration = Duration::from_secs(1);
 
 async fn mysql_app(with_redis: bool, gate: Arc<Gate>) -> Option<App> {
-    let pool = common::reach("mysql", || async {
+    let pool = idem_testkit::reach("mysql", || async {
         sqlx::mysql::MySqlPoolOptions::new()
             .max_connections(16)
             .acquire_timeout(Duration::from_secs(60))
-            .connect(&common::mysql_url())
+            .connect(&idem_testkit::mysql_url())
             .await
             .ok()
     })
     .await?;
     let mut builder = Idem::builder(pool.clone()).lock_wait(LOCK_WAIT);
     if with_redis {
-        builder = builder.redis(common::redis_client().await?);
+        builder = builder.redis(idem_testkit::redis_client().await?);
     }
     let idem = builder.build();
     idem.migrate().await.expect("migrate");
@@ -272,7 +270,7 @@ async fn sqlite_app(gate: Arc<Gate>) -> App {
     let dir = std::env::temp_dir().join("idem-tests");
     std::fs::create_dir_all(&dir).expect("temp dir");
     let options = sqlx::sqlite::SqliteConnectOptions::new()
-        .filename(dir.join(format!("{}.db", common::unique("http"))))
+        .filename(dir.join(format!("{}.db", idem_testkit::unique("http"))))
         .create_if_missing(true)
         .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
         .busy_timeout(Duration::from_secs(30));
@@ -383,7 +381,7 @@ fn in_progress() -> Problem {
 
 /// A user id of letters and digits, unique to this run.
 fn new_user(prefix: &str) -> String {
-    common::unique(prefix).replace('-', "x")
+    idem_testkit::unique(prefix).replace('-', "x")
 }
 
 /// Every behaviour of the table in DESIGN.md, over HTTP.
@@ -391,7 +389,7 @@ async fn scenario(app: &App) {
     let (base, db) = (app.base.as_str(), &app.db);
     let client = reqwest::Client::new();
     let user = new_user("u");
-    let key = common::unique("key");
+    let key = idem_testkit::unique("key");
     let order = db.new_order().await;
 
     // 50 identical requests released at once: one execution. Its body waits
@@ -486,7 +484,7 @@ async fn scenario(app: &App) {
             assert!(!String::from_utf8_lossy(&answer.body).contains(bad), "the key is never echoed");
         }
     }
-    let anonymous = send(&client, base, fresh, None, Some(&common::unique("key")), 1999).await;
+    let anonymous = send(&client, base, fresh, None, Some(&idem_testkit::unique("key")), 1999).await;
     assert_eq!((anonymous.status, anonymous.body.as_slice()), (401, &b""[..]));
     assert_eq!(db.ledger_rows(fresh).await, 0, "nothing paid for refused requests");
     assert_eq!(db.ledger_rows_of(&clean).await, 0);
@@ -520,7 +518,7 @@ async fn quoted_key_is_the_same_key() {
     let client = reqwest::Client::new();
     let user = new_user("q");
     for quoted_first in [false, true] {
-        let key = common::unique("key");
+        let key = idem_testkit::unique("key");
         let (bare, quoted) = (key.clone(), format!("\"{key}\""));
         let (first, second) = if quoted_first { (&quoted, &bare) } else { (&bare, &quoted) };
         let order = db.new_order().await;
@@ -584,7 +582,7 @@ async fn principal_with_the_separator_is_refused_by_the_extractor() {
     let App { base, db, .. } = sqlite_app(Gate::new(true)).await;
     let client = reqwest::Client::new();
     let user = new_user("p");
-    let key = common::unique("key");
+    let key = idem_testkit::unique("key");
     let order = db.new_order().await;
     let first = send(&client, &base, order, Some(&user), Some(&format!("x:{key}")), 1999).await;
     assert_eq!((first.status, first.replayed.as_deref()), (200, None));
@@ -598,7 +596,7 @@ async fn principal_with_the_separator_is_refused_by_the_extractor() {
 
     let fresh = db.new_order().await;
     for principal in [":", "a:b", &format!("{user}:{user}"), "", &"p".repeat(65), "a b", "a@b"] {
-        let answer = send(&client, &base, fresh, Some(principal), Some(&common::unique("key")), 1999).await;
+        let answer = send(&client, &base, fresh, Some(principal), Some(&idem_testkit::unique("key")), 1999).await;
         answer.assert_problem(&check_principal(principal).unwrap_err());
     }
     assert_eq!(db.ledger_rows(order).await, 1, "only the first payment");
@@ -645,7 +643,7 @@ async fn details_never_echo_raw_bytes() {
         ("a\u{202e}b".as_bytes(), "it holds U+202E at byte 1"),
     ];
     for (raw, shown) in principals {
-        let key = common::unique("key");
+        let key = idem_testkit::unique("key");
         let answer =
             send_raw(&client, &base, order, &[("x-user-id", raw), ("idempotency-key", key.as_bytes())], 1).await;
         answer.assert_problem(&check_principal(&String::from_utf8_lossy(raw)).unwrap_err());
@@ -676,7 +674,7 @@ async fn database_down_is_503() {
     let client = reqwest::Client::new();
     let unavailable = problem_of(idem::Error::Storage(sqlx::Error::PoolTimedOut));
     for base in &bases {
-        let key = common::unique("key");
+        let key = idem_testkit::unique("key");
         for _ in 0..2 {
             let answer = send(&client, base, 1, Some("alice"), Some(&key), 1999).await;
             answer.assert_problem(&unavailable);
@@ -706,7 +704,8 @@ async fn biz_no_too_long_is_400_invalid_biz_no() {
     let client = reqwest::Client::new();
     let records = || async { sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM idem_record").fetch_one(&pool).await };
     let book = |reference: String| {
-        let request = client.post(format!("{base}/refs/{reference}")).header("idempotency-key", common::unique("key"));
+        let request =
+            client.post(format!("{base}/refs/{reference}")).header("idempotency-key", idem_testkit::unique("key"));
         async move {
             let response = request.send().await.expect("request");
             (response.status().as_u16(), response.text().await.expect("body"))

@@ -7,15 +7,13 @@
 //! One test: the recorder is global, and the Redis metrics carry no label a
 //! second test could keep apart.
 
-mod common;
-
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use common::unique;
 use idem::{Idem, Namespace, idempotent};
+use idem_testkit::unique;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{Sqlite, Transaction};
@@ -189,8 +187,8 @@ async fn a_known_sequence_of_calls_counts_exactly() {
     idem::metrics::describe();
     let mut seen = Seen::default();
 
-    let Some(redis) = common::redis_client().await else { return };
-    let redis_addr = common::redis_url().trim_start_matches("redis://").trim_end_matches('/').to_owned();
+    let Some(redis) = idem_testkit::redis_client().await else { return };
+    let redis_addr = idem_testkit::redis_url().trim_start_matches("redis://").trim_end_matches('/').to_owned();
     let proxy = Proxy::start(redis_addr).await;
     let namespace = unique("m").replace('-', "_");
     let (pool, path) = sqlite_pool("metrics").await;
@@ -205,7 +203,7 @@ async fn a_known_sequence_of_calls_counts_exactly() {
 
     // Executed, then replayed from Redis once the cached result landed.
     assert_eq!(ok("k1", 1).await.unwrap(), 1);
-    common::redis_cached_response(&redis, &cached("k1")).await;
+    idem_testkit::redis_cached_response(&redis, &cached("k1")).await;
     assert_eq!(ok("k1", 1).await.unwrap(), 1);
     // Key reused, rejected (invalid key), failed (the body's error).
     assert!(matches!(ok("k1", 2).await, Err(PayError::Idem(idem::Error::KeyReused { .. }))));
@@ -223,7 +221,7 @@ async fn a_known_sequence_of_calls_counts_exactly() {
     go.send(()).unwrap();
     assert_eq!(first.await.unwrap().unwrap(), 3);
     // Replayed from the database: Redis lost the cached result of k1.
-    common::redis_del(&redis, &cached("k1")).await;
+    idem_testkit::redis_del(&redis, &cached("k1")).await;
     assert_eq!(ok("k1", 1).await.unwrap(), 1);
 
     // A call dropped while its body runs: its claim is released from the

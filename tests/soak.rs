@@ -3,50 +3,68 @@
 //! killed and restarted mid-run. The short soak runs in every `cargo test`;
 //! the full ones (20,000 calls over 14,000 keys, and over 2,000) with
 //! `cargo test --release --all-features --test soak -- --ignored --nocapture`.
-//! Set `IDEM_SOAK_SEED` to replay a schedule. See `common/soak.rs`.
-
-mod common;
-#[path = "common/soak.rs"]
-mod soak;
+//! Set `IDEM_SOAK_SEED` to replay a schedule. The harness is
+//! `idem-testkit/src/soak/`.
 
 use std::sync::Arc;
 
-use common::servers::RedisServer;
-use soak::{Config, RedisSetup};
+use idem_testkit::servers::RedisServer;
+use idem_testkit::soak::{self, Config, RedisSetup, SoakBackend};
 
-macro_rules! soak_suite {
-    ($backend:ident) => {
-        mod $backend {
-            use super::*;
-
-            async fn run(cfg: Config) {
-                let Some(server) = RedisServer::start() else { return };
-                let redis = RedisSetup::Single(Arc::new(server));
-                soak::$backend::soak(&cfg, redis).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn short_soak_keeps_exactly_once_under_faults() {
-                run(Config::short("soak")).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            #[ignore = "minutes long: run with --release -- --ignored"]
-            async fn full_soak_keeps_exactly_once_under_faults() {
-                run(Config::full("soakfull")).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            #[ignore = "minutes long: run with --release -- --ignored"]
-            async fn crowded_soak_keeps_exactly_once_under_faults() {
-                run(Config::crowded("soakcrowd")).await;
-            }
-        }
-    };
+/// One soak of `cfg` on `B`, through a private `redis-server`.
+async fn run<B: SoakBackend>(cfg: Config) {
+    let Some(server) = RedisServer::start() else { return };
+    let redis = RedisSetup::Single(Arc::new(server));
+    soak::soak::<B>(&cfg, redis).await;
 }
 
-soak_suite!(mysql);
-soak_suite!(postgres);
+mod mysql {
+    use idem_testkit::backend::MySql;
+    use idem_testkit::soak::Config;
+
+    use super::run;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn short_soak_keeps_exactly_once_under_faults() {
+        run::<MySql>(Config::short("soak")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    #[ignore = "minutes long: run with --release -- --ignored"]
+    async fn full_soak_keeps_exactly_once_under_faults() {
+        run::<MySql>(Config::full("soakfull")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    #[ignore = "minutes long: run with --release -- --ignored"]
+    async fn crowded_soak_keeps_exactly_once_under_faults() {
+        run::<MySql>(Config::crowded("soakcrowd")).await;
+    }
+}
+
+mod postgres {
+    use idem_testkit::backend::Postgres;
+    use idem_testkit::soak::Config;
+
+    use super::run;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn short_soak_keeps_exactly_once_under_faults() {
+        run::<Postgres>(Config::short("soak")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    #[ignore = "minutes long: run with --release -- --ignored"]
+    async fn full_soak_keeps_exactly_once_under_faults() {
+        run::<Postgres>(Config::full("soakfull")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    #[ignore = "minutes long: run with --release -- --ignored"]
+    async fn crowded_soak_keeps_exactly_once_under_faults() {
+        run::<Postgres>(Config::crowded("soakcrowd")).await;
+    }
+}
 
 /// The schedule repeats 30% of calls and uses every key.
 #[test]

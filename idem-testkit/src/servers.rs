@@ -24,7 +24,7 @@ pub fn redis_server_installed() -> bool {
     if runs("redis-server") && runs("redis-cli") {
         return true;
     }
-    if super::services_required() {
+    if crate::services_required() {
         panic!("redis-server not installed and IDEM_REQUIRE_SERVICES=1");
     }
     println!("skipped: redis-server not installed");
@@ -169,7 +169,7 @@ impl RedisCluster {
         if !redis_server_installed() {
             return None;
         }
-        let dir = std::env::temp_dir().join(super::unique("idem-cluster"));
+        let dir = std::env::temp_dir().join(crate::unique("idem-cluster"));
         std::fs::create_dir_all(&dir).expect("cluster dir");
         let mut ports: Vec<u16> = Vec::new();
         while ports.len() < 3 {

@@ -1,0 +1,73 @@
+//! MySQL/MariaDB (`IDEM_MYSQL_URL`).
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::Pool;
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+
+use super::TestBackend;
+use crate::{mysql_url, reach};
+
+/// MySQL/MariaDB: the server's `test` database, private ones beside it.
+pub struct MySql;
+
+const LEDGER_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_test_ledger (
+    id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(300) NOT NULL, amount BIGINT NOT NULL, KEY (k))";
+
+impl TestBackend for MySql {
+    type Db = sqlx::MySql;
+
+    const NAME: &'static str = "mysql";
+
+    const INSERT_LEDGER: &'static str = "INSERT INTO idem_test_ledger (k, amount) VALUES (?, ?)";
+    const COUNT_LEDGER: &'static str = "SELECT COUNT(*) FROM idem_test_ledger WHERE k = ?";
+    const COUNT_RECORDS_KEY: &'static str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = ? AND idem_key = ?";
+    const DELETE_RECORD: &'static str = "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ?";
+    const CORRUPT: &'static str = "UPDATE idem_record SET response = ? WHERE biz_type = ? AND idem_key = ?";
+    const BIZ_NO: &'static str = "SELECT biz_no FROM idem_record WHERE biz_type = ? AND idem_key = ?";
+    const LOCKABLE_ROWS_DDL: &'static str = "CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); INSERT IGNORE INTO idem_classify VALUES (1, 0), (2, 0)";
+
+    const LOCK_WAIT_BOUNDED: bool = true;
+    const ONE_WRITER: bool = false;
+
+    async fn open(_name: &str, max_connections: u32) -> Option<Pool<sqlx::MySql>> {
+        reach(Self::NAME, || async {
+            MySqlPoolOptions::new()
+                .max_connections(max_connections)
+                .acquire_timeout(Duration::from_secs(60))
+                .connect(&mysql_url())
+                .await
+                .ok()
+        })
+        .await
+    }
+
+    async fn open_private(name: &str) -> Option<Pool<sqlx::MySql>> {
+        let admin = Self::open(name, 1).await?;
+        let create = sqlx::AssertSqlSafe(format!("CREATE DATABASE `{name}`"));
+        sqlx::raw_sql(create).execute(&admin).await.expect("create database");
+        admin.close().await;
+        let options = MySqlConnectOptions::from_str(&mysql_url()).expect("mysql url").database(name);
+        Some(MySqlPoolOptions::new().max_connections(2).connect_with(options).await.expect("private database"))
+    }
+
+    async fn drop_private(pool: Pool<sqlx::MySql>, name: &str) {
+        pool.close().await;
+        let admin = Self::open(name, 1).await.expect("mysql");
+        let drop = sqlx::AssertSqlSafe(format!("DROP DATABASE `{name}`"));
+        sqlx::raw_sql(drop).execute(&admin).await.expect("drop database");
+    }
+
+    /// Nothing listens on port 1.
+    fn dead_pool() -> Pool<sqlx::MySql> {
+        MySqlPoolOptions::new()
+            .acquire_timeout(Duration::from_secs(2))
+            .connect_lazy("mysql://root@127.0.0.1:1/test")
+            .expect("lazy pool")
+    }
+
+    async fn prepare(pool: &Pool<sqlx::MySql>) {
+        sqlx::raw_sql(LEDGER_DDL).execute(pool).await.expect("ledger table");
+    }
+}

@@ -1,0 +1,79 @@
+//! PostgreSQL (`IDEM_PG_URL`).
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::Pool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+use super::TestBackend;
+use crate::{pg_url, reach};
+
+/// PostgreSQL: the server's `test` database, private ones beside it.
+pub struct Postgres;
+
+const LEDGER_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_test_ledger (
+    id BIGSERIAL PRIMARY KEY, k VARCHAR(300) NOT NULL, amount BIGINT NOT NULL)";
+
+impl TestBackend for Postgres {
+    type Db = sqlx::Postgres;
+
+    const NAME: &'static str = "postgres";
+
+    const INSERT_LEDGER: &'static str = "INSERT INTO idem_test_ledger (k, amount) VALUES ($1, $2)";
+    const COUNT_LEDGER: &'static str = "SELECT COUNT(*) FROM idem_test_ledger WHERE k = $1";
+    const COUNT_RECORDS_KEY: &'static str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = $1 AND idem_key = $2";
+    const DELETE_RECORD: &'static str = "DELETE FROM idem_record WHERE biz_type = $1 AND idem_key = $2";
+    const CORRUPT: &'static str = "UPDATE idem_record SET response = $1 WHERE biz_type = $2 AND idem_key = $3";
+    const BIZ_NO: &'static str = "SELECT biz_no FROM idem_record WHERE biz_type = $1 AND idem_key = $2";
+    /// Under an advisory lock: concurrent `CREATE TABLE IF NOT EXISTS` can
+    /// collide in the catalog.
+    const LOCKABLE_ROWS_DDL: &'static str = "SELECT pg_advisory_xact_lock(7306232718293614); CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); INSERT INTO idem_classify VALUES (1, 0), (2, 0) ON CONFLICT DO NOTHING";
+
+    const LOCK_WAIT_BOUNDED: bool = true;
+    const ONE_WRITER: bool = false;
+
+    async fn open(_name: &str, max_connections: u32) -> Option<Pool<sqlx::Postgres>> {
+        reach(Self::NAME, || async {
+            PgPoolOptions::new()
+                .max_connections(max_connections)
+                .acquire_timeout(Duration::from_secs(60))
+                .connect(&pg_url())
+                .await
+                .ok()
+        })
+        .await
+    }
+
+    async fn open_private(name: &str) -> Option<Pool<sqlx::Postgres>> {
+        let admin = Self::open(name, 1).await?;
+        let create = sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"));
+        sqlx::raw_sql(create).execute(&admin).await.expect("create database");
+        admin.close().await;
+        let options = PgConnectOptions::from_str(&pg_url()).expect("postgres url").database(name);
+        Some(PgPoolOptions::new().max_connections(2).connect_with(options).await.expect("private database"))
+    }
+
+    async fn drop_private(pool: Pool<sqlx::Postgres>, name: &str) {
+        pool.close().await;
+        let admin = Self::open(name, 1).await.expect("postgres");
+        let drop = sqlx::AssertSqlSafe(format!("DROP DATABASE {name} WITH (FORCE)"));
+        sqlx::raw_sql(drop).execute(&admin).await.expect("drop database");
+    }
+
+    /// Nothing listens on port 1.
+    fn dead_pool() -> Pool<sqlx::Postgres> {
+        PgPoolOptions::new()
+            .acquire_timeout(Duration::from_secs(2))
+            .connect_lazy("postgres://postgres@127.0.0.1:1/test")
+            .expect("lazy pool")
+    }
+
+    async fn prepare(pool: &Pool<sqlx::Postgres>) {
+        // Concurrent CREATE TABLE IF NOT EXISTS can collide in the catalog.
+        let mut tx = pool.begin().await.expect("begin");
+        sqlx::query("SELECT pg_advisory_xact_lock(7306232718293612)").execute(&mut *tx).await.expect("lock");
+        sqlx::raw_sql(LEDGER_DDL).execute(&mut *tx).await.expect("ledger table");
+        tx.commit().await.expect("commit");
+    }
+}

@@ -1,0 +1,195 @@
+//! Replays byte for byte: hostile arguments, falsy values, the first
+//! caller's result read back from its stored form, and corrupted stored or
+//! cached results answered with `Error::Replay`.
+
+use std::sync::atomic::Ordering::SeqCst;
+
+use idem::{Idem, Status, idempotent};
+use idem_testkit::{TestBackend, redis_cached_response, redis_client, redis_exists, redis_set, unique};
+use serde::{Deserialize, Serialize};
+use sqlx::Transaction;
+
+use super::fixture::{
+    Mode, Probe, Redis, TestError, body, engine, ledger_rows, pay, record_rows_for, redis_key, with_and_without_redis,
+};
+use super::{B, Db};
+
+macro_rules! falsy_fn {
+    ($name:ident, $biz:literal, $ty:ty, $value:expr) => {
+        #[idempotent(key = "<k>", ttl = "1h", biz = $biz)]
+        async fn $name(idem: &Idem<Db>, k: String, #[idem(skip)] probe: &Probe) -> Result<$ty, TestError> {
+            probe.runs.fetch_add(1, SeqCst);
+            Ok($value)
+        }
+    };
+}
+falsy_fn!(zero, "t_falsy_zero", i64, 0);
+falsy_fn!(empty_string, "t_falsy_str", String, String::new());
+falsy_fn!(empty_vec, "t_falsy_vec", Vec<i32>, Vec::new());
+falsy_fn!(unit, "t_falsy_unit", (), ());
+falsy_fn!(none, "t_falsy_none", Option<i32>, None);
+falsy_fn!(falsy_false, "t_falsy_bool", bool, false);
+
+/// A result whose stored form differs from the value: a field left out of
+/// the JSON, and a float JSON cannot hold when `amount` is 0.
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct Shown {
+    ratio: f64,
+    #[serde(skip_serializing, default)]
+    note: String,
+}
+
+#[idempotent(key = "<k>", ttl = "1h", biz = "t_shown")]
+async fn shown(
+    idem: &Idem<Db>,
+    tx: &mut Transaction<'_, Db>,
+    k: String,
+    amount: i64,
+    #[idem(skip)] probe: &Probe,
+) -> Result<Shown, TestError> {
+    body(tx, &k, amount, probe, Mode::Ok).await?;
+    Ok(Shown { ratio: if amount == 0 { f64::NAN } else { amount as f64 }, note: "not stored".into() })
+}
+
+#[idempotent(key = "<k>", ttl = "1h", biz = "t_echo")]
+async fn echo(
+    idem: &Idem<Db>,
+    tx: &mut Transaction<'_, Db>,
+    k: String,
+    note: String,
+    #[idem(skip)] probe: &Probe,
+) -> Result<String, TestError> {
+    body(tx, &k, 1, probe, Mode::Ok).await?;
+    Ok(note)
+}
+
+#[tokio::test]
+async fn hostile_arguments_are_stored_and_replayed_byte_for_byte() {
+    let name = unique("db");
+    let Some(idem) = engine(&name, 4, Redis::On).await else { return };
+    let Some(plain) = engine(&name, 4, Redis::Off).await else { return };
+    let Some(client) = redis_client().await else { return };
+    let probe = Probe::default();
+    let notes = [
+        "'; DROP TABLE idem_record; --".to_string(),
+        "\"quoted\" \\ back\\slash".to_string(),
+        "nul \0 inside".to_string(),
+        "crlf \r\nSET pwned 1\r\n".to_string(),
+        "unicode caf\u{e9} \u{1f4b8} \u{202e}rtl".to_string(),
+        "x".repeat(100_000),
+    ];
+    for note in &notes {
+        let k = unique("echo");
+        assert_eq!(&echo(&idem, k.clone(), note.clone(), &probe).await.unwrap(), note);
+        let cached = redis_cached_response(&client, &redis_key(&idem, "t_echo", &k).await).await;
+        assert_eq!(cached, serde_json::to_string(note).unwrap(), "cached byte for byte");
+        assert_eq!(&echo(&idem, k.clone(), note.clone(), &probe).await.unwrap(), note, "replayed from Redis");
+        assert_eq!(&echo(&plain, k.clone(), note.clone(), &probe).await.unwrap(), note, "replayed from the record");
+        let Status::Completed { response } = idem.status("t_echo", &k).await.unwrap() else { panic!("not stored") };
+        assert_eq!(response, serde_json::to_string(note).unwrap());
+        // Executed without Redis (the record goes in first, completed with its response).
+        let k = unique("echo-plain");
+        assert_eq!(&echo(&plain, k.clone(), note.clone(), &probe).await.unwrap(), note);
+        assert_eq!(&echo(&plain, k.clone(), note.clone(), &probe).await.unwrap(), note, "replayed from the record");
+        assert_eq!(ledger_rows(&plain, &k).await, 1);
+        assert_eq!(record_rows_for(&plain, "t_echo", &k).await, 1);
+    }
+    assert_eq!(probe.runs(), 2 * notes.len());
+    assert!(!redis_exists(&client, "pwned").await, "no command was injected");
+}
+
+async fn falsy_values_replay_exactly(redis: Redis) {
+    let Some(idem) = engine(&unique("db"), 4, redis).await else { return };
+    let probe = Probe::default();
+    let k = unique("falsy");
+    for _ in 0..3 {
+        assert_eq!(zero(&idem, k.clone(), &probe).await.unwrap(), 0);
+        assert_eq!(empty_string(&idem, k.clone(), &probe).await.unwrap(), "");
+        assert_eq!(empty_vec(&idem, k.clone(), &probe).await.unwrap(), Vec::<i32>::new());
+        unit(&idem, k.clone(), &probe).await.unwrap();
+        assert_eq!(none(&idem, k.clone(), &probe).await.unwrap(), None);
+        assert!(!falsy_false(&idem, k.clone(), &probe).await.unwrap());
+    }
+    assert_eq!(probe.runs(), 6, "each fn ran once, then replayed twice");
+    let stored = |biz: &'static str| {
+        let idem = idem.clone();
+        let k = k.clone();
+        async move { idem.status(biz, &k).await.unwrap() }
+    };
+    assert_eq!(stored("t_falsy_zero").await, Status::Completed { response: "0".into() });
+    assert_eq!(stored("t_falsy_str").await, Status::Completed { response: "\"\"".into() });
+    assert_eq!(stored("t_falsy_vec").await, Status::Completed { response: "[]".into() });
+    assert_eq!(stored("t_falsy_unit").await, Status::Completed { response: "null".into() });
+    assert_eq!(stored("t_falsy_none").await, Status::Completed { response: "null".into() });
+    assert_eq!(stored("t_falsy_bool").await, Status::Completed { response: "false".into() });
+}
+
+with_and_without_redis!(
+    #[tokio::test]
+    falsy_values_replay_exactly_them,
+    falsy_values_replay_exactly_them_with_redis => falsy_values_replay_exactly
+);
+
+/// The first caller gets the result as its duplicates will (read back from
+/// its stored form), and a result that could not replay commits nothing.
+async fn first_result_is_the_replayed_one(redis: Redis) {
+    let Some(idem) = engine(&unique("db"), 4, redis).await else { return };
+    let probe = Probe::default();
+    let k = unique("shown");
+    let first = shown(&idem, k.clone(), 3, &probe).await.unwrap();
+    assert_eq!(first, Shown { ratio: 3.0, note: String::new() }, "the skipped field is left out for everyone");
+    assert_eq!(shown(&idem, k.clone(), 3, &probe).await.unwrap(), first);
+
+    let nan = unique("nan");
+    for attempt in 1..=2 {
+        let refused = shown(&idem, nan.clone(), 0, &probe).await;
+        assert!(matches!(refused, Err(TestError::Idem(idem::Error::Serialize(_)))), "attempt {attempt}: {refused:?}");
+    }
+    assert_eq!(probe.runs(), 3, "one execution, then two that could not be stored");
+    assert_eq!(ledger_rows(&idem, &nan).await, 0, "nothing of theirs committed");
+    assert_eq!(record_rows_for(&idem, "t_shown", &nan).await, 0);
+}
+
+with_and_without_redis!(
+    #[tokio::test]
+    first_result_is_the_replayed_one_without_redis,
+    first_result_is_the_replayed_one_with_redis => first_result_is_the_replayed_one
+);
+
+#[tokio::test]
+async fn corrupted_stored_response_is_a_replay_error() {
+    let Some(idem) = engine(&unique("db"), 4, Redis::Off).await else { return };
+    let probe = Probe::default();
+    let k = unique("corrupt");
+    pay(&idem, k.clone(), 5, &probe, Mode::Ok).await.unwrap();
+    sqlx::query(B::CORRUPT).bind("{\"key\": 42").bind("t_pay").bind(&k).execute(idem.pool()).await.unwrap();
+    let r = pay(&idem, k.clone(), 5, &probe, Mode::Ok).await;
+    match r {
+        Err(TestError::Idem(idem::Error::Replay { biz, key, .. })) => assert_eq!((biz, key), ("t_pay", k.clone())),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(probe.runs(), 1);
+}
+
+/// A cached value corrupted in Redis (a result the fn's type cannot read)
+/// answers `Error::Replay`, never a panic, and runs nothing.
+#[tokio::test]
+async fn corrupted_cached_value_is_a_replay_error() {
+    let Some(idem) = engine(&unique("db"), 4, Redis::On).await else { return };
+    let Some(client) = redis_client().await else { return };
+    let probe = Probe::default();
+    let k = unique("corrupt_cache");
+    let first = pay(&idem, k.clone(), 8, &probe, Mode::Ok).await.unwrap();
+    let key = redis_key(&idem, "t_pay", &k).await;
+    let cached = redis_cached_response(&client, &key).await;
+    assert_eq!(cached, serde_json::to_string(&first).unwrap());
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let value: String = redis::cmd("GET").arg(&key).query_async(&mut conn).await.expect("GET");
+    let corrupted = value.replace(&cached, "{\"not\":\"a receipt\"}");
+    redis_set(&client, &key, &corrupted, 60_000).await;
+
+    let (again, outcome) = idem::observe(pay(&idem, k.clone(), 8, &probe, Mode::Ok)).await;
+    assert!(matches!(again, Err(TestError::Idem(idem::Error::Replay { .. }))), "{again:?}");
+    assert_eq!(outcome, Some(idem::Outcome::Rejected));
+    assert_eq!((probe.runs(), ledger_rows(&idem, &k).await), (1, 1));
+}
