@@ -64,7 +64,7 @@ pub use idem_runtime::http;
 #[cfg(feature = "metrics")]
 pub use idem_runtime::metrics;
 pub use idem_runtime::{
-    Backend, Builder, Error, Idem, InvalidNamespace, KeyError, Namespace, Outcome, Status, col, observe, state,
+    Backend, Builder, Error, Idem, InvalidNamespace, KeyError, LocalCache, Namespace, Outcome, Status, col, observe, state,
     transition,
 };
 

@@ -5,6 +5,7 @@
 //! entry point → **call flow** → gate → record protocol → backend
 
 use std::future::Future;
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -117,8 +118,9 @@ where
             // (or for good, if the process died right after it): a committed
             // call is in the record.
             if may_have_committed && let Some(row) = engine.records().read_live(spec.biz, key).await? {
-                let recorded = replay_row(&id, row)?;
-                return Ok(Done { value: recorded.value, outcome: Outcome::Replayed, source: Some(Source::Database) });
+                let (value, outcome, answer) = replay_row(&id, row)?.split(fingerprint.clone());
+                engine.gate().remember(spec.biz, key, &answer);
+                return Ok(Done { value, outcome, source: Some(Source::Database) });
             }
             return Err(id_in_progress(&id).into());
         }
@@ -128,9 +130,11 @@ where
         Ok(recorded) => {
             // The stored result goes on to the duplicates: to Redis in place
             // of our claim, or to those waiting here.
-            pass.finish(Answer { fingerprint, response: recorded.response }, recorded.expires_ms);
-            let source = (recorded.outcome == Outcome::Replayed).then_some(Source::Database);
-            Ok(Done { value: recorded.value, outcome: recorded.outcome, source })
+            let (value, outcome, answer) = recorded.split(fingerprint.clone());
+            pass.finish(&answer);
+            engine.gate().remember(spec.biz, key, &answer);
+            let source = (outcome == Outcome::Replayed).then_some(Source::Database);
+            Ok(Done { value, outcome, source })
         }
         Err(e) => {
             pass.abandon().await;
@@ -146,6 +150,14 @@ struct Recorded<T> {
     response: String,
     expires_ms: i64,
     outcome: Outcome,
+}
+
+impl<T> Recorded<T> {
+    /// The value, and what the duplicates are handed: the stored result.
+    fn split(self, fingerprint: String) -> (T, Outcome, Arc<Answer>) {
+        let answer = Answer { fingerprint, response: self.response, expires_ms: self.expires_ms };
+        (self.value, self.outcome, Arc::new(answer))
+    }
 }
 
 /// The body and its record, in one transaction.

@@ -9,6 +9,7 @@ use sqlx::Pool;
 
 use crate::error::Error;
 use crate::gate::Gate;
+use crate::gate::local::LocalCache;
 #[cfg(feature = "redis")]
 use crate::gate::redis::{RedisGate, Target};
 use crate::key::{validate_biz, validate_key};
@@ -64,10 +65,21 @@ pub struct Builder<DB: Backend> {
     #[cfg(feature = "redis")]
     redis_timeout: Duration,
     lock_wait: Duration,
+    local_cache: Option<LocalCache>,
     tokens: token::Settings,
 }
 
 impl<DB: Backend> Builder<DB> {
+    /// Keeps finished results in this process too, checked before Redis, so
+    /// a replay costs no round trip: bounded by entries and bytes, each
+    /// entry answering at most until its record expires and at most
+    /// [`LocalCache::max_age`] (how long a result removed elsewhere, say by
+    /// an operator, may still be answered here). Off by default.
+    pub fn local_cache(mut self, cache: LocalCache) -> Self {
+        self.local_cache = Some(cache);
+        self
+    }
+
     /// Claims keys in this Redis before touching the database: concurrent
     /// duplicates are turned away and finished calls replayed without a
     /// query. Optional: without it every guarantee still holds.
@@ -148,6 +160,7 @@ impl<DB: Backend> Builder<DB> {
         };
         #[cfg(not(feature = "redis"))]
         let gate = Gate::memory();
+        let gate = gate.with_local_cache(self.local_cache);
         Idem { inner: Arc::new(Inner { pool: self.pool, gate, lock_wait: self.lock_wait, tokens: self.tokens }) }
     }
 }
@@ -164,6 +177,7 @@ impl<DB: Backend> Idem<DB> {
             #[cfg(feature = "redis")]
             redis_timeout: Duration::from_millis(500),
             lock_wait: Duration::from_secs(5),
+            local_cache: None,
             tokens: token::Settings::default(),
         }
     }

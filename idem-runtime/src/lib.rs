@@ -40,6 +40,7 @@ mod store;
 pub mod token;
 
 pub use engine::{Builder, Idem};
+pub use gate::local::LocalCache;
 pub use error::{Error, KeyError};
 pub use key::MAX_BIZ_NO_LEN;
 pub use namespace::{InvalidNamespace, Namespace};

@@ -73,10 +73,10 @@ impl MemoryGate {
 
 impl Leader<'_> {
     /// Hands the result to the duplicates waiting, if any.
-    pub(crate) fn finish(self, answer: Answer) {
+    pub(crate) fn finish(self, answer: Arc<Answer>) {
         // One receiver is the map's own: more are waiters.
         if self.answer.receiver_count() > 1 {
-            self.answer.send_replace(Some(Arc::new(answer)));
+            self.answer.send_replace(Some(answer));
         }
     }
 }
@@ -92,8 +92,8 @@ mod tests {
     use super::super::Pass;
     use super::*;
 
-    fn answer(fingerprint: &str, response: &str) -> Answer {
-        Answer { fingerprint: fingerprint.into(), response: response.into() }
+    fn answer(fingerprint: &str, response: &str) -> Arc<Answer> {
+        Arc::new(Answer { fingerprint: fingerprint.into(), response: response.into(), expires_ms: i64::MAX })
     }
 
     const WAIT: Duration = Duration::from_secs(5);

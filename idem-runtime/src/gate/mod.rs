@@ -13,10 +13,12 @@ use sqlx::Pool;
 
 use crate::store::Backend;
 
+pub(crate) mod local;
 pub(crate) mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 
+use local::{LocalCache, LocalGate};
 use memory::{Leader, MemoryGate};
 #[cfg(feature = "redis")]
 use redis::{ClaimGuard, RedisGate};
@@ -28,6 +30,8 @@ pub(crate) struct Answer {
     pub fingerprint: String,
     /// The serialized result, as stored.
     pub response: String,
+    /// When its record expires (epoch ms): no copy answers past it.
+    pub expires_ms: i64,
 }
 
 /// What the gate decided for one call.
@@ -63,16 +67,13 @@ impl Pass<'_> {
         }
     }
 
-    /// The call recorded `answer`, kept until `expires_ms`: hands it on to
-    /// the duplicates (Redis in place of our claim, or the waiters here).
-    pub(crate) fn finish(self, answer: Answer, expires_ms: i64) {
+    /// The call recorded `answer`: hands it on to the duplicates (Redis in
+    /// place of our claim, or the waiters here).
+    pub(crate) fn finish(self, answer: &Arc<Answer>) {
         match self {
             #[cfg(feature = "redis")]
-            Pass::Claim(claim) => claim.finish(&answer, expires_ms),
-            Pass::Leader(leader) => {
-                let _ = expires_ms; // waiters take the answer now, not later
-                leader.finish(answer);
-            }
+            Pass::Claim(claim) => claim.finish(answer),
+            Pass::Leader(leader) => leader.finish(Arc::clone(answer)),
         }
     }
 
@@ -89,6 +90,7 @@ impl Pass<'_> {
 
 /// The gates of one engine.
 pub(crate) struct Gate {
+    local: Option<LocalGate>,
     #[cfg(feature = "redis")]
     redis: Option<Arc<RedisGate>>,
     memory: MemoryGate,
@@ -98,16 +100,23 @@ impl Gate {
     /// The in-memory gate alone.
     pub(crate) fn memory() -> Self {
         Self {
+            local: None,
             #[cfg(feature = "redis")]
             redis: None,
             memory: MemoryGate::default(),
         }
     }
 
+    /// Checks `cache` first, before anything else.
+    pub(crate) fn with_local_cache(mut self, cache: Option<LocalCache>) -> Self {
+        self.local = cache.map(LocalGate::new);
+        self
+    }
+
     /// Claims in Redis first; the in-memory gate when Redis cannot tell.
     #[cfg(feature = "redis")]
     pub(crate) fn redis(redis: RedisGate) -> Self {
-        Self { redis: Some(Arc::new(redis)), memory: MemoryGate::default() }
+        Self { local: None, redis: Some(Arc::new(redis)), memory: MemoryGate::default() }
     }
 
     /// Decides for the call `(biz, key)`; `lease` bounds a Redis claim,
@@ -121,14 +130,29 @@ impl Gate {
         lease: Duration,
         wait: Duration,
     ) -> Entry<'_> {
+        if let Some(local) = &self.local
+            && let Some(answer) = local.get(biz, key)
+        {
+            return Entry::Replay(answer, crate::metrics::Source::Local);
+        }
         #[cfg(feature = "redis")]
         if let Some(redis) = &self.redis
             && let Some(entry) = redis.enter(pool, biz, key, fingerprint, lease).await
         {
+            if let Entry::Replay(answer, _) = &entry {
+                self.remember(biz, key, answer);
+            }
             return entry;
         }
         let _ = (pool, fingerprint, lease);
         self.memory.enter(biz, key, wait).await
+    }
+
+    /// A committed result of `(biz, key)`: kept in the local cache, if any.
+    pub(crate) fn remember(&self, biz: &str, key: &str, answer: &Arc<Answer>) {
+        if let Some(local) = &self.local {
+            local.remember(biz, key, Arc::clone(answer));
+        }
     }
 
     /// Whether a call holds `(biz, key)` right now, as far as Redis knows

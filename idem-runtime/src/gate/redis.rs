@@ -538,7 +538,8 @@ impl ClaimGuard {
     /// record already holds it, and a duplicate arriving before the cache
     /// write lands reads it from there. The cached copy carries the record's
     /// expiry, so it never answers past it, however late it lands.
-    pub(crate) fn finish(mut self, answer: &Answer, expires_ms: i64) {
+    pub(crate) fn finish(mut self, answer: &Answer) {
+        let expires_ms = answer.expires_ms;
         let Some(held) = self.held.take() else { return };
         let done = done_value(expires_ms, &answer.fingerprint, &answer.response);
         let ttl = Duration::from_millis(u64::try_from(expires_ms).unwrap_or(0).saturating_sub(clock::now_ms()));
@@ -632,9 +633,11 @@ fn parse(found: &str, now_ms: u64) -> Found {
         let done = rest.split_once(':').and_then(|(expires, rest)| Some((expires.parse::<u64>().ok()?, rest)));
         return match done.and_then(|(expires, rest)| Some((expires, rest.split_once(':')?))) {
             Some((expires, _)) if expires <= now_ms => Found::Unavailable,
-            Some((_, (fingerprint, response))) => {
-                Found::Finished(Answer { fingerprint: fingerprint.to_owned(), response: response.to_owned() })
-            }
+            Some((expires, (fingerprint, response))) => Found::Finished(Answer {
+                fingerprint: fingerprint.to_owned(),
+                response: response.to_owned(),
+                expires_ms: i64::try_from(expires).unwrap_or(i64::MAX),
+            }),
             // Not a value we wrote: someone else's.
             None => Found::Running,
         };
@@ -660,7 +663,7 @@ mod tests {
     #[test]
     fn parses_values() {
         match parse(&done_value(2_000, "abc", "{\"x\":\"a:b\"}"), 1_999) {
-            Found::Finished(Answer { fingerprint, response }) => {
+            Found::Finished(Answer { fingerprint, response, expires_ms: 2_000 }) => {
                 assert_eq!(fingerprint, "abc");
                 assert_eq!(response, "{\"x\":\"a:b\"}");
             }

@@ -1,0 +1,189 @@
+//! The local replay cache: finished results kept in this process, checked
+//! before Redis, so a replay costs no round trip at all (seed 002: at very
+//! high request rates Redis itself becomes the bottleneck).
+//!
+//! It holds only committed results, each with its fingerprint (a different
+//! one answers `KeyReused` exactly as from Redis or the record) and its
+//! record's expiry, which it never outlives. An entry also leaves after
+//! [`LocalCache::max_age`]: the inconsistency accepted between instances.
+//! A record another instance forgot (an operator's `forget`) or replaced
+//! after it expired may still be answered here for that long.
+//!
+//! Bounded by entries and by bytes ([quick_cache], a concurrent cache with a
+//! weighted capacity): every entry weighs at least `max_bytes / max_entries`,
+//! so the byte bound also caps the count.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::Answer;
+use crate::clock;
+
+/// An optional bounded in-process cache of finished results; see
+/// [`Builder::local_cache`](crate::Builder::local_cache).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalCache {
+    max_entries: usize,
+    max_bytes: u64,
+    max_age: Duration,
+}
+
+impl LocalCache {
+    /// At most `max_entries` results taking at most `max_bytes` (keys,
+    /// fingerprints and responses, plus a fixed overhead per entry), each
+    /// kept at most 10 s (see [`max_age`](LocalCache::max_age)).
+    pub fn new(max_entries: usize, max_bytes: u64) -> Self {
+        LocalCache { max_entries: max_entries.max(1), max_bytes: max_bytes.max(1), max_age: Duration::from_secs(10) }
+    }
+
+    /// How long an entry may answer, at most, whatever its record's ttl: the
+    /// bound on how long this instance may replay a result another instance
+    /// (or an operator) has since removed. Default 10 s.
+    pub fn max_age(mut self, max_age: Duration) -> Self {
+        self.max_age = max_age;
+        self
+    }
+}
+
+/// Bytes an entry is counted for besides its strings.
+const OVERHEAD: u64 = 96;
+
+/// One cached result: the answer and until when it may answer (epoch ms).
+#[derive(Clone)]
+struct Cached {
+    answer: Arc<Answer>,
+    until_ms: u64,
+}
+
+#[derive(Clone)]
+struct Weight {
+    floor: u64,
+}
+
+impl quick_cache::Weighter<String, Cached> for Weight {
+    fn weight(&self, key: &String, cached: &Cached) -> u64 {
+        let bytes = key.len() + cached.answer.fingerprint.len() + cached.answer.response.len();
+        (u64::try_from(bytes).unwrap_or(u64::MAX).saturating_add(OVERHEAD)).max(self.floor)
+    }
+}
+
+/// The cache itself, one per engine.
+pub(crate) struct LocalGate {
+    cache: quick_cache::sync::Cache<String, Cached, Weight>,
+    max_age_ms: u64,
+}
+
+impl LocalGate {
+    pub(crate) fn new(config: LocalCache) -> Self {
+        let floor = (config.max_bytes / u64::try_from(config.max_entries).unwrap_or(u64::MAX)).max(1);
+        // Each shard holds a share of the bytes, and an entry larger than a
+        // shard is not kept: at least 1 MiB a shard, at most 16 shards.
+        let shards = usize::try_from(config.max_bytes >> 20).unwrap_or(usize::MAX).clamp(1, 16);
+        let options = quick_cache::OptionsBuilder::new()
+            .estimated_items_capacity(config.max_entries)
+            .weight_capacity(config.max_bytes)
+            .shards(shards)
+            .build()
+            .expect("both capacities are set");
+        LocalGate {
+            cache: quick_cache::sync::Cache::with_options(
+                options,
+                Weight { floor },
+                quick_cache::DefaultHashBuilder::default(),
+                quick_cache::sync::DefaultLifecycle::default(),
+            ),
+            max_age_ms: u64::try_from(config.max_age.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+
+    /// The live result of `(biz, key)`, if this process holds one.
+    pub(crate) fn get(&self, biz: &str, key: &str) -> Option<Arc<Answer>> {
+        let id = id(biz, key);
+        let cached = self.cache.get(&id)?;
+        if clock::now_ms() < cached.until_ms {
+            return Some(cached.answer);
+        }
+        self.cache.remove(&id);
+        None
+    }
+
+    /// Keeps a committed result until its record expires, or `max_age`.
+    pub(crate) fn remember(&self, biz: &str, key: &str, answer: Arc<Answer>) {
+        let now = clock::now_ms();
+        let until_ms = u64::try_from(answer.expires_ms).unwrap_or(0).min(now.saturating_add(self.max_age_ms));
+        if until_ms > now {
+            self.cache.insert(id(biz, key), Cached { answer, until_ms });
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.cache.len()
+    }
+
+    #[cfg(test)]
+    fn weight(&self) -> u64 {
+        self.cache.weight()
+    }
+}
+
+/// `biz` has no `:`, so the id is unambiguous.
+fn id(biz: &str, key: &str) -> String {
+    let mut id = String::with_capacity(biz.len() + 1 + key.len());
+    id.push_str(biz);
+    id.push(':');
+    id.push_str(key);
+    id
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(response: &str, expires_ms: i64) -> Arc<Answer> {
+        Arc::new(Answer { fingerprint: "f".repeat(64), response: response.into(), expires_ms })
+    }
+
+    fn far() -> i64 {
+        i64::try_from(clock::now_ms()).unwrap() + 3_600_000
+    }
+
+    #[test]
+    fn answers_what_it_was_given_until_the_record_expires() {
+        let gate = LocalGate::new(LocalCache::new(100, 1 << 20));
+        gate.remember("pay", "k1", answer("1", far()));
+        assert_eq!(gate.get("pay", "k1").unwrap().response, "1");
+        assert!(gate.get("pay", "k2").is_none());
+        assert!(gate.get("refund", "k1").is_none(), "another biz, another entry");
+        // The record expired: never kept, never answered.
+        gate.remember("pay", "gone", answer("2", i64::try_from(clock::now_ms()).unwrap() - 1));
+        assert!(gate.get("pay", "gone").is_none());
+    }
+
+    #[test]
+    fn max_age_bounds_an_entry_whatever_the_ttl() {
+        let gate = LocalGate::new(LocalCache::new(100, 1 << 20).max_age(Duration::from_millis(30)));
+        gate.remember("pay", "k", answer("1", far()));
+        assert!(gate.get("pay", "k").is_some());
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(gate.get("pay", "k").is_none(), "past max_age");
+        assert_eq!(gate.len(), 0, "the stale entry was dropped");
+    }
+
+    #[test]
+    fn bounded_by_entries_and_by_bytes() {
+        // 10 entries at most, whatever their size.
+        let gate = LocalGate::new(LocalCache::new(10, 1 << 20));
+        for i in 0..1_000 {
+            gate.remember("pay", &format!("k{i}"), answer("1", far()));
+        }
+        assert!(gate.len() <= 10, "{} entries", gate.len());
+        // 4 KiB at most: large responses evict each other.
+        let gate = LocalGate::new(LocalCache::new(1_000, 4_096));
+        for i in 0..100 {
+            gate.remember("pay", &format!("k{i}"), answer(&"x".repeat(1_000), far()));
+        }
+        assert!(gate.weight() <= 4_096, "{} bytes", gate.weight());
+        assert!((1..=4).contains(&gate.len()), "{} entries of about 1.2 KB", gate.len());
+    }
+}
