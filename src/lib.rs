@@ -63,6 +63,8 @@ pub use idem_runtime::cron;
 pub use idem_runtime::http;
 #[cfg(feature = "metrics")]
 pub use idem_runtime::metrics;
+#[cfg(feature = "outbox")]
+pub use idem_runtime::outbox;
 pub use idem_runtime::{
     Backend, Builder, Error, Idem, InvalidNamespace, KeyError, LocalCache, Namespace, Outcome, Status, col, observe, state,
     transition,

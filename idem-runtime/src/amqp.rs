@@ -47,7 +47,7 @@
 //! | `Err` carrying `Error::Storage` (the database failed or is down) | after [`Consumer::storage_delay`], nack with requeue; not counted as a retry |
 //! | `Err` carrying `Error::InProgress`, or outcome `InProgress` (a duplicate is running elsewhere) | after [`Consumer::in_progress_delay`], nack with requeue; not counted as a retry |
 //! | `Err` carrying any other `idem::Error` (`KeyReused`, `InvalidKey`, `Replay`, `Serialize`: the call can never succeed as sent), or outcome `KeyReused` or `Rejected` | reject without requeue: to the dead-letter queue |
-//! | the payload does not deserialize into the handler's argument (a poison message) | reject without requeue: to the dead-letter queue |
+//! | the payload does not deserialize into the handler's argument, or ([`Consumer::run_with_id`]) the message has no `message_id` (a poison message) | reject without requeue: to the dead-letter queue |
 //! | any other `Err` (the body's own error; outcome `Failed`, `Executed`, `Replayed` or no call), or a panic | retry: after [`Consumer::retry_delay`], a copy with header `x-idem-retries` incremented is published to the queue and the original acked; once [`Consumer::max_retries`] retries are spent, reject to the dead-letter queue |
 //! | a retry copy the broker refuses (nack: say a full queue with `x-overflow = reject-publish`), or whose publish fails while the channel stays open | the retry counts as spent; the next one is tried after [`Consumer::retry_delay`], and once none is left, reject to the dead-letter queue |
 //!
@@ -224,7 +224,8 @@ pub enum Action {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Reason {
-    /// The payload did not deserialize into the handler's argument.
+    /// The payload did not deserialize into the handler's argument (or,
+    /// for [`Consumer::run_with_id`], the message had no `message_id`).
     Poison,
     /// The key was already used with other arguments.
     KeyReused,
@@ -359,6 +360,42 @@ impl Consumer {
         E: AsIdemError + Debug + Send + 'static,
         S: Future,
     {
+        self.consume(shutdown, payload::<T>, handler).await
+    }
+
+    /// Like [`run`](Consumer::run), handing the handler the message's
+    /// `message_id` property too, so it can key its call by the message
+    /// rather than by business fields (the outbox relay sets it to the
+    /// event's id: `#[idempotent(key = "<message_id>", ...)]`). A delivery
+    /// without a `message_id` is poison: dead-lettered unhandled.
+    pub async fn run_with_id<T, F, Fut, R, E, S>(self, shutdown: S, handler: F) -> lapin::Result<()>
+    where
+        T: DeserializeOwned + Send + 'static,
+        F: Fn(String, T) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<R, E>> + Send + 'static,
+        R: Send + 'static,
+        E: AsIdemError + Debug + Send + 'static,
+        S: Future,
+    {
+        self.consume(shutdown, message_id_and_payload::<T>, move |(id, message)| handler(id, message)).await
+    }
+
+    /// The runner: each delivery is decoded by `decode` (an `Err` is
+    /// poison) and handed to `handler`.
+    async fn consume<I, F, Fut, R, E, S>(
+        self,
+        shutdown: S,
+        decode: fn(&Delivery) -> Result<I, String>,
+        handler: F,
+    ) -> lapin::Result<()>
+    where
+        I: Send + 'static,
+        F: Fn(I) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<R, E>> + Send + 'static,
+        R: Send + 'static,
+        E: AsIdemError + Debug + Send + 'static,
+        S: Future,
+    {
         let channel = &self.channel;
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
         channel.basic_qos(self.concurrency, BasicQosOptions::default()).await?;
@@ -425,7 +462,7 @@ impl Consumer {
             let settings = Arc::clone(&settings);
             let handler = Arc::clone(&handler);
             tasks.spawn(async move {
-                handle(&settings, delivery, handler, permit).await;
+                handle(&settings, delivery, decode, handler, permit).await;
             });
         }
         while let Some(joined) = tasks.join_next().await {
@@ -511,20 +548,33 @@ fn verdict(result: Result<(), Option<&Error>>, outcome: Option<Outcome>) -> Verd
     }
 }
 
-async fn handle<T, F, Fut, R, E>(
+/// The payload as JSON.
+fn payload<T: DeserializeOwned>(delivery: &Delivery) -> Result<T, String> {
+    serde_json::from_slice(&delivery.data).map_err(|e| format!("payload: {e}"))
+}
+
+/// The `message_id` property and the payload as JSON.
+fn message_id_and_payload<T: DeserializeOwned>(delivery: &Delivery) -> Result<(String, T), String> {
+    let id = delivery.properties.message_id().as_ref().map(|id| id.as_str().to_owned());
+    let id = id.ok_or_else(|| "no message_id property".to_owned())?;
+    Ok((id, payload(delivery)?))
+}
+
+async fn handle<I, F, Fut, R, E>(
     settings: &Settings,
     delivery: Delivery,
+    decode: fn(&Delivery) -> Result<I, String>,
     handler: Arc<F>,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) where
-    T: DeserializeOwned + Send + 'static,
-    F: Fn(T) -> Fut + Send + Sync + 'static,
+    I: Send + 'static,
+    F: Fn(I) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<R, E>> + Send + 'static,
     R: Send + 'static,
     E: AsIdemError + Debug + Send + 'static,
 {
-    let (verdict, outcome, error) = match serde_json::from_slice::<T>(&delivery.data) {
-        Err(e) => (Verdict::DeadLetter(Reason::Poison), None, Some(format!("payload: {e}"))),
+    let (verdict, outcome, error) = match decode(&delivery) {
+        Err(e) => (Verdict::DeadLetter(Reason::Poison), None, Some(e)),
         Ok(message) => {
             // Its own task, so a panic in the handler (in the call itself or
             // in its future) becomes a failure instead of a delivery that is

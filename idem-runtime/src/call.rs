@@ -126,7 +126,11 @@ where
         }
     };
 
-    match execute(engine, &id, pass.holds_claim(), body).await {
+    let executed = execute(engine, &id, pass.holds_claim(), body);
+    // Events the body queues take their ids from the call (`outbox::queue`).
+    #[cfg(feature = "outbox")]
+    let executed = crate::outbox::scope(engine, spec.biz, key, executed);
+    match executed.await {
         Ok(recorded) => {
             // The stored result goes on to the duplicates: to Redis in place
             // of our claim, or to those waiting here.

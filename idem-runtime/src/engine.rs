@@ -30,6 +30,9 @@ struct Inner<DB: Backend> {
     gate: Gate,
     lock_wait: Duration,
     tokens: token::Settings,
+    /// Wakes this engine's outbox relays when a call commits events.
+    #[cfg(feature = "outbox")]
+    outbox: crate::outbox::Waker,
 }
 
 impl<DB: Backend> Clone for Idem<DB> {
@@ -161,7 +164,16 @@ impl<DB: Backend> Builder<DB> {
         #[cfg(not(feature = "redis"))]
         let gate = Gate::memory();
         let gate = gate.with_local_cache(self.local_cache);
-        Idem { inner: Arc::new(Inner { pool: self.pool, gate, lock_wait: self.lock_wait, tokens: self.tokens }) }
+        Idem {
+            inner: Arc::new(Inner {
+                pool: self.pool,
+                gate,
+                lock_wait: self.lock_wait,
+                tokens: self.tokens,
+                #[cfg(feature = "outbox")]
+                outbox: crate::outbox::Waker::default(),
+            }),
+        }
     }
 }
 
@@ -210,15 +222,23 @@ impl<DB: Backend> Idem<DB> {
         &self.inner.tokens
     }
 
+    #[cfg(feature = "outbox")]
+    pub(crate) fn outbox_waker(&self) -> &crate::outbox::Waker {
+        &self.inner.outbox
+    }
+
     pub(crate) fn records(&self) -> Records<'_, DB> {
         Records { pool: &self.inner.pool, lock_wait: self.inner.lock_wait }
     }
 
     /// Creates the `idem_record` table and its indexes if absent, and
     /// `idem_meta`, where a database without a namespace gets a new random
-    /// one (see [`Idem::redis_namespace`]).
+    /// one (see [`Idem::redis_namespace`]). With the feature `outbox`, also
+    /// `idem_outbox` (see [`outbox`](crate::outbox)).
     pub async fn migrate(&self) -> Result<(), Error> {
         DB::migrate(&self.inner.pool, Namespace::generate().as_str()).await?;
+        #[cfg(feature = "outbox")]
+        DB::outbox_migrate(&self.inner.pool).await?;
         // A database dropped and re-created under a running engine has a new one.
         self.inner.gate.forget_namespace();
         Ok(())

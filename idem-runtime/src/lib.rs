@@ -31,6 +31,8 @@ pub mod metrics;
 #[cfg(not(feature = "metrics"))]
 mod metrics;
 mod namespace;
+#[cfg(feature = "outbox")]
+pub mod outbox;
 mod outcome;
 mod random;
 mod spec;

@@ -14,6 +14,7 @@ use sqlx::{Pool, Transaction};
 
 #[cfg(feature = "mysql")]
 mod mysql;
+pub(crate) mod outbox;
 #[cfg(feature = "postgres")]
 mod postgres;
 pub(crate) mod record;
@@ -81,7 +82,7 @@ pub enum ErrorClass {
 /// A database `idem` can keep its records in: SQLite, MySQL/MariaDB or
 /// PostgreSQL (`sqlx::Sqlite`, `sqlx::MySql`, `sqlx::Postgres`), each behind
 /// its cargo feature. Sealed: implemented by `idem` for those three only.
-pub trait Backend: sqlx::Database + Sized + RecordSql {}
+pub trait Backend: sqlx::Database + Sized + RecordSql + outbox::OutboxSql {}
 
 /// What each backend writes in its own SQL: the statements the record
 /// protocol ([`record`]) is built from. Public in name only: this module is

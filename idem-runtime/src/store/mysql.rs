@@ -5,6 +5,8 @@ use std::time::Duration;
 use sqlx::mysql::{MySql, MySqlDatabaseError};
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr};
 
+use super::outbox::{OutboxQueries, OutboxSql, outbox_queries};
+
 use super::{
     Backend, ErrorClass, Queries, RecordSql, TokenQueries, is_unique_violation, record_queries, token_queries,
 };
@@ -132,4 +134,54 @@ impl RecordSql for MySql {
             _ => ErrorClass::Other,
         }
     }
+}
+
+// The transactional outbox (`crate::outbox`). Signed `id`: it is read back.
+// Aggregates and destinations compare byte for byte (`utf8mb4_bin`).
+const OUTBOX_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_outbox (
+    id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+    message_id CHAR(32) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+    destination VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+    aggregate_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
+    payload LONGTEXT NOT NULL,
+    headers TEXT NULL,
+    biz_type VARCHAR(32) CHARACTER SET ascii COLLATE ascii_bin NULL,
+    idem_key VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NULL,
+    status SMALLINT NOT NULL,
+    attempts INT NOT NULL DEFAULT 0,
+    next_attempt_at BIGINT NOT NULL,
+    last_error VARCHAR(1024) NULL,
+    created_at BIGINT NOT NULL,
+    sent_at BIGINT NULL,
+    UNIQUE KEY uk_idem_outbox_message_id (message_id),
+    KEY idx_idem_outbox_pending (status, id),
+    KEY idx_idem_outbox_aggregate (aggregate_key, status, id),
+    KEY idx_idem_outbox_sent_at (status, sent_at)
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4";
+
+// `pick` locks its rows only (`outbox_begin` reads committed: no gap locks);
+// its `NOT EXISTS` is a plain read, so a row another relay holds still
+// counts as pending and holds back the later rows of its aggregate.
+const OQ: OutboxQueries = OutboxQueries {
+    insert: "INSERT INTO idem_outbox (message_id, destination, aggregate_key, payload, headers, biz_type, idem_key, status, attempts, next_attempt_at, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, 0, 0, ?, ?) ON DUPLICATE KEY UPDATE message_id = message_id",
+    pick: "SELECT id, message_id, destination, aggregate_key, payload, headers, attempts, created_at FROM idem_outbox o WHERE status = 0 AND next_attempt_at <= ? AND NOT EXISTS (SELECT 1 FROM idem_outbox p WHERE p.aggregate_key = o.aggregate_key AND p.status IN (0, 2) AND p.id < o.id) ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED",
+    mark_failed: "UPDATE idem_outbox SET status = ?, attempts = ?, next_attempt_at = ?, last_error = ? WHERE id = ?",
+    purge_sent: "DELETE FROM idem_outbox WHERE status = 1 AND sent_at <= ? ORDER BY sent_at LIMIT ?",
+    list_dead: "SELECT id, message_id, destination, aggregate_key, payload, headers, attempts, created_at, last_error, biz_type, idem_key FROM idem_outbox WHERE status = 2 ORDER BY id LIMIT ?",
+    retry_dead: "UPDATE idem_outbox SET status = 0, attempts = 0, next_attempt_at = ?, last_error = NULL WHERE message_id = ? AND status = 2",
+    discard_dead: "DELETE FROM idem_outbox WHERE message_id = ? AND status = 2",
+    count: "SELECT status, COUNT(*) FROM idem_outbox GROUP BY status",
+};
+
+impl OutboxSql for MySql {
+    async fn outbox_migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(OUTBOX_DDL).execute(pool).await.map(drop)
+    }
+
+    async fn outbox_begin(pool: &Pool<Self>) -> Result<sqlx::Transaction<'static, Self>, sqlx::Error> {
+        // Applies to the next transaction only.
+        pool.begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; BEGIN").await
+    }
+
+    outbox_queries!(OQ);
 }

@@ -5,6 +5,8 @@ use std::time::Duration;
 use sqlx::postgres::Postgres;
 use sqlx::{AssertSqlSafe, Pool, Transaction};
 
+use super::outbox::{OutboxQueries, OutboxSql, outbox_queries};
+
 use super::{
     Backend, ErrorClass, Queries, RecordSql, TokenQueries, is_unique_violation, record_queries, token_queries,
 };
@@ -135,4 +137,59 @@ impl RecordSql for Postgres {
             _ => ErrorClass::Other,
         }
     }
+}
+
+// The transactional outbox (`crate::outbox`), created under the migration lock.
+const OUTBOX_DDL: [&str; 4] = [
+    "CREATE TABLE IF NOT EXISTS idem_outbox (
+        id BIGSERIAL PRIMARY KEY,
+        message_id CHAR(32) NOT NULL,
+        destination VARCHAR(255) NOT NULL,
+        aggregate_key VARCHAR(255) NULL,
+        payload TEXT NOT NULL,
+        headers TEXT NULL,
+        biz_type VARCHAR(32) NULL,
+        idem_key VARCHAR(255) NULL,
+        status SMALLINT NOT NULL,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        next_attempt_at BIGINT NOT NULL,
+        last_error VARCHAR(1024) NULL,
+        created_at BIGINT NOT NULL,
+        sent_at BIGINT NULL,
+        CONSTRAINT uk_idem_outbox_message_id UNIQUE (message_id)
+    )",
+    "CREATE INDEX IF NOT EXISTS idx_idem_outbox_pending ON idem_outbox (status, id)",
+    "CREATE INDEX IF NOT EXISTS idx_idem_outbox_aggregate ON idem_outbox (aggregate_key, status, id)",
+    "CREATE INDEX IF NOT EXISTS idx_idem_outbox_sent_at ON idem_outbox (status, sent_at)",
+];
+
+// `FOR UPDATE OF o`: only the batch's rows are locked; the `NOT EXISTS`
+// is a plain read, so a row another relay holds still counts as pending
+// and holds back the later rows of its aggregate.
+const OQ: OutboxQueries = OutboxQueries {
+    insert: "INSERT INTO idem_outbox (message_id, destination, aggregate_key, payload, headers, biz_type, idem_key, status, attempts, next_attempt_at, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, 0, 0, $8, $9) ON CONFLICT (message_id) DO NOTHING",
+    pick: "SELECT id, message_id, destination, aggregate_key, payload, headers, attempts, created_at FROM idem_outbox o WHERE status = 0 AND next_attempt_at <= $1 AND NOT EXISTS (SELECT 1 FROM idem_outbox p WHERE p.aggregate_key = o.aggregate_key AND p.status IN (0, 2) AND p.id < o.id) ORDER BY id LIMIT $2 FOR UPDATE OF o SKIP LOCKED",
+    mark_failed: "UPDATE idem_outbox SET status = $1, attempts = $2, next_attempt_at = $3, last_error = $4 WHERE id = $5",
+    purge_sent: "DELETE FROM idem_outbox WHERE id IN (SELECT id FROM idem_outbox WHERE status = 1 AND sent_at <= $1 ORDER BY sent_at LIMIT $2)",
+    list_dead: "SELECT id, message_id, destination, aggregate_key, payload, headers, attempts, created_at, last_error, biz_type, idem_key FROM idem_outbox WHERE status = 2 ORDER BY id LIMIT $1",
+    retry_dead: "UPDATE idem_outbox SET status = 0, attempts = 0, next_attempt_at = $1, last_error = NULL WHERE message_id = $2 AND status = 2",
+    discard_dead: "DELETE FROM idem_outbox WHERE message_id = $1 AND status = 2",
+    count: "SELECT status, COUNT(*) FROM idem_outbox GROUP BY status",
+};
+
+impl OutboxSql for Postgres {
+    async fn outbox_migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+        let mut tx = pool.begin().await?;
+        sqlx::query(MIGRATE_LOCK).execute(&mut *tx).await?;
+        for ddl in OUTBOX_DDL {
+            sqlx::raw_sql(ddl).execute(&mut *tx).await?;
+        }
+        tx.commit().await
+    }
+
+    async fn outbox_begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        pool.begin().await
+    }
+
+    outbox_queries!(OQ);
 }

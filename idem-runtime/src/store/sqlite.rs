@@ -3,6 +3,8 @@
 use sqlx::sqlite::Sqlite;
 use sqlx::{Pool, Transaction};
 
+use super::outbox::{OutboxQueries, OutboxSql, outbox_queries};
+
 use super::{
     Backend, ErrorClass, Queries, RecordSql, TokenQueries, is_unique_violation, record_queries, token_queries,
 };
@@ -105,4 +107,52 @@ impl RecordSql for Sqlite {
             _ => ErrorClass::Other,
         }
     }
+}
+
+// The transactional outbox (`crate::outbox`). AUTOINCREMENT: ids never go
+// back, even after the newest rows are purged, so `id` order is queue order.
+const OUTBOX_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_outbox (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        message_id TEXT NOT NULL,
+        destination TEXT NOT NULL,
+        aggregate_key TEXT NULL,
+        payload TEXT NOT NULL,
+        headers TEXT NULL,
+        biz_type TEXT NULL,
+        idem_key TEXT NULL,
+        status INTEGER NOT NULL,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        next_attempt_at INTEGER NOT NULL,
+        last_error TEXT NULL,
+        created_at INTEGER NOT NULL,
+        sent_at INTEGER NULL,
+        UNIQUE (message_id)
+    );
+    CREATE INDEX IF NOT EXISTS idx_idem_outbox_pending ON idem_outbox (status, id);
+    CREATE INDEX IF NOT EXISTS idx_idem_outbox_aggregate ON idem_outbox (aggregate_key, status, id);
+    CREATE INDEX IF NOT EXISTS idx_idem_outbox_sent_at ON idem_outbox (status, sent_at);";
+
+// No row locks: the relay's `BEGIN IMMEDIATE` holds the database's write
+// lock for the batch, so one relay works at a time.
+const OQ: OutboxQueries = OutboxQueries {
+    insert: "INSERT INTO idem_outbox (message_id, destination, aggregate_key, payload, headers, biz_type, idem_key, status, attempts, next_attempt_at, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, 0, 0, ?, ?) ON CONFLICT (message_id) DO NOTHING",
+    pick: "SELECT id, message_id, destination, aggregate_key, payload, headers, attempts, created_at FROM idem_outbox o WHERE status = 0 AND next_attempt_at <= ? AND NOT EXISTS (SELECT 1 FROM idem_outbox p WHERE p.aggregate_key = o.aggregate_key AND p.status IN (0, 2) AND p.id < o.id) ORDER BY id LIMIT ?",
+    mark_failed: "UPDATE idem_outbox SET status = ?, attempts = ?, next_attempt_at = ?, last_error = ? WHERE id = ?",
+    purge_sent: "DELETE FROM idem_outbox WHERE id IN (SELECT id FROM idem_outbox WHERE status = 1 AND sent_at <= ? LIMIT ?)",
+    list_dead: "SELECT id, message_id, destination, aggregate_key, payload, headers, attempts, created_at, last_error, biz_type, idem_key FROM idem_outbox WHERE status = 2 ORDER BY id LIMIT ?",
+    retry_dead: "UPDATE idem_outbox SET status = 0, attempts = 0, next_attempt_at = ?, last_error = NULL WHERE message_id = ? AND status = 2",
+    discard_dead: "DELETE FROM idem_outbox WHERE message_id = ? AND status = 2",
+    count: "SELECT status, COUNT(*) FROM idem_outbox GROUP BY status",
+};
+
+impl OutboxSql for Sqlite {
+    async fn outbox_migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(OUTBOX_DDL).execute(pool).await.map(drop)
+    }
+
+    async fn outbox_begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    outbox_queries!(OQ);
 }
