@@ -53,6 +53,7 @@
 //! Redis is an accelerator: down, slow or flushed, every guarantee holds
 //! through the database; only speed is lost.
 #![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use idem_macros::{State, idempotent};
 #[cfg(feature = "amqp")]

@@ -7,6 +7,7 @@
 //! `http` and `amqp`) → call flow (`call`) → gate (`gate`) → record
 //! protocol (`store::record`) → backend (`store::{sqlite, mysql, postgres}`).
 #![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(not(any(feature = "sqlite", feature = "mysql", feature = "postgres")))]
 compile_error!(
