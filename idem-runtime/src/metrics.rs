@@ -26,7 +26,6 @@ use crate::outcome::Outcome;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Source {
     /// This process's local replay cache.
-    #[allow(dead_code)] // until the local replay cache (`gate::local`) lands
     Local,
     /// The finished call's result cached in Redis.
     #[cfg(feature = "redis")]
