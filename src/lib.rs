@@ -85,6 +85,11 @@ pub mod key {
 pub use idem_runtime::token;
 pub use idem_runtime::{Consumption, IssuedToken, SpentToken, TokenError, Tokens};
 
+/// Calls to outside services (`#[idempotent(..., steps)]`): phases, fencing,
+/// recovery. The step context is [`Steps`].
+pub use idem_runtime::steps;
+pub use idem_runtime::{Failure, StepKey, Steps, StuckCall};
+
 /// Not a stable API: what the code written by `#[idempotent]` calls.
 #[doc(hidden)]
 pub mod __private {

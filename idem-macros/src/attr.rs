@@ -5,12 +5,12 @@ use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
 use syn::meta::ParseNestedMeta;
 use syn::parse::Parser;
-use syn::{Expr, LitStr, Path};
+use syn::{Expr, Ident, LitStr, Path, Token};
 
 use crate::key::{Piece, Template, parse_template};
 use crate::ttl::duration;
 
-const ARGUMENTS: &str = "`key`, `ttl`, `biz`, `lease`, `biz_no`, `engine`, `crate`";
+const ARGUMENTS: &str = "`key`, `ttl`, `biz`, `lease`, `biz_no`, `engine`, `crate`, `steps`";
 /// A Redis claim outlives most bodies by far, and a body outliving it still
 /// commits once (the record decides), so a generous default costs nothing.
 const DEFAULT_LEASE_MS: u64 = 30_000;
@@ -26,6 +26,9 @@ pub struct Args {
     /// The path the generated code reaches the facade through: `::idem`
     /// unless `crate = "..."` names another.
     pub krate: Path,
+    /// `steps`: the two-phase mode for calls to outside services, the
+    /// argument's own token (for spans) when given.
+    pub steps: Option<Ident>,
 }
 
 pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
@@ -36,6 +39,7 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
     let mut biz_no = None;
     let mut engine = None;
     let mut krate = None;
+    let mut steps = None;
 
     let parser = syn::meta::parser(|meta| {
         let name = meta.path.get_ident().map(ToString::to_string).unwrap_or_default();
@@ -48,6 +52,7 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
             "biz_no" => set(&mut biz_no, &meta, &name, || template(value()?, MAX_BIZ_NO_LEN)),
             "engine" => set(&mut engine, &meta, &name, || meta.value()?.parse::<Expr>()),
             "crate" => set(&mut krate, &meta, &name, || crate_path(value()?)),
+            "steps" => set(&mut steps, &meta, &name, || flag(&meta)),
             _ => {
                 let shown = meta.path.to_token_stream().to_string().replace(' ', "");
                 Err(meta.error(format!("unknown argument `{shown}`; expected one of {ARGUMENTS}")))
@@ -72,6 +77,7 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
         biz_no,
         engine,
         krate: krate.unwrap_or_else(|| syn::parse_quote!(::idem)),
+        steps,
     })
 }
 
@@ -99,6 +105,14 @@ fn template(lit: LitStr, max: usize) -> syn::Result<(LitStr, Template)> {
         return Err(syn::Error::new_spanned(&lit, message));
     }
     Ok((lit, t))
+}
+
+/// A bare word (`steps`), which takes no value.
+fn flag(meta: &ParseNestedMeta<'_>) -> syn::Result<Ident> {
+    if !meta.input.is_empty() && !meta.input.peek(Token![,]) {
+        return Err(meta.error("`steps` takes no value: write `steps` alone"));
+    }
+    meta.path.get_ident().cloned().ok_or_else(|| meta.error("expected `steps`"))
 }
 
 fn biz_name(lit: LitStr) -> syn::Result<LitStr> {
@@ -164,6 +178,18 @@ mod tests {
         assert!(err(quote!(key = "a", ttl = "1h")).contains("missing argument `biz`"));
         assert!(err(quote!(key = "a", ttl = "0s", biz = "x")).contains("greater than zero"));
         assert!(err(quote!(key = "a", ttl = "1h", biz = "Pay")).contains("[a-z0-9_]{1,32}"));
+    }
+
+    #[test]
+    fn steps_is_a_bare_word() {
+        assert!(parse(quote!(key = "k", ttl = "1s", biz = "b")).unwrap().steps.is_none());
+        let a = parse(quote!(key = "k", ttl = "1s", biz = "b", steps)).unwrap();
+        assert_eq!(a.steps.unwrap().to_string(), "steps");
+        assert!(parse(quote!(steps, key = "k", ttl = "1s", biz = "b")).unwrap().steps.is_some());
+        assert!(err(quote!(key = "k", ttl = "1s", biz = "b", steps = true)).contains("`steps` takes no value"));
+        assert!(err(quote!(key = "k", ttl = "1s", biz = "b", steps(x))).contains("`steps` takes no value"));
+        assert!(err(quote!(key = "k", ttl = "1s", biz = "b", steps, steps)).contains("duplicate argument `steps`"));
+        assert!(err(quote!(stesp)).contains("`crate`, `steps`"));
     }
 
     #[test]

@@ -32,6 +32,19 @@
 //! The `let __idem_out: <declared return type>` keeps the user's signature in
 //! charge of inference, so type errors in the body land on the body. Every
 //! `::idem` above is the `crate = "..."` path when one is given.
+//!
+//! With `steps`, the same, but the call goes to `run_steps` and the body
+//! gets the step context where it would get the transaction:
+//!
+//! ```ignore
+//! ::idem::__private::run_steps(/* the same arguments */, move |mut __idem_steps| async move {
+//!     let __idem_out: Result<Receipt, PayError> = {
+//!         let steps: &mut Steps<MySql> = &mut __idem_steps;
+//!         async move { body }.await
+//!     };
+//!     (__idem_steps, __idem_out)
+//! })
+//! ```
 
 use proc_macro2::{Span, TokenStream};
 use quote::{ToTokens, quote, quote_spanned};
@@ -76,12 +89,14 @@ fn strip_param_attrs(mut func: ItemFn) -> ItemFn {
 }
 
 fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
-    let Checked { engine, tx, tx_index, fingerprinted, ret } = checked;
-    if let Some(index) = tx_index {
+    let Checked { engine, tx, tx_index, steps, steps_index, fingerprinted, ret } = checked;
+    // The engine supplies these: callers never pass them.
+    let supplied = [tx_index, steps_index];
+    if supplied.iter().any(Option::is_some) {
         func.sig.inputs = std::mem::take(&mut func.sig.inputs)
             .into_iter()
             .enumerate()
-            .filter(|(i, _)| *i != index)
+            .filter(|(i, _)| !supplied.contains(&Some(*i)))
             .map(|(_, input)| input)
             .collect();
     }
@@ -102,7 +117,11 @@ fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
         let label = name.to_string();
         quote_spanned!(*span=> .arg(#label, &#name))
     });
-    let bind_tx = tx.map(|(pat, ty)| quote!(let #pat: #ty = &mut __idem_tx;));
+    // The plain mode hands the body the transaction; `steps`, the step context.
+    let (entry, handed, bind) = match steps {
+        Some((pat, ty)) => (quote!(run_steps), quote!(__idem_steps), Some(quote!(let #pat: #ty = &mut __idem_steps;))),
+        None => (quote!(run), quote!(__idem_tx), tx.map(|(pat, ty)| quote!(let #pat: #ty = &mut __idem_tx;))),
+    };
     let block = &func.block;
     let ret_span = syn::spanned::Spanned::span(&ret);
 
@@ -121,18 +140,18 @@ fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
         let __idem_biz_no = #biz_no;
         let __idem_fingerprint = #krate::__private::Fingerprint::new() #(#fingerprint_args)*;
         let __idem_engine = ::core::clone::Clone::clone(&(#engine));
-        let __idem_call = #krate::__private::run(
+        let __idem_call = #krate::__private::#entry(
             ::core::convert::AsRef::<#krate::Idem<_>>::as_ref(&__idem_engine),
             &__IDEM_SPEC,
             __idem_key,
             __idem_fingerprint,
             __idem_biz_no,
-            move |mut __idem_tx| async move {
+            move |mut #handed| async move {
                 let __idem_out: #ret = {
-                    #bind_tx
+                    #bind
                     async move #block.await
                 };
-                (__idem_tx, __idem_out)
+                (#handed, __idem_out)
             },
         );
         #awaited
@@ -205,6 +224,35 @@ mod tests {
         let mut out = Vec::new();
         idents(super::idempotent(args, item), &mut out);
         out
+    }
+
+    fn expanded_with(args: proc_macro2::TokenStream, item: proc_macro2::TokenStream) -> Vec<String> {
+        let mut out = Vec::new();
+        idents(super::idempotent(args, item), &mut out);
+        out
+    }
+
+    /// Guards the plain mode against the `steps` branch: without `steps`
+    /// the body still gets the transaction and calls `run`.
+    #[test]
+    fn only_steps_calls_run_steps() {
+        let plain = expanded(quote!(key = "o_<order_id>", ttl = "1h", biz = "pay"));
+        assert!(plain.iter().any(|i| i == "run") && plain.iter().any(|i| i == "__idem_tx"), "{plain:?}");
+        assert!(!plain.iter().any(|i| i == "run_steps" || i == "__idem_steps"), "{plain:?}");
+
+        let item = quote! {
+            async fn charge(engine: &Idem<Db>, steps: &mut Steps<Db>, order_id: u64) -> Result<u64, Error> {
+                Ok(order_id)
+            }
+        };
+        let two_phase = expanded_with(quote!(key = "o_<order_id>", ttl = "1h", biz = "charge", steps), item);
+        assert!(two_phase.iter().any(|i| i == "run_steps") && two_phase.iter().any(|i| i == "__idem_steps"));
+        assert!(!two_phase.iter().any(|i| i == "run" || i == "__idem_tx" || i == "compile_error"), "{two_phase:?}");
+        // The step context is not an argument: neither in the signature nor in the fingerprint.
+        let signature = two_phase.iter().position(|i| i == "charge").unwrap();
+        let body = two_phase.iter().position(|i| i == "__IDEM_SPEC").unwrap();
+        assert!(!two_phase[signature..body].iter().any(|i| i == "Steps"), "{two_phase:?}");
+        assert!(!two_phase.windows(2).any(|w| w[0] == "arg" && w[1] == "steps"));
     }
 
     /// Regression for `crate = "..."`: a path left as `::idem` would still

@@ -36,6 +36,7 @@ mod ttl;
 /// | `biz_no = "<order_id>"` | no | a business number stored with the record, for reconciliation (at most 64 bytes, else `idem::Error::BizNoTooLong` and nothing is written) |
 /// | `engine = <expr>` | no | where the engine comes from when it is not a parameter: `self.idem`, `app.idem` |
 /// | `crate = "path"` | no | the path to the `idem` crate, when it is renamed or re-exported (default `::idem`; see below) |
+/// | `steps` | no | the two-phase mode for calls to outside services: the body takes the step context `steps: &mut idem::Steps<DB>` in place of the transaction (see below) |
 ///
 /// # Key templates
 ///
@@ -90,6 +91,36 @@ mod ttl;
 /// `Result<T, E>` with `T: Serialize + DeserializeOwned` (stored as JSON and
 /// replayed to duplicates) and `E: From<idem::Error>`. An `Err` from the body
 /// rolls everything back and records nothing.
+///
+/// # Calls to outside services (`steps`)
+///
+/// A body that calls a payment provider, sends an e-mail or calls another
+/// service makes each such call a named step, and its local writes in one
+/// final transaction:
+///
+/// ```ignore
+/// #[idempotent(key = "order_<order_id>_charge", ttl = "24h", biz = "charge", steps)]
+/// async fn charge(idem: &Idem<MySql>, steps: &mut Steps<MySql>, order_id: u64, amount: i64)
+///     -> Result<Receipt, ChargeError>
+/// {
+///     let charge: Charge = steps.step("charge", |step_key| provider.charge(step_key, amount)).await?;
+///     let tx = steps.transaction().await?; // opens after the steps
+///     sqlx::query("INSERT INTO payment (order_id, charge_id) VALUES (?, ?)")
+///         .bind(order_id).bind(&charge.id).execute(&mut **tx).await?;
+///     Ok(Receipt { order_id, charge_id: charge.id })
+/// }
+/// ```
+///
+/// Phase one commits a `processing` record with a fencing token and a lease
+/// (`lease`, default 30 s) before the body runs; each step's result is
+/// recorded as soon as the service answers and replayed on a retry; the
+/// final transaction commits only while the fencing token is still this
+/// call's. `step_key` is the same in every attempt: send it to the service
+/// as its idempotency key, since a step whose answer was never recorded (the
+/// process died) is called again with it. A transaction parameter is refused
+/// in this mode: the transaction opens after the steps
+/// (`steps.transaction()`), so none stays open across an outside call. See
+/// `idem::steps` for phases, fencing, takeover and recovery.
 ///
 /// # The same code without the attribute
 ///

@@ -1,7 +1,7 @@
 //! Checks the annotated fn against the arguments: async, returns `Result`,
 //! has an engine, and every placeholder names one of its parameters. Finds
-//! the transaction parameter (supplied by the engine) and the parameters
-//! that go into the fingerprint.
+//! the transaction parameter (supplied by the engine), or in `steps` mode
+//! the step context, and the parameters that go into the fingerprint.
 
 use std::collections::BTreeSet;
 
@@ -21,6 +21,10 @@ pub struct Checked {
     pub tx: Option<(Pat, Type)>,
     /// Index of the transaction parameter in `sig.inputs`.
     pub tx_index: Option<usize>,
+    /// In `steps` mode, the step context parameter: binding and type.
+    pub steps: Option<(Pat, Type)>,
+    /// Index of the step context parameter in `sig.inputs`.
+    pub steps_index: Option<usize>,
     /// Bindings that go into the fingerprint, with the span of their type.
     pub fingerprinted: Vec<(Ident, Span)>,
     /// The declared return type.
@@ -51,6 +55,8 @@ pub fn check(func: &mut ItemFn, args: &Args) -> syn::Result<Checked> {
     let mut engine_param = None;
     let mut tx = None;
     let mut tx_index = None;
+    let mut steps = None;
+    let mut steps_index = None;
     let mut bound: Vec<String> = Vec::new();
     let mut candidates: Vec<(Ident, Span, bool)> = Vec::new(); // (binding, type span, skipped)
     for (index, input) in func.sig.inputs.iter_mut().enumerate() {
@@ -76,6 +82,33 @@ pub fn check(func: &mut ItemFn, args: &Args) -> syn::Result<Checked> {
             }
             continue;
         }
+        if is_ref_to(&param.ty, "Steps", false) {
+            errors.push(syn::Error::new_spanned(
+                &param.ty,
+                "take the step context by `&mut`, e.g. `steps: &mut Steps<MySql>`",
+            ));
+            continue;
+        }
+        if is_ref_to(&param.ty, "Steps", true) {
+            if args.steps.is_none() {
+                errors.push(syn::Error::new_spanned(
+                    &param.ty,
+                    "a `&mut Steps` parameter is the step context of the `steps` mode: add `steps` to the attribute, \
+                     e.g. `#[idempotent(key = \"...\", ttl = \"24h\", biz = \"charge\", steps)]`",
+                ));
+            } else if steps.is_some() {
+                errors.push(syn::Error::new_spanned(&param.ty, "more than one step context parameter"));
+            } else if let Pat::Ident(_) = &*param.pat {
+                steps = Some(((*param.pat).clone(), elide_lifetimes((*param.ty).clone())));
+                steps_index = Some(index);
+            } else {
+                errors.push(syn::Error::new_spanned(
+                    &param.pat,
+                    "the step context parameter must be a plain name, e.g. `steps`",
+                ));
+            }
+            continue;
+        }
         if engine_param.is_none()
             && args.engine.is_none()
             && is_ref_to(&param.ty, "Idem", false)
@@ -90,6 +123,23 @@ pub fn check(func: &mut ItemFn, args: &Args) -> syn::Result<Checked> {
         for name in names {
             bound.push(name.to_string());
             candidates.push((name, ty_span, skipped));
+        }
+    }
+
+    if let Some(word) = &args.steps {
+        if let Some((_, ty)) = &tx {
+            errors.push(syn::Error::new_spanned(
+                ty,
+                "in `steps` mode the final transaction opens after the steps, so no transaction stays open \
+                 across an outside call: remove this parameter and take it from the step context, \
+                 `let tx = steps.transaction().await?;`",
+            ));
+        }
+        if steps.is_none() {
+            errors.push(syn::Error::new_spanned(
+                word,
+                "`steps` needs the step context as a parameter, e.g. `steps: &mut idem::Steps<MySql>`",
+            ));
         }
     }
 
@@ -137,6 +187,8 @@ pub fn check(func: &mut ItemFn, args: &Args) -> syn::Result<Checked> {
         engine: engine.expect("an error was pushed when no engine was found"),
         tx,
         tx_index,
+        steps,
+        steps_index,
         fingerprinted,
         ret: ret.expect("an error was pushed when the return type was wrong"),
     })
@@ -201,7 +253,7 @@ fn is_result(ty: &Type) -> bool {
     }
 }
 
-/// `&mut ...::Transaction<..>` (mutable) or `&...::Idem<..>` (shared).
+/// `&mut ...::Transaction<..>`, `&mut ...::Steps<..>` (mutable) or `&...::Idem<..>` (shared).
 fn is_ref_to(ty: &Type, name: &str, mutable: bool) -> bool {
     match ty {
         Type::Reference(r) if r.mutability.is_some() == mutable => match &*r.elem {

@@ -239,6 +239,8 @@ impl<DB: Backend> Idem<DB> {
         DB::migrate(&self.inner.pool, Namespace::generate().as_str()).await?;
         #[cfg(feature = "outbox")]
         DB::outbox_migrate(&self.inner.pool).await?;
+        // Calls to outside services (`steps`): `idem_call`, `idem_step`.
+        DB::call_migrate(&self.inner.pool).await?;
         // A database dropped and re-created under a running engine has a new one.
         self.inner.gate.forget_namespace();
         Ok(())

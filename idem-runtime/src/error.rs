@@ -86,6 +86,32 @@ pub enum Error {
         /// The parameter's name, as written in the fn.
         arg: &'static str,
     },
+
+    /// A body calling outside services (`steps` mode) declared its failure
+    /// permanent with [`Steps::permanent`](crate::Steps::permanent) (a
+    /// declined card): the failure is recorded with the key, and every
+    /// retry gets it again, byte for byte, without running anything.
+    #[error("`{biz}` key `{key}` failed permanently: {failure}")]
+    Permanent {
+        /// The business action.
+        biz: &'static str,
+        /// The rendered key.
+        key: String,
+        /// What the body recorded.
+        failure: crate::steps::Failure,
+    },
+
+    /// A step of a body in `steps` mode was refused before it ran: its name
+    /// breaks `[a-z0-9_]{1,32}`, it was used twice in one call, or it came
+    /// after the final transaction opened. A mistake in the body; nothing
+    /// was called. Over HTTP: 500 `IDEMPOTENCY_MISCONFIGURED`.
+    #[error("step `{name}` refused: {reason}")]
+    InvalidStep {
+        /// The step's name, as given.
+        name: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
 }
 
 impl Error {

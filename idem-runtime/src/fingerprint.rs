@@ -98,7 +98,7 @@ fn write_canonical(value: &Value, out: &mut String) {
     }
 }
 
-fn sha256_hex(bytes: &[u8]) -> String {
+pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
     let digest = Sha256::digest(bytes);
     let mut hex = String::with_capacity(64);
     for b in digest.iter() {

@@ -39,6 +39,7 @@
 //! | database unreachable | 503 | `IDEMPOTENCY_STORAGE_UNAVAILABLE` |
 //! | stored result no longer deserializes / cannot serialize | 500 | `IDEMPOTENCY_REPLAY_FAILED` / `IDEMPOTENCY_SERIALIZE_FAILED` |
 //! | `biz` breaks `[a-z0-9_]{1,32}` (a server bug, e.g. in `Idem::status`) | 500 | `IDEMPOTENCY_MISCONFIGURED` |
+//! | a body calling outside services declared its failure permanent, unmapped by the handler (first call and every retry) | 422 | `IDEMPOTENT_REQUEST_FAILED` |
 //! | `Idempotency-Token` forged, malformed, sent twice, expired, or issued to another caller ([`IdempotencyToken`], [`TokenError::Refused`]) | 403 | `IDEMPOTENCY_TOKEN_INVALID` |
 //! | `Idempotency-Token` used before by this caller | as a duplicate: the first result replayed, or 409 while it runs | |
 //! | both `Idempotency-Key` and `Idempotency-Token` ([`KeyOrToken`]) | 400 | `INVALID_IDEMPOTENCY_KEY` |
@@ -473,6 +474,22 @@ impl From<&Error> for Problem {
                 "a number in the request is NaN or infinite, which cannot be told apart from no number; \
                  nothing was written"
                     .into(),
+            ),
+            // The handler's own error type usually answers this one; the
+            // recorded failure is the application's to show, not this layer's.
+            Error::Permanent { .. } => Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "IDEMPOTENT_REQUEST_FAILED",
+                "Request failed permanently",
+                "the request failed for good and its failure was recorded; \
+                 a retry with the same key gets this answer again"
+                    .into(),
+            ),
+            Error::InvalidStep { .. } => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "IDEMPOTENCY_MISCONFIGURED",
+                "Idempotency misconfigured on the server",
+                "the server calls an outside service in a way idempotency does not accept; nothing was called".into(),
             ),
         }
     }

@@ -39,6 +39,7 @@ mod random;
 mod spec;
 pub mod state;
 mod status;
+pub mod steps;
 mod store;
 pub mod token;
 
@@ -49,6 +50,7 @@ pub use key::MAX_BIZ_NO_LEN;
 pub use namespace::{InvalidNamespace, Namespace};
 pub use outcome::{Outcome, observe};
 pub use status::Status;
+pub use steps::{Failure, StepKey, Steps, StuckCall};
 pub use store::Backend;
 pub use token::{Consumption, IssuedToken, SpentToken, TokenError, Tokens};
 
@@ -58,4 +60,5 @@ pub mod __private {
     pub use crate::call::run;
     pub use crate::fingerprint::Fingerprint;
     pub use crate::spec::{Replayable, Spec, assert_replayable};
+    pub use crate::steps::run_steps;
 }

@@ -47,12 +47,15 @@ impl Outcome {
             Error::InProgress { .. } => Outcome::InProgress,
             Error::KeyReused { .. } => Outcome::KeyReused,
             Error::Storage(_) => Outcome::Failed,
+            // A recorded failure, seen again: only a replay reports it as an error.
+            Error::Permanent { .. } => Outcome::Replayed,
             Error::InvalidKey(_)
             | Error::InvalidBiz
             | Error::BizNoTooLong { .. }
             | Error::NonFiniteFloat { .. }
             | Error::Replay { .. }
-            | Error::Serialize(_) => Outcome::Rejected,
+            | Error::Serialize(_)
+            | Error::InvalidStep { .. } => Outcome::Rejected,
         }
     }
 }

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use sqlx::{Pool, Transaction};
 
+pub(crate) mod calls;
 #[cfg(feature = "mysql")]
 mod mysql;
 pub(crate) mod outbox;
@@ -82,7 +83,7 @@ pub enum ErrorClass {
 /// A database `idem` can keep its records in: SQLite, MySQL/MariaDB or
 /// PostgreSQL (`sqlx::Sqlite`, `sqlx::MySql`, `sqlx::Postgres`), each behind
 /// its cargo feature. Sealed: implemented by `idem` for those three only.
-pub trait Backend: sqlx::Database + Sized + RecordSql + outbox::OutboxSql {}
+pub trait Backend: sqlx::Database + Sized + RecordSql + outbox::OutboxSql + calls::CallSql {}
 
 /// What each backend writes in its own SQL: the statements the record
 /// protocol ([`record`]) is built from. Public in name only: this module is

@@ -185,3 +185,83 @@ impl OutboxSql for MySql {
 
     outbox_queries!(OQ);
 }
+
+// Calls to outside services (`crate::steps`; tables described in
+// `store::calls`). Signed ids: they are read back. Keys and step names
+// compare byte for byte (`ascii_bin`), as in `idem_record`.
+const CALL_DDL: [&str; 2] = [
+    "CREATE TABLE IF NOT EXISTS idem_call (
+        id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+        biz_type VARCHAR(32) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+        idem_key VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+        biz_no VARCHAR(64) NULL,
+        params_hash CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+        status SMALLINT NOT NULL,
+        fence BIGINT NOT NULL,
+        lease_until BIGINT NOT NULL,
+        response LONGTEXT NULL,
+        created_at BIGINT NOT NULL,
+        updated_at BIGINT NOT NULL,
+        expires_at BIGINT NOT NULL,
+        UNIQUE KEY uk_idem_call_biz_key (biz_type, idem_key),
+        KEY idx_idem_call_stuck (biz_type, status, lease_until),
+        KEY idx_idem_call_expires_at (expires_at)
+    ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4",
+    "CREATE TABLE IF NOT EXISTS idem_step (
+        call_id BIGINT NOT NULL,
+        step VARCHAR(32) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+        step_key CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+        fence BIGINT NOT NULL,
+        response LONGTEXT NOT NULL,
+        created_at BIGINT NOT NULL,
+        PRIMARY KEY (call_id, step)
+    ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4",
+];
+
+// The step insert reads the call with a shared lock (`LOCK IN SHARE MODE`,
+// said outright rather than left to the isolation level): a takeover
+// waits for it, and it waits for a takeover and then sees the new fence.
+const CQ: super::calls::CallQueries = super::calls::CallQueries {
+    read: "SELECT id, params_hash, status, fence, lease_until, response, expires_at FROM idem_call WHERE biz_type = ? AND idem_key = ?",
+    delete_expired: "DELETE FROM idem_call WHERE biz_type = ? AND idem_key = ? AND status <> 0 AND expires_at <= ?",
+    take_over: "UPDATE idem_call SET fence = fence + 1, lease_until = ?, updated_at = ? WHERE id = ? AND fence = ? AND status = 0 AND lease_until <= ?",
+    finish: "UPDATE idem_call SET status = ?, response = ?, updated_at = ?, expires_at = ? WHERE id = ? AND fence = ? AND status = 0",
+    release: "UPDATE idem_call SET lease_until = ? WHERE id = ? AND fence = ? AND status = 0",
+    discard: "DELETE FROM idem_call WHERE id = ? AND fence = ? AND status = 0",
+    step_insert: "INSERT INTO idem_step (call_id, step, step_key, fence, response, created_at) SELECT id, ?, ?, fence, ?, ? FROM idem_call WHERE id = ? AND fence = ? AND status = 0 LOCK IN SHARE MODE",
+    step_read: "SELECT response FROM idem_step WHERE call_id = ? AND step = ?",
+    steps_read: "SELECT step, response FROM idem_step WHERE call_id = ?",
+    steps_delete: "DELETE FROM idem_step WHERE call_id = ?",
+    stuck: "SELECT idem_key, biz_no, fence, lease_until, created_at FROM idem_call WHERE biz_type = ? AND status = 0 AND lease_until <= ? ORDER BY lease_until LIMIT ?",
+    purge_expired: "DELETE FROM idem_call WHERE expires_at <= ? AND status <> 0 LIMIT ?",
+};
+
+impl super::calls::CallSql for MySql {
+    async fn call_migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+        for ddl in CALL_DDL {
+            sqlx::raw_sql(ddl).execute(pool).await?;
+        }
+        Ok(())
+    }
+
+    async fn call_insert(pool: &Pool<Self>, call: &super::calls::NewCall<'_>) -> Result<Option<i64>, sqlx::Error> {
+        let done = sqlx::query("INSERT INTO idem_call (biz_type, idem_key, biz_no, params_hash, status, fence, lease_until, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, 0, 1, ?, NULL, ?, ?, ?)")
+            .bind(call.biz)
+            .bind(call.key)
+            .bind(call.biz_no)
+            .bind(call.params_hash)
+            .bind(call.lease_until_ms)
+            .bind(call.now_ms)
+            .bind(call.now_ms)
+            .bind(call.expires_ms)
+            .execute(pool)
+            .await;
+        match done {
+            Ok(done) => Ok(Some(i64::try_from(done.last_insert_id()).unwrap_or(i64::MAX))),
+            Err(e) if is_unique_violation(&e) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    super::calls::call_queries!(CQ);
+}

@@ -193,3 +193,81 @@ impl OutboxSql for Postgres {
 
     outbox_queries!(OQ);
 }
+
+// Calls to outside services (`crate::steps`; tables described in
+// `store::calls`), created under the migration lock. The stuck scan's
+// index is partial: it holds processing calls only.
+const CALL_DDL: [&str; 4] = [
+    "CREATE TABLE IF NOT EXISTS idem_call (
+        id BIGSERIAL PRIMARY KEY,
+        biz_type VARCHAR(32) NOT NULL,
+        idem_key VARCHAR(255) NOT NULL,
+        biz_no VARCHAR(64) NULL,
+        params_hash CHAR(64) NOT NULL,
+        status SMALLINT NOT NULL,
+        fence BIGINT NOT NULL,
+        lease_until BIGINT NOT NULL,
+        response TEXT NULL,
+        created_at BIGINT NOT NULL,
+        updated_at BIGINT NOT NULL,
+        expires_at BIGINT NOT NULL,
+        CONSTRAINT uk_idem_call_biz_key UNIQUE (biz_type, idem_key)
+    )",
+    "CREATE INDEX IF NOT EXISTS idx_idem_call_stuck ON idem_call (biz_type, lease_until) WHERE status = 0",
+    "CREATE INDEX IF NOT EXISTS idx_idem_call_expires_at ON idem_call (expires_at)",
+    "CREATE TABLE IF NOT EXISTS idem_step (
+        call_id BIGINT NOT NULL,
+        step VARCHAR(32) NOT NULL,
+        step_key CHAR(64) NOT NULL,
+        fence BIGINT NOT NULL,
+        response TEXT NOT NULL,
+        created_at BIGINT NOT NULL,
+        CONSTRAINT pk_idem_step PRIMARY KEY (call_id, step)
+    )",
+];
+
+// The step insert reads the call `FOR SHARE`: a takeover waits for it, and
+// it waits for a takeover and then finds the new fence (READ COMMITTED
+// re-checks the row it waited for).
+const CQ: super::calls::CallQueries = super::calls::CallQueries {
+    read: "SELECT id, params_hash, status, fence, lease_until, response, expires_at FROM idem_call WHERE biz_type = $1 AND idem_key = $2",
+    delete_expired: "DELETE FROM idem_call WHERE biz_type = $1 AND idem_key = $2 AND status <> 0 AND expires_at <= $3",
+    take_over: "UPDATE idem_call SET fence = fence + 1, lease_until = $1, updated_at = $2 WHERE id = $3 AND fence = $4 AND status = 0 AND lease_until <= $5",
+    finish: "UPDATE idem_call SET status = $1, response = $2, updated_at = $3, expires_at = $4 WHERE id = $5 AND fence = $6 AND status = 0",
+    release: "UPDATE idem_call SET lease_until = $1 WHERE id = $2 AND fence = $3 AND status = 0",
+    discard: "DELETE FROM idem_call WHERE id = $1 AND fence = $2 AND status = 0",
+    step_insert: "INSERT INTO idem_step (call_id, step, step_key, fence, response, created_at) SELECT id, $1, $2, fence, $3, $4 FROM idem_call WHERE id = $5 AND fence = $6 AND status = 0 FOR SHARE",
+    step_read: "SELECT response FROM idem_step WHERE call_id = $1 AND step = $2",
+    steps_read: "SELECT step, response FROM idem_step WHERE call_id = $1",
+    steps_delete: "DELETE FROM idem_step WHERE call_id = $1",
+    stuck: "SELECT idem_key, biz_no, fence, lease_until, created_at FROM idem_call WHERE biz_type = $1 AND status = 0 AND lease_until <= $2 ORDER BY lease_until LIMIT $3",
+    purge_expired: "DELETE FROM idem_call WHERE id IN (SELECT id FROM idem_call WHERE expires_at <= $1 AND status <> 0 LIMIT $2)",
+};
+
+impl super::calls::CallSql for Postgres {
+    async fn call_migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+        let mut tx = pool.begin().await?;
+        sqlx::query(MIGRATE_LOCK).execute(&mut *tx).await?;
+        for ddl in CALL_DDL {
+            sqlx::raw_sql(ddl).execute(&mut *tx).await?;
+        }
+        tx.commit().await
+    }
+
+    async fn call_insert(pool: &Pool<Self>, call: &super::calls::NewCall<'_>) -> Result<Option<i64>, sqlx::Error> {
+        // `ON CONFLICT DO NOTHING`: a taken key returns no row.
+        sqlx::query_scalar("INSERT INTO idem_call (biz_type, idem_key, biz_no, params_hash, status, fence, lease_until, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, 0, 1, $5, NULL, $6, $7, $8) ON CONFLICT (biz_type, idem_key) DO NOTHING RETURNING id")
+            .bind(call.biz)
+            .bind(call.key)
+            .bind(call.biz_no)
+            .bind(call.params_hash)
+            .bind(call.lease_until_ms)
+            .bind(call.now_ms)
+            .bind(call.now_ms)
+            .bind(call.expires_ms)
+            .fetch_optional(pool)
+            .await
+    }
+
+    super::calls::call_queries!(CQ);
+}

@@ -156,3 +156,76 @@ impl OutboxSql for Sqlite {
 
     outbox_queries!(OQ);
 }
+
+// Calls to outside services (`crate::steps`; tables described in
+// `store::calls`). AUTOINCREMENT: a call's id is never handed out again, so
+// a new call can never meet steps recorded under an old one's id.
+const CALL_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_call (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        biz_type TEXT NOT NULL,
+        idem_key TEXT NOT NULL,
+        biz_no TEXT NULL,
+        params_hash TEXT NOT NULL,
+        status INTEGER NOT NULL,
+        fence INTEGER NOT NULL,
+        lease_until INTEGER NOT NULL,
+        response TEXT NULL,
+        created_at INTEGER NOT NULL,
+        updated_at INTEGER NOT NULL,
+        expires_at INTEGER NOT NULL,
+        UNIQUE (biz_type, idem_key)
+    );
+    CREATE INDEX IF NOT EXISTS idx_idem_call_stuck ON idem_call (biz_type, lease_until) WHERE status = 0;
+    CREATE INDEX IF NOT EXISTS idx_idem_call_expires_at ON idem_call (expires_at);
+    CREATE TABLE IF NOT EXISTS idem_step (
+        call_id INTEGER NOT NULL,
+        step TEXT NOT NULL,
+        step_key TEXT NOT NULL,
+        fence INTEGER NOT NULL,
+        response TEXT NOT NULL,
+        created_at INTEGER NOT NULL,
+        PRIMARY KEY (call_id, step)
+    );";
+
+// One writer at a time: the step insert needs no lock clause.
+const CQ: super::calls::CallQueries = super::calls::CallQueries {
+    read: "SELECT id, params_hash, status, fence, lease_until, response, expires_at FROM idem_call WHERE biz_type = ? AND idem_key = ?",
+    delete_expired: "DELETE FROM idem_call WHERE biz_type = ? AND idem_key = ? AND status <> 0 AND expires_at <= ?",
+    take_over: "UPDATE idem_call SET fence = fence + 1, lease_until = ?, updated_at = ? WHERE id = ? AND fence = ? AND status = 0 AND lease_until <= ?",
+    finish: "UPDATE idem_call SET status = ?, response = ?, updated_at = ?, expires_at = ? WHERE id = ? AND fence = ? AND status = 0",
+    release: "UPDATE idem_call SET lease_until = ? WHERE id = ? AND fence = ? AND status = 0",
+    discard: "DELETE FROM idem_call WHERE id = ? AND fence = ? AND status = 0",
+    step_insert: "INSERT INTO idem_step (call_id, step, step_key, fence, response, created_at) SELECT id, ?, ?, fence, ?, ? FROM idem_call WHERE id = ? AND fence = ? AND status = 0",
+    step_read: "SELECT response FROM idem_step WHERE call_id = ? AND step = ?",
+    steps_read: "SELECT step, response FROM idem_step WHERE call_id = ?",
+    steps_delete: "DELETE FROM idem_step WHERE call_id = ?",
+    stuck: "SELECT idem_key, biz_no, fence, lease_until, created_at FROM idem_call WHERE biz_type = ? AND status = 0 AND lease_until <= ? ORDER BY lease_until LIMIT ?",
+    purge_expired: "DELETE FROM idem_call WHERE id IN (SELECT id FROM idem_call WHERE expires_at <= ? AND status <> 0 LIMIT ?)",
+};
+
+impl super::calls::CallSql for Sqlite {
+    async fn call_migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(CALL_DDL).execute(pool).await.map(drop)
+    }
+
+    async fn call_insert(pool: &Pool<Self>, call: &super::calls::NewCall<'_>) -> Result<Option<i64>, sqlx::Error> {
+        let done = sqlx::query("INSERT INTO idem_call (biz_type, idem_key, biz_no, params_hash, status, fence, lease_until, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, 0, 1, ?, NULL, ?, ?, ?)")
+            .bind(call.biz)
+            .bind(call.key)
+            .bind(call.biz_no)
+            .bind(call.params_hash)
+            .bind(call.lease_until_ms)
+            .bind(call.now_ms)
+            .bind(call.now_ms)
+            .bind(call.expires_ms)
+            .execute(pool)
+            .await;
+        match done {
+            Ok(done) => Ok(Some(done.last_insert_rowid())),
+            Err(e) if is_unique_violation(&e) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    super::calls::call_queries!(CQ);
+}

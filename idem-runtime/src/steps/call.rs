@@ -1,0 +1,311 @@
+//! The flow of one two-phase call: [`run_steps`], the entry point the
+//! attribute calls for a fn with `steps`. The same gate as the plain mode
+//! (a Redis claim, or the in-memory wait), then the phases of
+//! [`protocol`](super::protocol), and the same outcome reports.
+//!
+//! entry point → **call flow** → gate → call protocol → backend
+
+use std::future::Future;
+use std::sync::Arc;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tracing::Instrument;
+
+use super::context::{Failure, Parts, Steps};
+use super::protocol::{self, CallKey, Finished, Opened};
+use crate::engine::Idem;
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::gate::{Answer, Entry};
+use crate::key::{validate_biz_no, validate_key};
+use crate::metrics::{Source, Timer};
+use crate::outcome::{self, Outcome};
+use crate::spec::Spec;
+use crate::store::calls::{CallRow, FAILED, Owner};
+use crate::store::record::rollback;
+use crate::store::{Backend, PROCESSING, SUCCEEDED};
+
+/// Why a call did not return a value: the engine's reason (a recorded
+/// failure included), or the body's.
+enum CallError<E> {
+    Idem(Error),
+    Body(E),
+}
+
+/// How a call ended: its result, how it is reported, and what the gate
+/// hands on to duplicates (a succeeded result only).
+struct Ended<T, E> {
+    result: Result<T, CallError<E>>,
+    outcome: Outcome,
+    source: Option<Source>,
+    answer: Option<Arc<Answer>>,
+}
+
+impl<T, E> Ended<T, E> {
+    fn error(error: Error) -> Self {
+        Ended { outcome: Outcome::of(&error), result: Err(CallError::Idem(error)), source: None, answer: None }
+    }
+
+    fn body(error: E) -> Self {
+        Ended { result: Err(CallError::Body(error)), outcome: Outcome::Failed, source: None, answer: None }
+    }
+}
+
+/// Runs `body` once per `(spec.biz, key)`, in two phases; the code the
+/// attribute writes for `steps` calls this. `body` gets the step context
+/// and hands it back with its result.
+pub async fn run_steps<DB, T, E, F, Fut>(
+    engine: &Idem<DB>,
+    spec: &'static Spec,
+    key: String,
+    fingerprint: Fingerprint,
+    biz_no: Option<String>,
+    body: F,
+) -> Result<T, E>
+where
+    DB: Backend,
+    T: Serialize + DeserializeOwned,
+    E: From<Error>,
+    F: FnOnce(Steps<DB>) -> Fut,
+    Fut: Future<Output = (Steps<DB>, Result<T, E>)>,
+{
+    let timer = Timer::start();
+    let checked = validate_key(&key);
+    // A rejected key is not logged: it may hold anything the caller sent.
+    let shown_key = if checked.is_ok() { key.as_str() } else { "<invalid>" };
+    let span =
+        tracing::info_span!("idem", biz = spec.biz, key = shown_key, mode = "steps", outcome = tracing::field::Empty);
+    let ended = match checked {
+        Ok(()) => call(engine, spec, &key, fingerprint, biz_no.as_deref(), body).instrument(span.clone()).await,
+        Err(e) => Ended::error(e),
+    };
+    span.record("outcome", ended.outcome.as_str());
+    outcome::report(ended.outcome);
+    crate::metrics::call_finished(spec.biz, ended.outcome, ended.source, timer);
+    match ended.result {
+        Ok(value) => Ok(value),
+        Err(CallError::Idem(e)) => Err(E::from(e)),
+        Err(CallError::Body(e)) => Err(e),
+    }
+}
+
+/// The call, its key already checked: the gate, then the database.
+async fn call<DB, T, E, F, Fut>(
+    engine: &Idem<DB>,
+    spec: &'static Spec,
+    key: &str,
+    fingerprint: Fingerprint,
+    biz_no: Option<&str>,
+    body: F,
+) -> Ended<T, E>
+where
+    DB: Backend,
+    T: Serialize + DeserializeOwned,
+    F: FnOnce(Steps<DB>) -> Fut,
+    Fut: Future<Output = (Steps<DB>, Result<T, E>)>,
+{
+    if let Some(no) = biz_no
+        && let Err(e) = validate_biz_no(no)
+    {
+        return Ended::error(e);
+    }
+    let fingerprint = match fingerprint.finish() {
+        Ok(fingerprint) => fingerprint,
+        Err(e) => return Ended::error(e),
+    };
+    let id = CallKey { biz: spec.biz, key, fingerprint: &fingerprint, biz_no, ttl: spec.ttl, lease: spec.lease };
+
+    let entry = engine.gate().enter(engine.pool(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
+    match entry {
+        Entry::GoAhead(pass) => {
+            let ended = execute(engine, &id, body).await;
+            // A succeeded result goes on to the duplicates (Redis in place of
+            // our claim, or those waiting here); anything else lets them in.
+            match &ended.answer {
+                Some(answer) => {
+                    pass.finish(answer);
+                    engine.gate().remember(spec.biz, key, answer);
+                }
+                None => pass.abandon().await,
+            }
+            ended
+        }
+        Entry::Replay(answer, source) => match replay(&id, &answer.fingerprint, &answer.response) {
+            Ok(value) => Ended { result: Ok(value), outcome: Outcome::Replayed, source: Some(source), answer: None },
+            Err(e) => Ended::error(e),
+        },
+        Entry::Busy { may_have_committed } => {
+            // A Redis claim outlives its call's commit until the cache write
+            // lands (or for good, if the process died): the record knows.
+            if may_have_committed {
+                match protocol::read(engine.pool(), &id).await {
+                    Ok(Some(row)) if row.status != PROCESSING => {
+                        let ended = from_row(&id, row, Outcome::Replayed);
+                        if let Some(answer) = &ended.answer {
+                            engine.gate().remember(spec.biz, key, answer);
+                        }
+                        return ended;
+                    }
+                    Ok(_) => {}
+                    Err(e) => return Ended::error(e),
+                }
+            }
+            Ended::error(id.in_progress())
+        }
+    }
+}
+
+/// Phase one, the body with its steps, and the final transaction.
+async fn execute<DB, T, E, F, Fut>(engine: &Idem<DB>, id: &CallKey<'_>, body: F) -> Ended<T, E>
+where
+    DB: Backend,
+    T: Serialize + DeserializeOwned,
+    F: FnOnce(Steps<DB>) -> Fut,
+    Fut: Future<Output = (Steps<DB>, Result<T, E>)>,
+{
+    let pool = engine.pool();
+    let held = match protocol::open(pool, id).await {
+        Ok(Opened::Held(held)) => held,
+        Ok(Opened::Finished(row)) => return from_row(id, row, Outcome::Replayed),
+        Ok(Opened::Busy) => return Ended::error(id.in_progress()),
+        Err(e) => return Ended::error(e),
+    };
+
+    let (steps, result) = body(Steps::new(engine.clone(), id, held)).await;
+    let parts = steps.into_parts();
+    if parts.fenced {
+        if let Some(tx) = parts.tx {
+            rollback(tx).await;
+        }
+        return new_owners_outcome(engine, id).await;
+    }
+    let (status, response, value) = match result {
+        Ok(value) => match stored_form(&value) {
+            Ok((value, response)) => (SUCCEEDED, response, Some(value)),
+            Err(e) => return give_up(pool, parts, Ended::error(Error::Serialize(e))).await,
+        },
+        Err(error) => match &parts.failure {
+            Some(failure) => (FAILED, failure.as_json().to_owned(), None),
+            None => return give_up(pool, parts, Ended::body(error)).await,
+        },
+    };
+
+    let Parts { owner, has_steps, tx, .. } = parts;
+    let tx = match tx {
+        Some(tx) => tx,
+        None => match DB::begin(pool).await {
+            Ok(tx) => tx,
+            Err(e) => {
+                protocol::release(pool, owner).await;
+                return Ended::error(protocol::db_error::<DB>(id, e));
+            }
+        },
+    };
+    match protocol::finish(tx, owner, status, &response, id.ttl, has_steps).await {
+        Ok(Finished::Ours { expires_ms }) => match value {
+            Some(value) => Ended {
+                result: Ok(value),
+                outcome: Outcome::Executed,
+                source: None,
+                answer: Some(Arc::new(Answer { fingerprint: id.fingerprint.to_owned(), response, expires_ms })),
+            },
+            None => Ended {
+                result: Err(CallError::Idem(permanent(id, response))),
+                outcome: Outcome::Executed,
+                source: None,
+                answer: None,
+            },
+        },
+        Ok(Finished::Fenced) => new_owners_outcome(engine, id).await,
+        Err(e) => after_failed_finish(engine, id, owner, e).await,
+    }
+}
+
+/// A body that failed for now (or whose result cannot be stored): its
+/// transaction rolls back, its recorded steps stay, and the key is handed
+/// on at once. A call that was neither resumed nor reached outside is
+/// deleted, as if it never ran.
+async fn give_up<DB: Backend, T, E>(pool: &sqlx::Pool<DB>, parts: Parts<DB>, ended: Ended<T, E>) -> Ended<T, E> {
+    if let Some(tx) = parts.tx {
+        rollback(tx).await;
+    }
+    if parts.resumed || parts.started || parts.has_steps {
+        protocol::release(pool, parts.owner).await;
+    } else {
+        protocol::discard(pool, parts.owner).await;
+    }
+    ended
+}
+
+/// Fenced off: the key was taken over. The new owner's outcome answers:
+/// its result or failure once it finished, `InProgress` while it runs.
+async fn new_owners_outcome<DB: Backend, T: DeserializeOwned, E>(engine: &Idem<DB>, id: &CallKey<'_>) -> Ended<T, E> {
+    match protocol::read(engine.pool(), id).await {
+        Ok(Some(row)) if row.status != PROCESSING => from_row(id, row, Outcome::Replayed),
+        Ok(_) => Ended::error(id.in_progress()),
+        Err(e) => Ended::error(e),
+    }
+}
+
+/// The final transaction failed. If it was its `COMMIT` whose answer was
+/// lost, the call may have finished all the same: the row says, and a row
+/// finished under our fence is our own commit.
+async fn after_failed_finish<DB: Backend, T: DeserializeOwned, E>(
+    engine: &Idem<DB>,
+    id: &CallKey<'_>,
+    owner: Owner,
+    error: sqlx::Error,
+) -> Ended<T, E> {
+    match protocol::read(engine.pool(), id).await {
+        Ok(Some(row)) if row.status != PROCESSING => {
+            let outcome =
+                if row.id == owner.id && row.fence == owner.fence { Outcome::Executed } else { Outcome::Replayed };
+            from_row(id, row, outcome)
+        }
+        _ => {
+            protocol::release(engine.pool(), owner).await;
+            Ended::error(protocol::db_error::<DB>(id, error))
+        }
+    }
+}
+
+/// The answer a finished call gives.
+fn from_row<T: DeserializeOwned, E>(id: &CallKey<'_>, row: CallRow, outcome: Outcome) -> Ended<T, E> {
+    let CallRow { params_hash, status, response, expires_ms, .. } = row;
+    let response = response.unwrap_or_default();
+    if params_hash != id.fingerprint {
+        return Ended::error(id.reused());
+    }
+    if status == FAILED {
+        return Ended { result: Err(CallError::Idem(permanent(id, response))), outcome, source: None, answer: None };
+    }
+    match replay(id, &params_hash, &response) {
+        Ok(value) => {
+            let source = (outcome == Outcome::Replayed).then_some(Source::Database);
+            let answer = Arc::new(Answer { fingerprint: params_hash, response, expires_ms });
+            Ended { result: Ok(value), outcome, source, answer: Some(answer) }
+        }
+        Err(e) => Ended::error(e),
+    }
+}
+
+fn permanent(id: &CallKey<'_>, failure: String) -> Error {
+    Error::Permanent { biz: id.biz, key: id.key.to_owned(), failure: Failure::from_json(failure) }
+}
+
+/// A stored result for this call: its value, or `KeyReused` when it was
+/// stored for other arguments.
+fn replay<T: DeserializeOwned>(id: &CallKey<'_>, stored_fingerprint: &str, response: &str) -> Result<T, Error> {
+    if stored_fingerprint != id.fingerprint {
+        return Err(id.reused());
+    }
+    serde_json::from_str(response).map_err(|source| Error::Replay { biz: id.biz, key: id.key.to_owned(), source })
+}
+
+/// The result as it is stored, and read back from there: the first caller
+/// gets what every replay will.
+fn stored_form<T: Serialize + DeserializeOwned>(value: &T) -> Result<(T, String), serde_json::Error> {
+    let response = serde_json::to_string(value)?;
+    Ok((serde_json::from_str(&response)?, response))
+}

@@ -1,0 +1,216 @@
+//! What the steps tests share: the databases (each behind [`TestDb`]: its
+//! pool, its payment table, and reads of the call tables), engines with and
+//! without Redis, and unique keys.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use idem::{Backend, Idem};
+use sqlx::{Pool, Transaction};
+
+/// The table the bodies write their local rows into: no unique key, so a
+/// payment written twice shows as two rows.
+pub const PAYMENT_TABLE: &str = "steps_payment";
+
+pub fn mysql_url() -> String {
+    std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+pub fn pg_url() -> String {
+    std::env::var("IDEM_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+pub fn redis_url() -> String {
+    std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// An unreachable server skips the test with one printed line, or fails it
+/// under `IDEM_REQUIRE_SERVICES=1` (as in CI).
+pub fn skip(service: &str, error: impl std::fmt::Display) {
+    assert!(std::env::var("IDEM_REQUIRE_SERVICES").map_or(true, |v| v != "1"), "{service} unreachable: {error}");
+    println!("skipped: {service} unreachable ({error})");
+}
+
+/// A key nobody else uses: this process, this instant, a counter.
+pub fn unique(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
+    format!("{prefix}-{}-{nanos}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed))
+}
+
+/// A call's row in `idem_call`, as the tests read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallState {
+    pub status: i16,
+    pub fence: i64,
+    pub response: Option<String>,
+    pub biz_no: Option<String>,
+}
+
+/// What differs per database for these tests.
+pub trait TestDb: Backend {
+    /// Connects (`None` when the server does not answer: the test skips).
+    fn connect() -> impl Future<Output = Option<Connected<Self>>> + Send;
+
+    /// Creates the payment table if absent.
+    fn create_payments(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Writes a payment in the final transaction.
+    fn insert_payment(
+        tx: &mut Transaction<'static, Self>,
+        key: &str,
+        charge_id: &str,
+        amount: i64,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Payment rows of a key.
+    fn payments(pool: &Pool<Self>, key: &str) -> impl Future<Output = i64> + Send;
+
+    /// The call of `(biz, key)` in `idem_call`.
+    fn call(pool: &Pool<Self>, biz: &str, key: &str) -> impl Future<Output = Option<CallState>> + Send;
+
+    /// Steps recorded for the call of `(biz, key)`.
+    fn steps(pool: &Pool<Self>, biz: &str, key: &str) -> impl Future<Output = i64> + Send;
+}
+
+type CallColumns = (i16, i64, Option<String>, Option<String>);
+
+fn state((status, fence, response, biz_no): CallColumns) -> CallState {
+    CallState { status, fence, response, biz_no }
+}
+
+macro_rules! test_db {
+    ($db:ty, $auto_id:literal, $insert:literal, $payments:literal, $call:literal, $steps:literal, $connect:expr) => {
+        impl TestDb for $db {
+            async fn connect() -> Option<Connected<Self>> {
+                $connect.await
+            }
+
+            async fn create_payments(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+                let ddl = format!(
+                    "CREATE TABLE IF NOT EXISTS {PAYMENT_TABLE} (id {}, idem_key VARCHAR(255) NOT NULL, charge_id VARCHAR(64) NOT NULL, amount BIGINT NOT NULL)",
+                    $auto_id
+                );
+                sqlx::raw_sql(sqlx::AssertSqlSafe(ddl)).execute(pool).await.map(drop)
+            }
+
+            async fn insert_payment(
+                tx: &mut Transaction<'static, Self>,
+                key: &str,
+                charge_id: &str,
+                amount: i64,
+            ) -> Result<(), sqlx::Error> {
+                sqlx::query($insert).bind(key).bind(charge_id).bind(amount).execute(&mut **tx).await.map(drop)
+            }
+
+            async fn payments(pool: &Pool<Self>, key: &str) -> i64 {
+                sqlx::query_scalar($payments).bind(key).fetch_one(pool).await.expect("count payments")
+            }
+
+            async fn call(pool: &Pool<Self>, biz: &str, key: &str) -> Option<CallState> {
+                let row: Option<CallColumns> =
+                    sqlx::query_as($call).bind(biz).bind(key).fetch_optional(pool).await.expect("read idem_call");
+                row.map(state)
+            }
+
+            async fn steps(pool: &Pool<Self>, biz: &str, key: &str) -> i64 {
+                sqlx::query_scalar($steps).bind(biz).bind(key).fetch_one(pool).await.expect("count steps")
+            }
+        }
+    };
+}
+
+test_db!(
+    sqlx::Sqlite,
+    "INTEGER PRIMARY KEY",
+    "INSERT INTO steps_payment (idem_key, charge_id, amount) VALUES (?, ?, ?)",
+    "SELECT COUNT(*) FROM steps_payment WHERE idem_key = ?",
+    "SELECT status, fence, response, biz_no FROM idem_call WHERE biz_type = ? AND idem_key = ?",
+    "SELECT COUNT(*) FROM idem_step s JOIN idem_call c ON c.id = s.call_id WHERE c.biz_type = ? AND c.idem_key = ?",
+    sqlite()
+);
+
+test_db!(
+    sqlx::MySql,
+    "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY",
+    "INSERT INTO steps_payment (idem_key, charge_id, amount) VALUES (?, ?, ?)",
+    "SELECT COUNT(*) FROM steps_payment WHERE idem_key = ?",
+    "SELECT status, fence, response, biz_no FROM idem_call WHERE biz_type = ? AND idem_key = ?",
+    "SELECT COUNT(*) FROM idem_step s JOIN idem_call c ON c.id = s.call_id WHERE c.biz_type = ? AND c.idem_key = ?",
+    async {
+        let options = sqlx::mysql::MySqlPoolOptions::new().max_connections(8).acquire_timeout(Duration::from_secs(10));
+        match options.connect(&mysql_url()).await {
+            Ok(pool) => Some(Connected { pool, _file: None }),
+            Err(e) => {
+                skip("mysql", e);
+                None
+            }
+        }
+    }
+);
+
+test_db!(
+    sqlx::Postgres,
+    "BIGSERIAL PRIMARY KEY",
+    "INSERT INTO steps_payment (idem_key, charge_id, amount) VALUES ($1, $2, $3)",
+    "SELECT COUNT(*) FROM steps_payment WHERE idem_key = $1",
+    "SELECT status, fence, response, biz_no FROM idem_call WHERE biz_type = $1 AND idem_key = $2",
+    "SELECT COUNT(*) FROM idem_step s JOIN idem_call c ON c.id = s.call_id WHERE c.biz_type = $1 AND c.idem_key = $2",
+    async {
+        let options = sqlx::postgres::PgPoolOptions::new().max_connections(8).acquire_timeout(Duration::from_secs(10));
+        match options.connect(&pg_url()).await {
+            Ok(pool) => Some(Connected { pool, _file: None }),
+            Err(e) => {
+                skip("postgres", e);
+                None
+            }
+        }
+    }
+);
+
+/// A pool, and the private file it lives in (SQLite), deleted on drop.
+pub struct Connected<DB: sqlx::Database> {
+    pub pool: Pool<DB>,
+    pub _file: Option<TempFile>,
+}
+
+/// A database file deleted (with its journals) when dropped.
+pub struct TempFile(std::path::PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm", "-journal"] {
+            let mut path = self.0.clone().into_os_string();
+            path.push(suffix);
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// A private SQLite file, so several connections (calls running at once)
+/// share one database.
+async fn sqlite() -> Option<Connected<sqlx::Sqlite>> {
+    let file = TempFile(std::env::temp_dir().join(format!("{}.db", unique("idem-steps"))));
+    let options = sqlx::sqlite::SqliteConnectOptions::new().filename(&file.0).create_if_missing(true);
+    let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(4).connect_with(options).await.expect("sqlite");
+    Some(Connected { pool, _file: Some(file) })
+}
+
+/// A migrated engine over `pool` (with the payment table), on the shared
+/// Redis when `redis`; `None` when Redis does not answer.
+pub async fn engine<DB: TestDb>(pool: Pool<DB>, redis: bool) -> Option<Idem<DB>> {
+    let mut builder = Idem::builder(pool.clone());
+    if redis {
+        let client = redis::Client::open(redis_url()).expect("redis url");
+        if let Err(e) = client.get_multiplexed_async_connection().await {
+            skip("redis", e);
+            return None;
+        }
+        builder = builder.redis(client);
+    }
+    let idem = builder.build();
+    idem.migrate().await.expect("migrate");
+    DB::create_payments(&pool).await.expect("payment table");
+    Some(idem)
+}

@@ -1,0 +1,14 @@
+use idem::{Idem, Steps, idempotent};
+use sqlx::{Sqlite, Transaction};
+
+#[idempotent(key = "order_<order_id>_charge", ttl = "24h", biz = "charge", steps)]
+async fn charge(
+    idem: &Idem<Sqlite>,
+    steps: &mut Steps<Sqlite>,
+    tx: &mut Transaction<'_, Sqlite>,
+    order_id: u64,
+) -> Result<u64, idem::Error> {
+    Ok(order_id)
+}
+
+fn main() {}
