@@ -64,6 +64,8 @@ pub use idem_runtime::cron;
 pub use idem_runtime::http;
 #[cfg(feature = "metrics")]
 pub use idem_runtime::metrics;
+#[cfg(feature = "nats")]
+pub use idem_runtime::nats;
 #[cfg(feature = "outbox")]
 pub use idem_runtime::outbox;
 pub use idem_runtime::{

@@ -18,6 +18,8 @@ compile_error!(
 pub mod amqp;
 mod call;
 mod clock;
+#[cfg(any(feature = "amqp", feature = "nats"))]
+mod consumer;
 #[cfg(feature = "cron")]
 pub mod cron;
 mod engine;
@@ -32,6 +34,8 @@ pub mod metrics;
 #[cfg(not(feature = "metrics"))]
 mod metrics;
 mod namespace;
+#[cfg(feature = "nats")]
+pub mod nats;
 #[cfg(feature = "outbox")]
 pub mod outbox;
 mod outcome;

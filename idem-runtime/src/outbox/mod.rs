@@ -56,6 +56,8 @@ use crate::store::Backend;
 use crate::store::outbox::{DeadRow, NewEvent};
 use crate::store::record::now_ms;
 
+#[cfg(feature = "nats")]
+pub mod nats;
 #[cfg(feature = "amqp")]
 pub mod rabbit;
 mod relay;

@@ -1,0 +1,453 @@
+//! `idem::nats`: the JetStream consumer runner's settlement contract, end
+//! to end against NATS JetStream (`IDEM_NATS_URL`, default
+//! 127.0.0.1:4222) and MariaDB (`IDEM_MYSQL_URL`). Every test uses its own
+//! streams, SKUs and order ids, so they run in parallel and again.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem::nats::async_nats::{self, HeaderMap, jetstream};
+use idem::nats::{Action, AsIdemError, Consumer, DeadLetter, Reason, Settled};
+use idem::{Idem, Outcome, idempotent};
+use serde::{Deserialize, Serialize};
+use sqlx::mysql::MySqlPoolOptions;
+use sqlx::{MySql, Transaction};
+use tokio::sync::{Notify, mpsc, oneshot};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct OrderPaid {
+    order_id: i64,
+    sku: String,
+    qty: i64,
+}
+
+#[derive(Debug)]
+#[allow(dead_code)] // shown through Debug
+enum StockError {
+    Idem(idem::Error),
+    Db(sqlx::Error),
+    UnknownSku(String),
+}
+
+impl From<idem::Error> for StockError {
+    fn from(e: idem::Error) -> Self {
+        StockError::Idem(e)
+    }
+}
+
+impl From<sqlx::Error> for StockError {
+    fn from(e: sqlx::Error) -> Self {
+        StockError::Db(e)
+    }
+}
+
+impl AsIdemError for StockError {
+    fn idem_error(&self) -> Option<&idem::Error> {
+        match self {
+            StockError::Idem(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// Gates the next body of a SKU waits at, once started.
+static GATES: Mutex<Option<HashMap<String, Arc<Notify>>>> = Mutex::new(None);
+
+fn hold_next_body(sku: &str) -> Arc<Notify> {
+    let gate = Arc::new(Notify::new());
+    GATES.lock().unwrap().get_or_insert_with(HashMap::new).insert(sku.to_owned(), Arc::clone(&gate));
+    gate
+}
+
+async fn body_started(sku: &str) {
+    let gate = GATES.lock().unwrap().as_mut().and_then(|gates| gates.remove(sku));
+    if let Some(gate) = gate {
+        gate.notified().await;
+    }
+}
+
+async fn deduct_in(tx: &mut Transaction<'_, MySql>, event: &OrderPaid) -> Result<(), StockError> {
+    body_started(&event.sku).await;
+    let updated = sqlx::query("UPDATE idem_nats_stock SET qty = qty - ? WHERE sku = ?")
+        .bind(event.qty)
+        .bind(&event.sku)
+        .execute(&mut **tx)
+        .await?;
+    if updated.rows_affected() == 0 {
+        return Err(StockError::UnknownSku(event.sku.clone()));
+    }
+    sqlx::query("INSERT INTO idem_nats_moves (order_id, sku, qty) VALUES (?, ?, ?)")
+        .bind(event.order_id)
+        .bind(&event.sku)
+        .bind(-event.qty)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// SKUs whose next handler, once its call returned, signals and never
+/// returns (its consumer dies before the ack).
+static HANG_AFTER: Mutex<Option<HashMap<String, Arc<Notify>>>> = Mutex::new(None);
+
+fn hang_after_call(sku: &str) -> Arc<Notify> {
+    let signal = Arc::new(Notify::new());
+    HANG_AFTER.lock().unwrap().get_or_insert_with(HashMap::new).insert(sku.to_owned(), Arc::clone(&signal));
+    signal
+}
+
+async fn after_call(sku: &str) {
+    let hang = HANG_AFTER.lock().unwrap().as_mut().and_then(|h| h.remove(sku));
+    if let Some(signal) = hang {
+        signal.notify_one();
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Keyed by a business field.
+#[idempotent(key = "order_paid_<event.order_id>", ttl = "1h", biz = "t_nats_deduct")]
+async fn deduct_stock(idem: &Idem<MySql>, tx: &mut Transaction<'_, MySql>, event: OrderPaid) -> Result<(), StockError> {
+    deduct_in(tx, &event).await
+}
+
+/// Keyed by the message's `Nats-Msg-Id`.
+#[idempotent(key = "<message_id>", ttl = "1h", biz = "t_nats_deduct_id")]
+async fn deduct_by_id(
+    idem: &Idem<MySql>,
+    tx: &mut Transaction<'_, MySql>,
+    message_id: String,
+    event: OrderPaid,
+) -> Result<(), StockError> {
+    deduct_in(tx, &event).await
+}
+
+fn nats_url() -> String {
+    std::env::var("IDEM_NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".into())
+}
+
+fn skip(service: &str, e: impl std::fmt::Display) {
+    assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "{service} unreachable: {e}");
+    eprintln!("skipped: {service} unreachable ({e})");
+}
+
+fn unique(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    format!("{prefix}{}x{}", nanos % 1_000_000_000_000, N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// A test's world: the engine, JetStream, its own stream and SKU.
+struct World {
+    idem: Idem<MySql>,
+    js: jetstream::Context,
+    names: DeadLetter,
+    subject: String,
+    sku: String,
+    /// Added to the tests' order ids: keys of earlier runs live on.
+    orders: i64,
+}
+
+async fn world(stock: i64) -> Option<World> {
+    let url = std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+    let pool = match MySqlPoolOptions::new().max_connections(8).connect(&url).await {
+        Ok(pool) => pool,
+        Err(e) => {
+            skip("mysql", e);
+            return None;
+        }
+    };
+    let client = match async_nats::connect(nats_url()).await {
+        Ok(client) => client,
+        Err(e) => {
+            skip("nats", e);
+            return None;
+        }
+    };
+    let idem = Idem::new(pool);
+    idem.migrate().await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS idem_nats_stock (sku VARCHAR(64) PRIMARY KEY, qty BIGINT NOT NULL);
+         CREATE TABLE IF NOT EXISTS idem_nats_moves (id BIGINT AUTO_INCREMENT PRIMARY KEY, order_id BIGINT NOT NULL, sku VARCHAR(64) NOT NULL, qty BIGINT NOT NULL)",
+    )
+    .execute(idem.pool())
+    .await
+    .unwrap();
+    let name = unique("T");
+    let sku = format!("sku{name}");
+    sqlx::query("INSERT INTO idem_nats_stock (sku, qty) VALUES (?, ?)")
+        .bind(&sku)
+        .bind(stock)
+        .execute(idem.pool())
+        .await
+        .unwrap();
+    let js = jetstream::new(client);
+    let subject = format!("t.{name}.paid");
+    let names = idem::nats::declare_with_dead_letter(&js, &name, &[subject.as_str()]).await.unwrap();
+    let orders = i64::try_from(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_micros() % 1_000_000_000_000,
+    )
+    .unwrap()
+        * 100;
+    Some(World { idem, js, names, subject, sku, orders })
+}
+
+impl World {
+    fn event(&self, order_id: i64, qty: i64) -> OrderPaid {
+        OrderPaid { order_id: self.orders + order_id, sku: self.sku.clone(), qty }
+    }
+
+    async fn publish(&self, payload: &[u8], msg_id: Option<&str>) {
+        let mut headers = HeaderMap::new();
+        if let Some(id) = msg_id {
+            headers.insert("Nats-Msg-Id", id);
+        }
+        let ack = self.js.publish_with_headers(self.subject.clone(), headers, payload.to_vec().into()).await.unwrap();
+        ack.await.unwrap();
+    }
+
+    async fn publish_event(&self, event: &OrderPaid, msg_id: &str) {
+        self.publish(&serde_json::to_vec(event).unwrap(), Some(msg_id)).await;
+    }
+
+    async fn moves(&self) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM idem_nats_moves WHERE sku = ?")
+            .bind(&self.sku)
+            .fetch_one(self.idem.pool())
+            .await
+            .unwrap()
+    }
+
+    /// The dead letters so far: (reason, original subject, payload).
+    async fn dead_letters(&self) -> Vec<(String, String, String)> {
+        let stream = self.js.get_stream(&self.names.dead_letter_stream).await.unwrap();
+        let mut out = Vec::new();
+        for seq in 1.. {
+            let Ok(message) = stream.get_raw_message(seq).await else { break };
+            let header = |name: &str| message.headers.get(name).map(|v| v.as_str().to_owned()).unwrap_or_default();
+            out.push((
+                header(idem::nats::DEAD_REASON_HEADER),
+                header(idem::nats::SUBJECT_HEADER),
+                String::from_utf8_lossy(&message.payload).into_owned(),
+            ));
+        }
+        out
+    }
+
+    async fn remove(self) {
+        let _ = self.js.delete_stream(&self.names.stream).await;
+        let _ = self.js.delete_stream(&self.names.dead_letter_stream).await;
+    }
+
+    /// Runs a consumer (configured by `configure`) on the world's stream;
+    /// settlements arrive on the receiver.
+    fn run(
+        &self,
+        durable: &str,
+        by_id: bool,
+        configure: impl FnOnce(Consumer) -> Consumer,
+    ) -> (mpsc::UnboundedReceiver<Settled>, oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+        let (settled, settlements) = mpsc::unbounded_channel();
+        let consumer = configure(
+            Consumer::new(self.js.clone(), self.names.stream.clone(), durable)
+                .retry_delay(Duration::from_millis(50))
+                .in_progress_delay(Duration::from_millis(50))
+                .on_settle(move |s| {
+                    let _ = settled.send(s.clone());
+                }),
+        );
+        let (stop, stopped) = oneshot::channel::<()>();
+        let idem = self.idem.clone();
+        let shutdown = async move {
+            let _ = stopped.await;
+        };
+        let task = tokio::spawn(async move {
+            let result = if by_id {
+                consumer
+                    .run_with_id(shutdown, move |id: String, event: OrderPaid| {
+                        let idem = idem.clone();
+                        async move {
+                            let sku = event.sku.clone();
+                            let done = deduct_by_id(&idem, id, event).await;
+                            after_call(&sku).await;
+                            done
+                        }
+                    })
+                    .await
+            } else {
+                consumer
+                    .run(shutdown, move |event: OrderPaid| {
+                        let idem = idem.clone();
+                        async move {
+                            let sku = event.sku.clone();
+                            let done = deduct_stock(&idem, event).await;
+                            after_call(&sku).await;
+                            done
+                        }
+                    })
+                    .await
+            };
+            result.expect("the runner ends cleanly");
+        });
+        (settlements, stop, task)
+    }
+}
+
+async fn next(settlements: &mut mpsc::UnboundedReceiver<Settled>) -> Settled {
+    tokio::time::timeout(Duration::from_secs(30), settlements.recv())
+        .await
+        .expect("a settlement within 30 s")
+        .expect("the runner is running")
+}
+
+async fn stop(stop: oneshot::Sender<()>, task: tokio::task::JoinHandle<()>) {
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(30), task).await.expect("the runner stops").expect("the runner ran");
+}
+
+fn within<F: Future>(f: F) -> tokio::time::Timeout<F> {
+    tokio::time::timeout(Duration::from_secs(30), f)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn executed_and_replayed_messages_are_acked() {
+    let Some(w) = world(10).await else { return };
+    let (mut settlements, stop_tx, task) = w.run("c", false, |c| c);
+    w.publish_event(&w.event(1, 2), "m1").await;
+    // The same event again, under another message id: the record replays it.
+    w.publish_event(&w.event(1, 2), "m2").await;
+    let first = next(&mut settlements).await;
+    let second = next(&mut settlements).await;
+    assert_eq!((first.action, first.outcome, first.delivered), (Action::Ack, Some(Outcome::Executed), 1));
+    assert_eq!((second.action, second.outcome), (Action::Ack, Some(Outcome::Replayed)));
+    assert_eq!((first.message_id.as_deref(), second.message_id.as_deref()), (Some("m1"), Some("m2")));
+    assert_eq!(w.moves().await, 1);
+    stop(stop_tx, task).await;
+    w.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_with_id_keys_the_call_by_the_message_id_and_a_message_without_one_is_poison() {
+    let Some(w) = world(10).await else { return };
+    let (mut settlements, stop_tx, task) = w.run("c", true, |c| c);
+    // One order, two distinct messages: keyed by message id, both execute.
+    let (ida, idb) = (unique("ida"), unique("idb"));
+    w.publish_event(&w.event(2, 1), &ida).await;
+    w.publish_event(&w.event(2, 1), &idb).await;
+    w.publish(&serde_json::to_vec(&w.event(3, 1)).unwrap(), None).await;
+    let outcomes: Vec<(Action, Option<Outcome>)> =
+        [next(&mut settlements).await, next(&mut settlements).await, next(&mut settlements).await]
+            .iter()
+            .map(|s| (s.action, s.outcome))
+            .collect();
+    assert_eq!(
+        outcomes,
+        [
+            (Action::Ack, Some(Outcome::Executed)),
+            (Action::Ack, Some(Outcome::Executed)),
+            (Action::DeadLetter(Reason::Poison), None)
+        ]
+    );
+    assert_eq!(w.moves().await, 2);
+    let dead = w.dead_letters().await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!((dead[0].0.as_str(), dead[0].1.as_str()), ("poison", w.subject.as_str()));
+    stop(stop_tx, task).await;
+    w.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unparsable_payloads_and_reused_keys_are_dead_lettered_with_their_reason() {
+    let Some(w) = world(10).await else { return };
+    let (mut settlements, stop_tx, task) = w.run("c", false, |c| c);
+    w.publish(b"{not json", Some("p1")).await;
+    w.publish_event(&w.event(4, 1), "k1").await;
+    // Order 4 again with another quantity: the key is reused.
+    w.publish_event(&w.event(4, 3), "k2").await;
+    let s: Vec<Settled> =
+        vec![next(&mut settlements).await, next(&mut settlements).await, next(&mut settlements).await];
+    assert_eq!(s[0].action, Action::DeadLetter(Reason::Poison));
+    assert_eq!((s[1].action, s[1].outcome), (Action::Ack, Some(Outcome::Executed)));
+    assert_eq!((s[2].action, s[2].outcome), (Action::DeadLetter(Reason::KeyReused), Some(Outcome::KeyReused)));
+    let dead = w.dead_letters().await;
+    let reasons: Vec<&str> = dead.iter().map(|d| d.0.as_str()).collect();
+    assert_eq!(reasons, ["poison", "key_reused"]);
+    assert_eq!(dead[0].2, "{not json");
+    assert_eq!(w.moves().await, 1);
+    stop(stop_tx, task).await;
+    w.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_body_is_naked_until_max_deliver_then_dead_lettered() {
+    let Some(w) = world(10).await else { return };
+    let (mut settlements, stop_tx, task) = w.run("c", false, |c| c.max_deliver(3));
+    let mut unknown = w.event(5, 1);
+    unknown.sku = format!("{}-missing", w.sku);
+    w.publish_event(&unknown, "f1").await;
+    let s: Vec<(Action, u64)> =
+        [next(&mut settlements).await, next(&mut settlements).await, next(&mut settlements).await]
+            .iter()
+            .map(|s| (s.action, s.delivered))
+            .collect();
+    assert_eq!(
+        s,
+        [
+            (Action::Retry { delivered: 1 }, 1),
+            (Action::Retry { delivered: 2 }, 2),
+            (Action::DeadLetter(Reason::DeliveriesExhausted), 3)
+        ]
+    );
+    let dead = w.dead_letters().await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].0, "deliveries_exhausted");
+    stop(stop_tx, task).await;
+    w.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_of_a_running_call_is_naked_and_then_replayed() {
+    let Some(w) = world(10).await else { return };
+    let gate = hold_next_body(&w.sku);
+    let (mut settlements, stop_tx, task) = w.run("c", false, |c| c.concurrency(2));
+    w.publish_event(&w.event(6, 1), "r1").await;
+    w.publish_event(&w.event(6, 1), "r2").await;
+    // Whichever starts first holds the key; the other finds it in progress, naked.
+    let busy = next(&mut settlements).await;
+    assert_eq!((busy.action, busy.outcome), (Action::Requeue, Some(Outcome::InProgress)));
+    let waiting = busy.message_id.clone().unwrap();
+    let holder = if waiting == "r1" { "r2" } else { "r1" };
+    gate.notify_one();
+    let mut rest = Vec::new();
+    while rest.iter().filter(|s: &&Settled| s.action == Action::Ack).count() < 2 {
+        rest.push(next(&mut settlements).await);
+    }
+    let acked: Vec<(Option<&str>, Option<Outcome>)> =
+        rest.iter().filter(|s| s.action == Action::Ack).map(|s| (s.message_id.as_deref(), s.outcome)).collect();
+    assert!(acked.contains(&(Some(holder), Some(Outcome::Executed))), "{rest:?}");
+    assert!(acked.contains(&(Some(waiting.as_str()), Some(Outcome::Replayed))), "{rest:?}");
+    assert!(rest.iter().all(|s| s.action == Action::Ack || s.action == Action::Requeue), "{rest:?}");
+    assert_eq!(w.moves().await, 1);
+    stop(stop_tx, task).await;
+    w.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_dropped_before_its_ack_gets_the_message_again_and_replays() {
+    let Some(w) = world(10).await else { return };
+    let committed = hang_after_call(&w.sku);
+    let (mut first_settlements, _stop_first, first) = w.run("c", false, |c| c.ack_wait(Duration::from_secs(1)));
+    w.publish_event(&w.event(7, 1), "d1").await;
+    // The call committed; the consumer dies before its ack.
+    within(committed.notified()).await.expect("the call committed");
+    first.abort();
+    let _ = first.await;
+    assert!(first_settlements.try_recv().is_err(), "nothing was settled");
+    let (mut settlements, stop_tx, task) = w.run("c", false, |c| c);
+    let again = next(&mut settlements).await;
+    assert_eq!((again.action, again.outcome, again.delivered), (Action::Ack, Some(Outcome::Replayed), 2));
+    assert_eq!(w.moves().await, 1);
+    stop(stop_tx, task).await;
+    w.remove().await;
+}
