@@ -1,6 +1,6 @@
 //! Table and column names given on the command line: checked as SQL
 //! identifiers and quoted for the database, never pasted into SQL as typed.
-//! The rule is layer 4's (`idem::state`): `[A-Za-z_][A-Za-z0-9_]{0,63}`, and
+//! The rule is layer 4's (`idem_rules::is_sql_identifier`): `[A-Za-z_][A-Za-z0-9_]{0,63}`, and
 //! a table may be qualified by its schema (`billing.payments`).
 
 use std::fmt;
@@ -63,11 +63,7 @@ impl fmt::Display for Ident {
 }
 
 fn is_ident(part: &str) -> bool {
-    let bytes = part.as_bytes();
-    !bytes.is_empty()
-        && bytes.len() <= 64
-        && (bytes[0].is_ascii_alphabetic() || bytes[0] == b'_')
-        && bytes.iter().all(|b| b.is_ascii_alphanumeric() || *b == b'_')
+    idem_rules::is_sql_identifier(part)
 }
 
 #[cfg(test)]

@@ -99,14 +99,10 @@ fn parse_args(input: &DeriveInput) -> syn::Result<Args> {
     Ok(args)
 }
 
-/// A SQL identifier: `[A-Za-z_][A-Za-z0-9_]{0,63}`. Checked here for the
-/// span; the runtime checks it again in a `const`.
+/// A SQL identifier (`idem_rules::is_sql_identifier`). Checked here for
+/// the span; the runtime checks it again in a `const`.
 fn identifier(lit: LitStr) -> syn::Result<LitStr> {
-    let v = lit.value();
-    let ok = (1..=64).contains(&v.len())
-        && v.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
-        && v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
-    if ok {
+    if idem_rules::is_sql_identifier(&lit.value()) {
         Ok(lit)
     } else {
         Err(syn::Error::new_spanned(

@@ -1,7 +1,7 @@
 //! The rules of [`idem`](https://docs.rs/idem) that both its attribute
 //! (at compile time) and its runtime (per call) enforce, kept in one place so
 //! the two cannot drift: the key alphabet and lengths, the `biz` and
-//! `biz_no` columns, the Redis namespace, and durations. Use them through
+//! `biz_no` columns, the Redis namespace, SQL identifiers, and durations. Use them through
 //! the `idem` crate.
 //!
 //! No dependencies: `idem-macros` builds on it as much as `idem-runtime`.
@@ -9,12 +9,14 @@
 
 mod biz;
 mod duration;
+mod identifier;
 mod key;
 mod namespace;
 mod shown;
 
 pub use biz::{MAX_BIZ_LEN, MAX_BIZ_NO_LEN, is_valid_biz};
 pub use duration::{DurationError, MAX_DURATION_MS, parse_duration};
+pub use identifier::{MAX_IDENTIFIER_LEN, is_sql_identifier};
 pub use key::{KeyError, MAX_KEY_LEN, MIN_HEADER_KEY_LEN, check_key, is_key_char};
 pub use namespace::{MAX_NAMESPACE_LEN, is_valid_namespace};
 pub use shown::Shown;

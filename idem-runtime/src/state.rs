@@ -48,15 +48,7 @@ impl Ident {
     /// block, where an invalid name is a compile error.
     #[doc(hidden)]
     pub const fn __checked(name: &'static str) -> Ident {
-        let bytes = name.as_bytes();
-        assert!(!bytes.is_empty() && bytes.len() <= 64, "a SQL identifier has 1 to 64 characters");
-        assert!(bytes[0].is_ascii_alphabetic() || bytes[0] == b'_', "a SQL identifier starts with a letter or `_`");
-        let mut i = 1;
-        while i < bytes.len() {
-            let b = bytes[i];
-            assert!(b.is_ascii_alphanumeric() || b == b'_', "a SQL identifier holds only A-Z a-z 0-9 _");
-            i += 1;
-        }
+        assert!(idem_rules::is_sql_identifier(name), "not a SQL identifier: expected [A-Za-z_][A-Za-z0-9_]{{0,63}}");
         Ident(name)
     }
 
