@@ -3,6 +3,10 @@
 //!
 //! - `api`: the mode in one process, on SQLite, MariaDB and PostgreSQL,
 //!   with and without Redis.
+//! - `crash`: the proof by killing real processes (child processes are this
+//!   binary again), against a payment provider on loopback (`provider`).
 
 mod api;
+mod crash;
+mod provider;
 mod support;

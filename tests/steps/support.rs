@@ -58,7 +58,7 @@ pub trait TestDb: Backend {
 
     /// Writes a payment in the final transaction.
     fn insert_payment(
-        tx: &mut Transaction<'static, Self>,
+        tx: &mut Transaction<'_, Self>,
         key: &str,
         charge_id: &str,
         amount: i64,
@@ -72,6 +72,9 @@ pub trait TestDb: Backend {
 
     /// Steps recorded for the call of `(biz, key)`.
     fn steps(pool: &Pool<Self>, biz: &str, key: &str) -> impl Future<Output = i64> + Send;
+
+    /// The status of the plain mode's record of `(biz, key)` in `idem_record`.
+    fn record_status(pool: &Pool<Self>, biz: &str, key: &str) -> impl Future<Output = Option<i16>> + Send;
 }
 
 type CallColumns = (i16, i64, Option<String>, Option<String>);
@@ -81,7 +84,7 @@ fn state((status, fence, response, biz_no): CallColumns) -> CallState {
 }
 
 macro_rules! test_db {
-    ($db:ty, $auto_id:literal, $insert:literal, $payments:literal, $call:literal, $steps:literal, $connect:expr) => {
+    ($db:ty, $auto_id:literal, $insert:literal, $payments:literal, $call:literal, $steps:literal, $record:literal, $connect:expr) => {
         impl TestDb for $db {
             async fn connect() -> Option<Connected<Self>> {
                 $connect.await
@@ -96,7 +99,7 @@ macro_rules! test_db {
             }
 
             async fn insert_payment(
-                tx: &mut Transaction<'static, Self>,
+                tx: &mut Transaction<'_, Self>,
                 key: &str,
                 charge_id: &str,
                 amount: i64,
@@ -117,6 +120,10 @@ macro_rules! test_db {
             async fn steps(pool: &Pool<Self>, biz: &str, key: &str) -> i64 {
                 sqlx::query_scalar($steps).bind(biz).bind(key).fetch_one(pool).await.expect("count steps")
             }
+
+            async fn record_status(pool: &Pool<Self>, biz: &str, key: &str) -> Option<i16> {
+                sqlx::query_scalar($record).bind(biz).bind(key).fetch_optional(pool).await.expect("read idem_record")
+            }
         }
     };
 }
@@ -128,6 +135,7 @@ test_db!(
     "SELECT COUNT(*) FROM steps_payment WHERE idem_key = ?",
     "SELECT status, fence, response, biz_no FROM idem_call WHERE biz_type = ? AND idem_key = ?",
     "SELECT COUNT(*) FROM idem_step s JOIN idem_call c ON c.id = s.call_id WHERE c.biz_type = ? AND c.idem_key = ?",
+    "SELECT status FROM idem_record WHERE biz_type = ? AND idem_key = ?",
     sqlite()
 );
 
@@ -138,6 +146,7 @@ test_db!(
     "SELECT COUNT(*) FROM steps_payment WHERE idem_key = ?",
     "SELECT status, fence, response, biz_no FROM idem_call WHERE biz_type = ? AND idem_key = ?",
     "SELECT COUNT(*) FROM idem_step s JOIN idem_call c ON c.id = s.call_id WHERE c.biz_type = ? AND c.idem_key = ?",
+    "SELECT status FROM idem_record WHERE biz_type = ? AND idem_key = ?",
     async {
         let options = sqlx::mysql::MySqlPoolOptions::new().max_connections(8).acquire_timeout(Duration::from_secs(10));
         match options.connect(&mysql_url()).await {
@@ -157,6 +166,7 @@ test_db!(
     "SELECT COUNT(*) FROM steps_payment WHERE idem_key = $1",
     "SELECT status, fence, response, biz_no FROM idem_call WHERE biz_type = $1 AND idem_key = $2",
     "SELECT COUNT(*) FROM idem_step s JOIN idem_call c ON c.id = s.call_id WHERE c.biz_type = $1 AND c.idem_key = $2",
+    "SELECT status FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
     async {
         let options = sqlx::postgres::PgPoolOptions::new().max_connections(8).acquire_timeout(Duration::from_secs(10));
         match options.connect(&pg_url()).await {
@@ -200,7 +210,15 @@ async fn sqlite() -> Option<Connected<sqlx::Sqlite>> {
 /// A migrated engine over `pool` (with the payment table), on the shared
 /// Redis when `redis`; `None` when Redis does not answer.
 pub async fn engine<DB: TestDb>(pool: Pool<DB>, redis: bool) -> Option<Idem<DB>> {
-    let mut builder = Idem::builder(pool.clone());
+    let idem = unmigrated_engine(pool.clone(), redis).await?;
+    idem.migrate().await.expect("migrate");
+    DB::create_payments(&pool).await.expect("payment table");
+    Some(idem)
+}
+
+/// An engine over a database migrated before (the child processes').
+pub async fn unmigrated_engine<DB: TestDb>(pool: Pool<DB>, redis: bool) -> Option<Idem<DB>> {
+    let mut builder = Idem::builder(pool);
     if redis {
         let client = redis::Client::open(redis_url()).expect("redis url");
         if let Err(e) = client.get_multiplexed_async_connection().await {
@@ -209,8 +227,22 @@ pub async fn engine<DB: TestDb>(pool: Pool<DB>, redis: bool) -> Option<Idem<DB>>
         }
         builder = builder.redis(client);
     }
-    let idem = builder.build();
-    idem.migrate().await.expect("migrate");
-    DB::create_payments(&pool).await.expect("payment table");
-    Some(idem)
+    Some(builder.build())
+}
+
+/// Whether the shared Redis answers (else its tests skip, with a line).
+pub async fn redis_answers() -> bool {
+    let client = redis::Client::open(redis_url()).expect("redis url");
+    match client.get_multiplexed_async_connection().await {
+        Ok(_) => true,
+        Err(e) => {
+            skip("redis", e);
+            false
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch: comparable between processes.
+pub fn epoch_ms() -> i64 {
+    i64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis()).unwrap()
 }
