@@ -377,13 +377,17 @@ macro_rules! backend {
             }
 
             pub async fn run(rows: &mut Vec<Row>, passes: &[Claims]) -> Option<()> {
-                let url: String = $url;
+                run_on(rows, passes, $url, $name).await
+            }
+
+            /// The rows on the server at `url`, labelled `name`.
+            pub async fn run_on(rows: &mut Vec<Row>, passes: &[Claims], url: String, name: &'static str) -> Option<()> {
                 let pool = sqlx::pool::PoolOptions::<$db>::new()
                     .max_connections(40)
                     .test_before_acquire(false)
                     .connect(&url)
                     .await
-                    .map_err(|e| println!("skipped: {} unreachable ({e})", $name))
+                    .map_err(|e| println!("skipped: {name} unreachable ({e})"))
                     .ok()?;
                 sqlx::raw_sql($ddl).execute(&pool).await.expect("orders table");
                 sqlx::query($seed).bind(ORDERS).execute(&pool).await.expect("seed orders");
@@ -407,7 +411,7 @@ macro_rules! backend {
                         let push =
                             |rows: &mut Vec<Row>, mode, (wall, lat): (Duration, Vec<Duration>), (sql, redis_cmds)| {
                                 rows.push(Row {
-                                    backend: $name,
+                                    backend: name,
                                     redis: label,
                                     mode,
                                     tasks,
@@ -490,6 +494,42 @@ macro_rules! backend {
                         .await;
                         push(rows, "replay", timing, counted);
 
+                        // replay-local: the same finished keys from the process's own cache
+                        if !matches!(claims, Claims::Cluster(..)) {
+                            let cache = idem::LocalCache::new(10_000, 64 << 20).max_age(Duration::from_secs(600));
+                            let builder = Idem::builder(pool.clone()).local_cache(cache);
+                            let local = match claims {
+                                Claims::Single(c) => builder.redis(c.clone()).build(),
+                                _ => builder.build(),
+                            };
+                            for i in 0..10 {
+                                pay(&local, &tag, i, ((i % 10) as i64 % ORDERS) + 1, &executions).await.expect("warm");
+                            }
+                            let before = executions.load(Ordering::Relaxed);
+                            let (l2, t2, e2) = (local.clone(), tag.clone(), executions.clone());
+                            let local_calls = calls * 20;
+                            let timing = drive(tasks, local_calls, move |i| {
+                                let (idem, tag, e) = (l2.clone(), t2.clone(), e2.clone());
+                                async move {
+                                    pay(&idem, &tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, &e)
+                                        .await
+                                        .expect("replay-local");
+                                }
+                            })
+                            .await;
+                            assert_eq!(executions.load(Ordering::Relaxed), before, "a local replay executed the body");
+                            let counted = round_trips(BEGIN_LOGGED, &client, 50, |i| {
+                                let (idem, tag, e) = (&local, &tag, &executions);
+                                async move {
+                                    pay(idem, tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, e)
+                                        .await
+                                        .expect("replay-local");
+                                }
+                            })
+                            .await;
+                            push(rows, "replay-local", timing, counted);
+                        }
+
                         // get and tcp: the least a replay's one Redis round trip costs
                         if let Claims::Single(c) = claims {
                             for (mode, timing) in plain_gets(c, tasks, calls).await {
@@ -529,7 +569,7 @@ macro_rules! backend {
                     }
                     lat.sort();
                     rows.push(Row {
-                        backend: $name,
+                        backend: name,
                         redis: label,
                         mode: "storm",
                         tasks: STORM,
@@ -598,12 +638,20 @@ fn main() {
         let mut rows = Vec::new();
         mariadb::run(&mut rows, &passes).await;
         postgres::run(&mut rows, &passes).await;
+        // A three-node MariaDB Galera cluster (about 25 s to start): the same
+        // rows with the engines on its first node. Full runs only, or with
+        // IDEM_BENCH_GALERA=1, so the quick run stays under a minute.
+        let galera = !quick() || std::env::var("IDEM_BENCH_GALERA").is_ok_and(|v| v == "1");
+        if galera && let Some(galera) = idem_testkit::galera::Cluster::start() {
+            let single: Vec<Claims> = passes.iter().filter(|p| !matches!(p, Claims::Cluster(..))).cloned().collect();
+            mariadb::run_on(&mut rows, &single, galera.nodes[0].url(), "galera").await;
+        }
         drop(cluster);
         rows
     });
 
     println!(
-        "\n{:<9} {:<7} {:<7} {:>5} {:>7} {:>10} {:>8} {:>8} {:>6} {:>6} {:>10} {:>10} {:>11}",
+        "\n{:<9} {:<7} {:<12} {:>5} {:>7} {:>10} {:>8} {:>8} {:>6} {:>6} {:>10} {:>10} {:>11} {:>11}",
         "backend",
         "redis",
         "mode",
@@ -616,16 +664,19 @@ fn main() {
         "redis",
         "first/bare",
         "floor/bare",
-        "bare/replay"
+        "bare/replay",
+        "bare/local"
     );
     for r in &rows {
         let first = ratio(&rows, r.backend, r.redis, r.tasks, "first").filter(|_| r.mode == "bare");
         let floor = ratio(&rows, r.backend, r.redis, r.tasks, "floor").filter(|_| r.mode == "bare");
         let replay = ratio(&rows, r.backend, r.redis, r.tasks, "replay").filter(|_| r.mode == "bare").map(|x| 1.0 / x);
+        let local =
+            ratio(&rows, r.backend, r.redis, r.tasks, "replay-local").filter(|_| r.mode == "bare").map(|x| 1.0 / x);
         let fmt_ratio = |x: Option<f64>| x.map(|v| format!("{v:.2}x")).unwrap_or_default();
         let fmt_count = |x: f64| if x.is_nan() { "-".to_string() } else { format!("{x:.1}") };
         println!(
-            "{:<9} {:<7} {:<7} {:>5} {:>7} {:>10.0} {:>8.3} {:>8.3} {:>6} {:>6} {:>10} {:>10} {:>11}{}",
+            "{:<9} {:<7} {:<12} {:>5} {:>7} {:>10.0} {:>8.3} {:>8.3} {:>6} {:>6} {:>10} {:>10} {:>11} {:>11}{}",
             r.backend,
             r.redis,
             r.mode,
@@ -639,6 +690,7 @@ fn main() {
             fmt_ratio(first),
             fmt_ratio(floor),
             fmt_ratio(replay),
+            fmt_ratio(local),
             r.executions.map(|e| format!("  executions per storm: {e}")).unwrap_or_default(),
         );
     }
@@ -646,7 +698,8 @@ fn main() {
         "first/bare: how much a first call costs over the plain transaction; floor/bare: the same for the hand-written \
          round trips a first call cannot avoid (claim, record insert, spawned cache write); bare/replay: how much faster a replay is \
          (p50 latencies, same backend, claims and task count); get: one plain Redis GET through redis-rs, the least a replay's round trip costs; \
-         tcp: the same GET hand-written on a plain socket, the machine's own round trip. \
+         tcp: the same GET hand-written on a plain socket, the machine's own round trip; \
+         replay-local: a replay from the engine's local cache (bare/local: how much faster than bare). \
          sql, redis: round trips per call."
     );
 
@@ -658,6 +711,8 @@ fn main() {
             v["first_over_bare"] = serde_json::json!(ratio(&rows, r.backend, r.redis, r.tasks, "first"));
             v["floor_over_bare"] = serde_json::json!(ratio(&rows, r.backend, r.redis, r.tasks, "floor"));
             v["bare_over_replay"] = serde_json::json!(ratio(&rows, r.backend, r.redis, r.tasks, "replay").map(|x| 1.0 / x));
+            v["bare_over_replay_local"] =
+                serde_json::json!(ratio(&rows, r.backend, r.redis, r.tasks, "replay-local").map(|x| 1.0 / x));
             if r.sql_per_call.is_nan() { v["sql_per_call"] = serde_json::Value::Null; v["redis_per_call"] = serde_json::Value::Null; }
             v
         }).collect::<Vec<_>>(),

@@ -69,8 +69,8 @@ pub use idem_runtime::nats;
 #[cfg(feature = "outbox")]
 pub use idem_runtime::outbox;
 pub use idem_runtime::{
-    Backend, Builder, Error, Idem, InvalidNamespace, KeyError, LocalCache, Namespace, Outcome, Status, col, observe, state,
-    transition,
+    Backend, Builder, Error, Idem, InvalidNamespace, KeyError, LocalCache, Namespace, Outcome, Status, col, observe,
+    state, transition,
 };
 
 /// Key rules, shared with entry points that take keys from outside

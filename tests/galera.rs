@@ -13,214 +13,21 @@
 //!   the engines on it see errors, their retries go to the other nodes;
 //!   then orders, payments and records are reconciled.
 //!
-//! Needs `mariadbd`, `mariadb-install-db`, `rsync` and Galera
-//! (`/usr/lib/galera/libgalera_smm.so`, Debian's `galera-4`); `.ci/run`
-//! installs what is missing. Without them the tests print `skipped: ...`
-//! (or fail under `IDEM_REQUIRE_SERVICES=1`).
+//! The cluster is `idem_testkit::galera::Cluster`; `.ci/run` installs
+//! Galera and rsync when missing. Without them the test prints `skipped: ...`
+//! (or fails under `IDEM_REQUIRE_SERVICES=1`).
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
 use idem::{Idem, Outcome, idempotent};
+use idem_testkit::galera::{Cluster, NODES, Node};
 use serde::{Deserialize, Serialize};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::{MySql, Transaction};
 use tokio::sync::Barrier;
-
-const PROVIDER: &str = "/usr/lib/galera/libgalera_smm.so";
-const NODES: usize = 3;
-
-fn required() -> bool {
-    std::env::var("IDEM_REQUIRE_SERVICES").is_ok_and(|v| v == "1")
-}
-
-fn skip(why: &str) -> bool {
-    assert!(!required(), "{why} and IDEM_REQUIRE_SERVICES=1");
-    println!("skipped: {why}");
-    false
-}
-
-fn installed() -> bool {
-    let runs = |bin: &str| Command::new(bin).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status();
-    if !Path::new(PROVIDER).exists() {
-        return skip("galera not installed");
-    }
-    for bin in ["mariadbd", "mariadb-install-db", "rsync"] {
-        if !runs(bin).is_ok_and(|s| s.success()) && !Path::new("/usr/sbin/mariadbd").exists() {
-            return skip(&format!("{bin} not installed"));
-        }
-    }
-    true
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
-}
-
-/// One `mariadbd` with Galera, a child of the test (killed when dropped).
-struct Node {
-    cnf: PathBuf,
-    port: u16,
-    child: Option<Child>,
-}
-
-impl Node {
-    fn start(&mut self, new_cluster: bool) {
-        let mut cmd = Command::new("mariadbd");
-        cmd.arg(format!("--defaults-file={}", self.cnf.display())).arg("--user=mysql");
-        if new_cluster {
-            cmd.arg("--wsrep-new-cluster");
-        }
-        self.child = Some(cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("mariadbd"));
-    }
-
-    /// SIGKILL: the node dies mid-transaction, as a crashed server would.
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("mysql://root@127.0.0.1:{}/test", self.port)
-    }
-
-    fn status(&self, name: &str) -> Option<String> {
-        let out = Command::new("mariadb")
-            .args(["-h127.0.0.1", &format!("-P{}", self.port), "-uroot", "-N", "-B", "-e"])
-            .arg(format!("SHOW STATUS LIKE '{name}'"))
-            .output()
-            .ok()?;
-        String::from_utf8(out.stdout).ok()?.split_whitespace().nth(1).map(str::to_owned)
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// Three nodes in one cluster, in a temporary folder removed at the end.
-struct Cluster {
-    dir: PathBuf,
-    nodes: Vec<Node>,
-}
-
-impl Cluster {
-    fn start() -> Option<Cluster> {
-        if !installed() {
-            return None;
-        }
-        let dir = std::env::temp_dir().join(format!("idem-galera-{}-{}", std::process::id(), free_port()));
-        std::fs::create_dir_all(&dir).expect("cluster dir");
-        let chown = |path: &Path| {
-            let ok = Command::new("chown").arg("-R").arg("mysql:mysql").arg(path).status().is_ok_and(|s| s.success());
-            assert!(ok, "chown mysql {}", path.display());
-        };
-        // The joiner's rsync runs as `mysql`: every folder on the way must let it in.
-        let _ = Command::new("chmod").arg("755").arg(&dir).status();
-        let gcomm: Vec<u16> = (0..NODES).map(|_| free_port()).collect();
-        let address = gcomm.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
-        let mut nodes = Vec::new();
-        for (i, gport) in gcomm.iter().enumerate() {
-            let (port, ist, sst) = (free_port(), free_port(), free_port());
-            let data = dir.join(format!("node{i}"));
-            std::fs::create_dir_all(&data).expect("node dir");
-            let cnf = dir.join(format!("node{i}.cnf"));
-            std::fs::write(
-                &cnf,
-                format!(
-                    "[mysqld]
-datadir={data}/data
-socket={data}/mysql.sock
-pid-file={data}/mysql.pid
-log-error={data}/error.log
-port={port}
-bind-address=127.0.0.1
-skip-grant-tables
-skip-name-resolve
-innodb_buffer_pool_size=32M
-binlog_format=ROW
-default_storage_engine=InnoDB
-innodb_autoinc_lock_mode=2
-max_connections=200
-wsrep_on=ON
-wsrep_provider={PROVIDER}
-wsrep_cluster_address=gcomm://{address}
-wsrep_cluster_name=idem_test
-wsrep_node_address=127.0.0.1
-wsrep_node_name=node{i}
-wsrep_provider_options=\"gmcast.listen_addr=tcp://127.0.0.1:{gport};ist.recv_addr=127.0.0.1:{ist};gcache.size=64M\"
-wsrep_sst_method=rsync
-wsrep_sst_receive_address=127.0.0.1:{sst}
-",
-                    data = data.display()
-                ),
-            )
-            .expect("cnf");
-            chown(&data);
-            let installed = Command::new("mariadb-install-db")
-                .arg(format!("--defaults-file={}", cnf.display()))
-                .args(["--user=mysql", "--skip-test-db"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success());
-            assert!(installed, "mariadb-install-db for node {i}");
-            nodes.push(Node { cnf, port, child: None });
-        }
-        let mut cluster = Cluster { dir, nodes };
-        cluster.nodes[0].start(true);
-        cluster.wait_for(0, Duration::from_secs(60));
-        cluster.nodes[1].start(false);
-        cluster.nodes[2].start(false);
-        cluster.wait_for_size(3, Duration::from_secs(120));
-        let created = Command::new("mariadb")
-            .args(["-h127.0.0.1", &format!("-P{}", cluster.nodes[0].port), "-uroot", "-e"])
-            .arg("CREATE DATABASE IF NOT EXISTS test")
-            .status()
-            .is_ok_and(|s| s.success());
-        assert!(created, "create database test");
-        Some(cluster)
-    }
-
-    /// Waits until node `i` serves (`wsrep_ready`).
-    fn wait_for(&self, i: usize, timeout: Duration) {
-        let start = Instant::now();
-        while self.nodes[i].status("wsrep_ready").as_deref() != Some("ON") {
-            assert!(start.elapsed() < timeout, "node {i} not ready after {timeout:?}: see {}", self.dir.display());
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
-
-    /// Waits until every node sees `size` members and serves.
-    fn wait_for_size(&self, size: usize, timeout: Duration) {
-        let start = Instant::now();
-        let want = size.to_string();
-        let ready = |n: &Node| {
-            n.status("wsrep_cluster_size").as_deref() == Some(&want) && n.status("wsrep_ready").as_deref() == Some("ON")
-        };
-        while !self.nodes.iter().all(ready) {
-            assert!(start.elapsed() < timeout, "cluster not at size {size} after {timeout:?}: {}", self.dir.display());
-            std::thread::sleep(Duration::from_millis(250));
-        }
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for node in &mut self.nodes {
-            node.kill();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 /// A pool on one node. `wsrep_sync_wait = 7`: reads, updates and inserts
 /// first wait until this node applied every transaction committed anywhere
@@ -307,7 +114,7 @@ async fn pay_held(
 /// lock spans nodes); both commit: certification lets one through and
 /// aborts the other with a deadlock error, whose caller replays the winner.
 async fn certification_conflict(engines: &[Idem<MySql>]) {
-    let k = format!("certify-{}", free_port());
+    let k = idem_testkit::unique("certify");
     let held = Arc::new(Held { started: AtomicUsize::new(0), gate: tokio::sync::Semaphore::new(0) });
     let calls: Vec<_> = (0..2)
         .map(|node| {
@@ -360,7 +167,7 @@ const RECORDS: &str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = 'galera
 /// 100 calls on one key over the three nodes: one committed execution,
 /// every answer that result or `InProgress`, never a failure.
 async fn storm(engines: &[Idem<MySql>], label: &str) {
-    let k = format!("storm-{label}-{}", free_port());
+    let k = idem_testkit::unique(&format!("storm_{label}"));
     let bodies = Arc::new(AtomicUsize::new(0));
     let barrier = Arc::new(Barrier::new(100));
     let start = Instant::now();
@@ -415,7 +222,10 @@ async fn galera_storms_and_a_soak_with_a_node_killed() {
     // The soak: 600 calls over 200 keys from 12 tasks, each call retried on
     // the next node when its own fails; node 2 killed a third of the way.
     let engines = engines_plain;
-    let keys: Vec<String> = (0..200).map(|i| format!("soak-{}-{i}", free_port())).collect();
+    let keys: Vec<String> = {
+        let run = idem_testkit::unique("soak");
+        (0..200).map(|i| format!("{run}-{i}")).collect()
+    };
     let bodies = Arc::new(AtomicUsize::new(0));
     let calls = Arc::new(AtomicUsize::new(0));
     let node_killed = Arc::new(tokio::sync::Notify::new());

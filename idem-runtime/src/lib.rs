@@ -48,8 +48,8 @@ mod store;
 pub mod token;
 
 pub use engine::{Builder, Idem};
-pub use gate::local::LocalCache;
 pub use error::{Error, KeyError};
+pub use gate::local::LocalCache;
 pub use key::MAX_BIZ_NO_LEN;
 pub use namespace::{InvalidNamespace, Namespace};
 pub use outcome::{Outcome, observe};

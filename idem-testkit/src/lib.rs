@@ -11,6 +11,7 @@
 //!   tests that kill, pause or spread Redis.
 //! - [`backend`]: the contract the behaviour suite (`tests/suite/`) runs on,
 //!   [`TestBackend`], implemented once per database.
+//! - [`galera`]: a private three-node MariaDB Galera cluster.
 //! - [`soak`]: the fault-injection soak with reconciliation, and the storm
 //!   (`tests/soak.rs`, `tests/cluster.rs`).
 //!
@@ -18,6 +19,7 @@
 //! to these): a backend's items exist when the tests were built for it.
 
 pub mod backend;
+pub mod galera;
 mod redis_entries;
 pub mod servers;
 mod services;
