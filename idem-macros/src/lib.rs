@@ -100,9 +100,13 @@ mod ttl;
 ///
 /// ```ignore
 /// #[idempotent(key = "order_<order_id>_charge", ttl = "24h", biz = "charge", steps)]
-/// async fn charge(idem: &Idem<MySql>, steps: &mut Steps<MySql>, order_id: u64, amount: i64)
-///     -> Result<Receipt, ChargeError>
-/// {
+/// async fn charge(
+///     idem: &Idem<MySql>,
+///     steps: &mut Steps<MySql>,
+///     #[idem(skip)] provider: &Provider,
+///     order_id: u64,
+///     amount: i64,
+/// ) -> Result<Receipt, ChargeError> {
 ///     let charge: Charge = steps.step("charge", |step_key| provider.charge(step_key, amount)).await?;
 ///     let tx = steps.transaction().await?; // opens after the steps
 ///     sqlx::query("INSERT INTO payment (order_id, charge_id) VALUES (?, ?)")

@@ -482,3 +482,35 @@ async fn migrate_twice_and_recovery_checks_biz() {
     assert_eq!(f.idem.stuck_calls(BIZ, 10).await.unwrap(), Vec::new());
     assert_eq!(f.idem.purge_expired_calls(10).await.unwrap(), 0);
 }
+
+/// A finished call past its ttl counts as absent (the next call runs
+/// afresh, under a new call id, and its old steps can never answer) and is
+/// purged; a call in `processing` never expires: it waits to be resumed.
+#[tokio::test]
+async fn expired_calls_run_afresh_and_processing_ones_are_kept() {
+    let Some(f) = Fixture::<sqlx::Sqlite>::new(false).await else { return };
+    let pool = f.idem.pool();
+    let (done, stuck) = (unique("expired"), unique("stuck"));
+    charge(&f.idem, &f.provider, &f.script, &done, 7, 1999).await.unwrap();
+    f.script.fail_after_step.store(true, Ordering::SeqCst);
+    charge(&f.idem, &f.provider, &f.script, &stuck, 8, 1999).await.unwrap_err();
+    sqlx::query("UPDATE idem_call SET expires_at = 0").execute(pool).await.unwrap();
+
+    assert_eq!(f.idem.purge_expired_calls(10).await.unwrap(), 1);
+    assert_eq!(f.call(BIZ, &done).await, None);
+    assert_eq!(f.call(BIZ, &stuck).await.map(|c| (c.status, c.fence)), Some((0, 1)));
+
+    sqlx::query("UPDATE idem_call SET expires_at = 0").execute(pool).await.unwrap();
+    let again = charge(&f.idem, &f.provider, &f.script, &done, 7, 1999).await.unwrap();
+    assert_eq!(f.provider.requests(), 3, "the expired key ran afresh");
+    assert_eq!(again.charge_id, "ch_0", "and the provider replayed its charge to the same step key");
+    assert_eq!(
+        <sqlx::Sqlite as TestDb>::payments(pool, &done).await,
+        2,
+        "a new call after the ttl, as in the plain mode"
+    );
+    // The processing one resumes from its step, ttl or not.
+    charge(&f.idem, &f.provider, &f.script, &stuck, 8, 1999).await.unwrap();
+    assert_eq!(f.provider.requests(), 3);
+    assert_eq!(f.call(BIZ, &stuck).await.map(|c| (c.status, c.fence)), Some((1, 2)));
+}

@@ -23,9 +23,13 @@ use crate::store::calls::Owner;
 ///
 /// ```ignore
 /// #[idempotent(key = "order_<order_id>_charge", ttl = "24h", biz = "charge", steps)]
-/// async fn charge(idem: &Idem<MySql>, steps: &mut Steps<MySql>, provider: &Provider, order_id: u64, amount: i64)
-///     -> Result<Receipt, ChargeError>
-/// {
+/// async fn charge(
+///     idem: &Idem<MySql>,
+///     steps: &mut Steps<MySql>,
+///     #[idem(skip)] provider: &Provider,
+///     order_id: u64,
+///     amount: i64,
+/// ) -> Result<Receipt, ChargeError> {
 ///     // An outside call: recorded once answered, replayed on a retry.
 ///     let charge: Charge = steps.step("charge", |step_key| provider.charge(step_key, amount)).await?;
 ///     if let Charge::Declined { reason } = &charge {
