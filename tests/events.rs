@@ -961,3 +961,115 @@ async fn soak_nats_end_to_end() {
     let Some(broker) = nats::Nats::new(&name).await else { return };
     end_to_end(Arc::new(broker), &name, SOAK).await;
 }
+
+// ---------------------------------------------------------------- each publisher on the wire
+
+/// Queues `(destination, payload)` events with ids of their own; returns the ids.
+async fn seed(idem: &Idem<MySql>, events: &[(&str, &str)]) -> Vec<String> {
+    let mut tx = idem.pool().begin().await.unwrap();
+    let mut ids = Vec::new();
+    for (i, (destination, payload)) in events.iter().enumerate() {
+        let id = idem::outbox::MessageId::derive("e2e_seed", &format!("s{}_{i}", unique()), 0).unwrap();
+        let event = Event::raw(*destination, *payload).header("x-test", "yes").id(id.clone());
+        idem::outbox::queue(&mut tx, event).await.unwrap();
+        ids.push(id.to_string());
+    }
+    tx.commit().await.unwrap();
+    ids
+}
+
+/// Runs `relay` until the outbox holds `sent` sent and `dead` dead rows.
+async fn relay_until<P: Publisher + 'static>(idem: &Idem<MySql>, relay: Relay<MySql, P>, sent: u64, dead: u64) {
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(relay.run(async move {
+        let _ = stopped.await;
+    }));
+    within("the relay's marks", Duration::from_secs(30), || async {
+        let counts = idem.outbox().counts().await.unwrap();
+        counts.sent == sent && counts.dead == dead
+    })
+    .await;
+    let _ = stop.send(());
+    task.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_relay_sends_message_ids_and_refuses_unroutable_events_until_dead() {
+    use lapin::options::{BasicAckOptions, BasicGetOptions};
+    let name = format!("w{}", unique());
+    let Some(broker) = rabbit::Rabbit::new(&name).await else { return };
+    let Some((pool, other)) = database(&name).await else { return };
+    other.close().await;
+    let idem = Idem::new(pool);
+    idem.migrate().await.unwrap();
+    let nowhere = format!("e2e.nowhere.{name}");
+    let ids = seed(&idem, &[(&broker.queue, "{\"n\":1}"), (&broker.queue, "{\"n\":2}"), (&nowhere, "{}")]).await;
+    let publisher = idem::outbox::rabbit::RabbitPublisher::new(rabbit::url());
+    let relay = Relay::new(&idem, publisher)
+        .max_attempts(2)
+        .retry_backoff(Duration::from_millis(10), Duration::from_millis(20));
+    relay_until(&idem, relay, 2, 1).await;
+    for (id, payload) in ids.iter().zip(["{\"n\":1}", "{\"n\":2}"]) {
+        let got = broker
+            .admin
+            .basic_get(broker.queue.as_str().into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+            .expect("a message");
+        let props = &got.delivery.properties;
+        assert_eq!(props.message_id().as_ref().map(|s| s.as_str()), Some(id.as_str()));
+        assert_eq!(props.delivery_mode(), &Some(2));
+        assert_eq!(props.content_type().as_ref().map(|s| s.as_str()), Some("application/json"));
+        let header = props.headers().as_ref().and_then(|h| h.inner().get("x-test").cloned());
+        assert_eq!(header, Some(lapin::types::AMQPValue::LongString("yes".into())));
+        assert_eq!(std::str::from_utf8(&got.delivery.data).unwrap(), payload);
+        got.delivery.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    let dead = idem.outbox().dead(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!((dead[0].message_id.as_str(), dead[0].attempts), (ids[2].as_str(), 2));
+    assert!(dead[0].last_error.as_deref().unwrap_or("").contains("NO_ROUTE"), "{:?}", dead[0].last_error);
+    broker.cleanup().await;
+    idem.pool().close().await;
+    drop_database(&name).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_relay_sends_msg_ids_the_stream_drops_a_republished_copy_and_a_subject_without_stream_dies() {
+    let name = format!("v{}", unique());
+    let Some(broker) = nats::Nats::new(&name).await else { return };
+    let Some((pool, other)) = database(&name).await else { return };
+    other.close().await;
+    let idem = Idem::new(pool);
+    idem.migrate().await.unwrap();
+    let nowhere = format!("e2e.nowhere.{name}");
+    let ids = seed(&idem, &[(&broker.subject, "{\"n\":1}"), (&broker.subject, "{\"n\":2}"), (&nowhere, "{}")]).await;
+    let client = idem::nats::async_nats::connect(nats::url()).await.unwrap();
+    let relay = Relay::new(&idem, idem::outbox::nats::NatsPublisher::new(client.clone()))
+        .max_attempts(2)
+        .retry_backoff(Duration::from_millis(10), Duration::from_millis(20));
+    relay_until(&idem, relay, 2, 1).await;
+    let stream = broker.js.get_stream(&broker.names.stream).await.unwrap();
+    for (seq, (id, payload)) in ids.iter().zip(["{\"n\":1}", "{\"n\":2}"]).enumerate() {
+        let message = stream.get_raw_message(seq as u64 + 1).await.unwrap();
+        assert_eq!(message.headers.get("Nats-Msg-Id").map(|v| v.as_str()), Some(id.as_str()));
+        assert_eq!(message.headers.get("x-test").map(|v| v.as_str()), Some("yes"));
+        assert_eq!(std::str::from_utf8(&message.payload).unwrap(), payload);
+    }
+    let dead = idem.outbox().dead(10).await.unwrap();
+    assert_eq!((dead.len(), dead[0].message_id.as_str()), (1, ids[2].as_str()));
+    // A relay that lost its marks publishes again: the stream drops the copy.
+    sqlx::query("UPDATE idem_outbox SET status = 0 WHERE message_id = ?")
+        .bind(&ids[0])
+        .execute(idem.pool())
+        .await
+        .unwrap();
+    let relay = Relay::new(&idem, idem::outbox::nats::NatsPublisher::new(client));
+    let stats = relay.stats();
+    relay_until(&idem, relay, 2, 1).await;
+    assert_eq!((stats.published(), stats.duplicates()), (1, 1));
+    assert_eq!(broker.stored().await, Some(2));
+    broker.cleanup().await;
+    idem.pool().close().await;
+    drop_database(&name).await;
+}
