@@ -172,11 +172,22 @@ impl<DB: Backend> Records<'_, DB> {
     /// database in trouble must not hold back the call's own error for a
     /// pool's whole wait.
     pub(crate) async fn settle(&self, id: &RecordKey<'_>) -> Settled {
+        // Twice when the first finds nothing: a duplicate that was waiting
+        // on our rolled-back insert may be overtaken by the probe's own
+        // insert, and only gets the key when the probe rolls back; the
+        // second probe then waits for it. Failing calls pay this, never a
+        // successful one.
         let probe = async {
-            let mut tx = DB::begin_bounded(self.pool, self.lock_wait).await?;
-            let taken = insert(&mut tx, id, &id.record(PROCESSING, None), Some(self.lock_wait)).await;
-            rollback(tx).await;
-            taken
+            for attempt in 1..=2 {
+                let mut tx = DB::begin_bounded(self.pool, self.lock_wait).await?;
+                let taken = insert(&mut tx, id, &id.record(PROCESSING, None), Some(self.lock_wait)).await;
+                rollback(tx).await;
+                match taken? {
+                    Taken::No if attempt == 1 => continue,
+                    taken => return Ok(taken),
+                }
+            }
+            Ok(Taken::No)
         };
         match tokio::time::timeout(self.lock_wait.saturating_mul(2), probe).await {
             Ok(Ok(Taken::By(row))) => Settled::Replay(row),
