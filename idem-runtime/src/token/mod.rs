@@ -26,8 +26,8 @@
 //! | never issued, malformed, expired, or of another `biz` | [`Consumption::Unknown`] | no |
 //!
 //! Tokens live where they were issued: in Redis when the engine has one
-//! ([`redis`]: `GETDEL`, or a Lua script where `GETDEL` is missing), in the
-//! table `idem_token` otherwise ([`database`]: one conditional `UPDATE`
+//! (module `redis`: `GETDEL`, or a Lua script where `GETDEL` is missing), in the
+//! table `idem_token` otherwise (module `database`: one conditional `UPDATE`
 //! decides). A token issued in Redis cannot be checked in the database, so
 //! a Redis outage answers [`TokenError::Unavailable`] (retryable, 503 over
 //! HTTP), never a pass.
