@@ -1,5 +1,6 @@
-//! The whole path, once, under faults: pay calls (with duplicates) whose
-//! bodies queue an `order.paid` event → two outbox relays → the broker →
+//! The whole path, once, under faults: HTTP pay calls (with duplicates,
+//! through `idem::http`'s `Idempotency-Key`) whose bodies queue an
+//! `order.paid` event → two outbox relays → the broker →
 //! two consumers whose `#[idempotent]` handler deducts stock and writes a
 //! stock move. Per broker: RabbitMQ (`IDEM_AMQP_URL`) and NATS JetStream
 //! (`IDEM_NATS_URL`), on MariaDB (`IDEM_MYSQL_URL`, a database per run).
@@ -18,6 +19,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::routing::post;
+use idem::http::IdempotencyKey;
 use idem::outbox::{Confirm, Event, Message, Publisher, Relay};
 use idem::{Idem, Outcome, idempotent};
 use serde::{Deserialize, Serialize};
@@ -70,10 +76,11 @@ const SKU: &str = "sku-1";
 
 /// The payment service: records the payment and queues `order.paid` in the
 /// same transaction; `roll_back` fails the body after queueing.
-#[idempotent(key = "order_<order_id>_pay", ttl = "1h", biz = "e2e_pay")]
+#[idempotent(key = "<idem_key>", ttl = "1h", biz = "e2e_pay")]
 async fn pay(
     idem: &Idem<MySql>,
     tx: &mut Transaction<'_, MySql>,
+    idem_key: String,
     order_id: i64,
     amount: i64,
     destination: String,
@@ -90,6 +97,48 @@ async fn pay(
         return Err(AppError::RolledBack);
     }
     Ok(order_id)
+}
+
+/// The payment service's HTTP front: `POST /orders/{id}/pay/{decline}`
+/// with an `Idempotency-Key` header (the client sends one per order, the
+/// same on every retry).
+#[derive(Clone)]
+struct PayApp {
+    idem: Idem<MySql>,
+    destination: String,
+}
+
+async fn pay_http(
+    State(app): State<PayApp>,
+    IdempotencyKey(key): IdempotencyKey,
+    Path((order_id, decline)): Path<(i64, bool)>,
+) -> (StatusCode, String) {
+    match pay(&app.idem, key, order_id, 100 + order_id, app.destination.clone(), decline).await {
+        Ok(order) => (StatusCode::OK, order.to_string()),
+        Err(AppError::RolledBack) => (StatusCode::PAYMENT_REQUIRED, "declined".into()),
+        Err(AppError::Idem(idem::Error::InProgress { .. })) => (StatusCode::CONFLICT, "in progress".into()),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e:?}")),
+    }
+}
+
+/// Serves the payment service on an ephemeral port; its base URL.
+async fn serve(app: PayApp) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let router = Router::new().route("/orders/{id}/pay/{decline}", post(pay_http)).with_state(app);
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    base
+}
+
+/// One HTTP pay call: its status.
+async fn pay_over_http(client: &reqwest::Client, base: &str, order: i64, decline: bool) -> StatusCode {
+    let response = client
+        .post(format!("{base}/orders/{order}/pay/{decline}"))
+        .header("Idempotency-Key", format!("order-{order}-pay"))
+        .send()
+        .await
+        .expect("the payment service answers");
+    StatusCode::from_u16(response.status().as_u16()).unwrap()
 }
 
 /// The stock service, keyed by the event's message id.
@@ -534,8 +583,10 @@ async fn end_to_end<B: Broker>(broker: Arc<B>, name: &str, plan: Plan) -> Report
         }));
     }
 
-    // The calls: every order paid `duplicates` times at once; some roll back.
+    // The calls, over HTTP: every order paid `duplicates` times at once; some roll back.
     let destination = broker.destination();
+    let base = serve(PayApp { idem: payer.clone(), destination: destination.clone() }).await;
+    let client = reqwest::Client::new();
     let every = plan.roll_back_every;
     let rolled_back = move |order: i64| order % every == 3;
     let mut calls = 0u64;
@@ -547,17 +598,16 @@ async fn end_to_end<B: Broker>(broker: Arc<B>, name: &str, plan: Plan) -> Report
         let mut set = tokio::task::JoinSet::new();
         for o in order..chunk_end {
             for _ in 0..plan.duplicates {
-                let (payer, destination) = (payer.clone(), destination.clone());
-                set.spawn(async move { pay(&payer, o, 100 + o, destination, rolled_back(o)).await });
+                let (client, base) = (client.clone(), base.clone());
+                set.spawn(async move { pay_over_http(&client, &base, o, rolled_back(o)).await });
             }
         }
         while let Some(done) = set.join_next().await {
             calls += 1;
             match done.unwrap() {
-                Ok(_) => {}
-                Err(AppError::RolledBack) => rolled_back_errors += 1,
-                Err(AppError::Idem(idem::Error::InProgress { .. })) => {}
-                Err(e) => panic!("pay failed: {e:?}"),
+                StatusCode::OK | StatusCode::CONFLICT => {}
+                StatusCode::PAYMENT_REQUIRED => rolled_back_errors += 1,
+                other => panic!("pay answered {other}"),
             }
         }
         // The faults, spread over the run.
@@ -576,13 +626,13 @@ async fn end_to_end<B: Broker>(broker: Arc<B>, name: &str, plan: Plan) -> Report
     // (replays): every order not rolled back is paid.
     for o in 1..=plan.orders {
         if !rolled_back(o) {
-            pay(&payer, o, 100 + o, destination.clone(), false).await.unwrap();
+            assert_eq!(pay_over_http(&client, &base, o, false).await, StatusCode::OK);
         }
     }
     // Each fault at least once, even in a short run.
     crash_next.store(true, SeqCst);
     for o in plan.orders + 1..=plan.orders + 5 {
-        pay(&payer, o, 100 + o, destination.clone(), false).await.unwrap();
+        assert_eq!(pay_over_http(&client, &base, o, false).await, StatusCode::OK);
         calls += 1;
     }
     let total_orders = plan.orders + 5;
@@ -608,7 +658,7 @@ async fn end_to_end<B: Broker>(broker: Arc<B>, name: &str, plan: Plan) -> Report
         }
     }
     for o in total_orders + 1..=total_orders + 30 {
-        pay(&payer, o, 100 + o, destination.clone(), false).await.unwrap();
+        assert_eq!(pay_over_http(&client, &base, o, false).await, StatusCode::OK);
         calls += 1;
     }
     let total_orders = total_orders + 30;
