@@ -384,7 +384,9 @@ async fn handle(
     counts.started.fetch_add(1, SeqCst);
     counts.orders.lock().unwrap().push(event.order_id);
     let (done, outcome) = idem::observe(deduct(&idem, message_id, event)).await;
-    if done.is_ok() && kill.armed.swap(false, SeqCst) {
+    // Only a delivery that executed is killed: the count below adds the
+    // killed ones to the executions (a replayed copy that died would not be one).
+    if done.is_ok() && outcome == Some(Outcome::Executed) && kill.armed.swap(false, SeqCst) {
         counts.killed.fetch_add(1, SeqCst);
         kill.fired.notify_one();
         std::future::pending::<()>().await;
