@@ -414,7 +414,7 @@ struct Plan {
 }
 
 const SHORT: Plan = Plan { orders: 300, duplicates: 3, roll_back_every: 10, faults: 1, batch_size: 20 };
-const SOAK: Plan = Plan { orders: 5000, duplicates: 3, roll_back_every: 10, faults: 10, batch_size: 50 };
+const SOAK: Plan = Plan { orders: 20_000, duplicates: 3, roll_back_every: 10, faults: 30, batch_size: 50 };
 
 /// One broker, as the harness drives it.
 trait Broker: Send + Sync + 'static {
