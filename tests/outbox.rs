@@ -530,3 +530,51 @@ macro_rules! relay_tests {
 relay_tests!(sqlite_relay, fresh_sqlite);
 relay_tests!(mysql_relay, fresh_mysql);
 relay_tests!(postgres_relay, fresh_postgres);
+
+/// Holds its first batch until released, after saying it has it.
+#[derive(Clone, Default)]
+struct Holding {
+    entered: Arc<tokio::sync::Notify>,
+    release: Arc<tokio::sync::Notify>,
+    held: Arc<AtomicBool>,
+}
+
+impl Publisher for Holding {
+    async fn publish(&mut self, batch: &[Message]) -> Vec<Confirm> {
+        if !self.held.swap(true, SeqCst) {
+            self.entered.notify_one();
+            self.release.notified().await;
+        }
+        vec![Confirm::Sent { duplicate: false }; batch.len()]
+    }
+}
+
+/// A batch in flight (its rows locked while the broker confirms) does not
+/// hold back bodies queueing new events: row locks only (MySQL reads
+/// committed in the relay's transaction, so no gap lock covers the new
+/// rows). Not on SQLite, whose relay holds the write lock by design.
+async fn a_batch_in_flight_does_not_hold_back_bodies_queueing<DB: Backend>(fresh: Fresh<DB>) {
+    let idem = &fresh.idem;
+    seed(idem, "held", None, "h1").await;
+    let holding = Holding::default();
+    let relay = spawn_relay(Relay::new(idem, holding.clone()).poll_interval(Duration::from_millis(10)));
+    tokio::time::timeout(Duration::from_secs(10), holding.entered.notified()).await.expect("the relay took the batch");
+    let queued = tokio::time::timeout(Duration::from_secs(5), seed(idem, "held", None, "h2")).await;
+    assert!(queued.is_ok(), "a body queueing an event waited for the relay's batch");
+    holding.release.notify_one();
+    until("both sent", Duration::from_secs(10), || async { idem.outbox().counts().await.unwrap().sent == 2 }).await;
+    stop(relay).await;
+    fresh.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_batch_in_flight_does_not_hold_back_bodies_queueing() {
+    let Some(fresh) = fresh_mysql().await else { return };
+    a_batch_in_flight_does_not_hold_back_bodies_queueing(fresh).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_batch_in_flight_does_not_hold_back_bodies_queueing() {
+    let Some(fresh) = fresh_postgres().await else { return };
+    a_batch_in_flight_does_not_hold_back_bodies_queueing(fresh).await;
+}
