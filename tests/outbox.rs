@@ -578,3 +578,23 @@ async fn postgres_a_batch_in_flight_does_not_hold_back_bodies_queueing() {
     let Some(fresh) = fresh_postgres().await else { return };
     a_batch_in_flight_does_not_hold_back_bodies_queueing(fresh).await;
 }
+
+/// A body in `steps` mode queues in its final transaction, under ids
+/// derived from its call, as a plain body does.
+#[idempotent(key = "order_<order>_charge", ttl = "1h", biz = "t_charge", steps)]
+async fn charge(idem: &Idem<Sqlite>, steps: &mut idem::Steps<Sqlite>, order: i64) -> Result<i64, TestError> {
+    let tx = steps.transaction().await?;
+    idem::outbox::queue(tx, Event::raw("order.charged", format!("{{\"order\":{order}}}"))).await?;
+    Ok(order)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steps_mode_body_queues_under_its_calls_ids() {
+    let Some(fresh) = fresh_sqlite().await else { return };
+    assert_eq!(charge(&fresh.idem, 11).await.unwrap(), 11);
+    assert_eq!(charge(&fresh.idem, 11).await.unwrap(), 11);
+    let ids: Vec<String> =
+        sqlx::query_scalar("SELECT message_id FROM idem_outbox").fetch_all(fresh.idem.pool()).await.unwrap();
+    assert_eq!(ids, vec![MessageId::derive("t_charge", "order_11_charge", 0).unwrap().to_string()]);
+    fresh.drop_db().await;
+}

@@ -258,6 +258,18 @@ pub(crate) async fn scope<DB: Backend, T, E>(
     key: &str,
     execution: impl Future<Output = Result<T, E>>,
 ) -> Result<T, E> {
+    scope_where(engine, biz, key, execution, Result::is_ok).await
+}
+
+/// [`scope`] for an execution whose output says by `committed` whether its
+/// final transaction committed (the `steps` mode's).
+pub(crate) async fn scope_where<DB: Backend, R>(
+    engine: &Idem<DB>,
+    biz: &'static str,
+    key: &str,
+    execution: impl Future<Output = R>,
+    committed: impl FnOnce(&R) -> bool,
+) -> R {
     let scope = CallScope { biz, key: key.to_owned(), next: Cell::new(0) };
     let (result, queued) = CALL
         .scope(scope, async move {
@@ -265,7 +277,7 @@ pub(crate) async fn scope<DB: Backend, T, E>(
             (result, CALL.with(|s| s.next.get()))
         })
         .await;
-    if queued > 0 && result.is_ok() {
+    if queued > 0 && committed(&result) {
         engine.outbox_waker().wake();
     }
     result

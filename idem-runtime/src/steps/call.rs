@@ -119,7 +119,11 @@ where
     let entry = engine.gate().enter(engine.pool(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
     match entry {
         Entry::GoAhead(pass) => {
-            let ended = execute(engine, &id, body).await;
+            let executed = execute(engine, &id, body);
+            // Events the body queues take their ids from the call (`outbox::queue`).
+            #[cfg(feature = "outbox")]
+            let executed = crate::outbox::scope_where(engine, spec.biz, key, executed, |ended| ended.answer.is_some());
+            let ended = executed.await;
             // A succeeded result goes on to the duplicates (Redis in place of
             // our claim, or those waiting here); anything else lets them in.
             match &ended.answer {
