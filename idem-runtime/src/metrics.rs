@@ -13,6 +13,9 @@
 //! | `idem_redis_degraded` | gauge | | engines in such a period now |
 //! | `idem_background_releases_total` | counter | | claims released from a background task (the call panicked or was dropped, or the claim's or its release's answer was lost) |
 //! | `idem_consumer_settlements_total` | counter | `queue`, `action` | deliveries settled by the RabbitMQ consumer runner: `ack`, `requeue`, `retry`, `returned`, `dead_letter_poison`, `dead_letter_key_reused`, `dead_letter_rejected`, `dead_letter_retries_exhausted` |
+//! | `idem_nats_settlements_total` | counter | `stream`, `action` | messages settled by the NATS JetStream consumer runner: `ack`, `requeue`, `retry`, `returned`, `dead_letter_poison`, `dead_letter_key_reused`, `dead_letter_rejected`, `dead_letter_deliveries_exhausted` |
+//! | `idem_outbox_messages_total` | counter | `result` | outbox messages each relay batch handled, by the broker's answer: `sent`, `duplicate` (sent, dropped by the broker as a copy), `refused` (to be retried), `dead`, `unconfirmed` (no answer, left pending), `unmarked` (confirmed, but the marks did not commit: published again) |
+//! | `idem_outbox_batches_total` | counter | | relay batches that took rows |
 //! | `idem_cron_slots_total` | counter | `job`, `outcome` | slots settled by the cron runner: `executed`, `done_elsewhere`, `in_progress_elsewhere`, `failed`, `cancelled`, `skipped` |
 //!
 //! A call whose future is dropped, or whose body panics, never ends, so it
@@ -73,6 +76,15 @@ pub const CONSUMER_SETTLEMENTS: &str = "idem_consumer_settlements_total";
 /// `idem_cron_slots_total{job, outcome}`.
 #[cfg(feature = "metrics")]
 pub const CRON_SLOTS: &str = "idem_cron_slots_total";
+/// `idem_nats_settlements_total{stream, action}`.
+#[cfg(feature = "metrics")]
+pub const NATS_SETTLEMENTS: &str = "idem_nats_settlements_total";
+/// `idem_outbox_messages_total{result}`.
+#[cfg(feature = "metrics")]
+pub const OUTBOX_MESSAGES: &str = "idem_outbox_messages_total";
+/// `idem_outbox_batches_total`.
+#[cfg(feature = "metrics")]
+pub const OUTBOX_BATCHES: &str = "idem_outbox_batches_total";
 
 /// Gives every metric above its help text and unit, in the installed
 /// recorder. Optional: metrics record without it.
@@ -95,6 +107,17 @@ pub fn describe() {
         "Deliveries settled by the consumer runner, by queue and action."
     );
     describe_counter!(CRON_SLOTS, Unit::Count, "Slots settled by the cron runner, by job and outcome.");
+    describe_counter!(
+        NATS_SETTLEMENTS,
+        Unit::Count,
+        "Messages settled by the NATS JetStream consumer runner, by stream and action."
+    );
+    describe_counter!(
+        OUTBOX_MESSAGES,
+        Unit::Count,
+        "Outbox messages handled by relay batches, by the broker's answer."
+    );
+    describe_counter!(OUTBOX_BATCHES, Unit::Count, "Outbox relay batches that took rows.");
 }
 
 /// When a call began; no size without the feature.
@@ -181,6 +204,55 @@ pub(crate) fn consumer_settled(queue: &str, action: crate::amqp::Action) {
     }
     #[cfg(not(feature = "metrics"))]
     let _ = (queue, action);
+}
+
+/// The NATS consumer runner settled a message of `stream`.
+#[cfg(feature = "nats")]
+#[inline]
+pub(crate) fn nats_settled(stream: &str, action: crate::nats::Action) {
+    #[cfg(feature = "metrics")]
+    {
+        use crate::nats::{Action, Reason};
+        let action = match action {
+            Action::Ack => "ack",
+            Action::Requeue => "requeue",
+            Action::Retry { .. } => "retry",
+            Action::Returned => "returned",
+            Action::DeadLetter(Reason::Poison) => "dead_letter_poison",
+            Action::DeadLetter(Reason::KeyReused) => "dead_letter_key_reused",
+            Action::DeadLetter(Reason::Rejected) => "dead_letter_rejected",
+            Action::DeadLetter(Reason::DeliveriesExhausted) => "dead_letter_deliveries_exhausted",
+        };
+        metrics::counter!(NATS_SETTLEMENTS, "stream" => stream.to_owned(), "action" => action).increment(1);
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = (stream, action);
+}
+
+/// An outbox relay finished a batch that took rows.
+#[cfg(feature = "outbox")]
+#[inline]
+pub(crate) fn outbox_batch(report: &crate::outbox::BatchReport) {
+    #[cfg(feature = "metrics")]
+    {
+        metrics::counter!(OUTBOX_BATCHES).increment(1);
+        // Marks that did not commit leave every row taken pending.
+        let marked = |n: usize| if report.committed { n } else { 0 };
+        for (result, n) in [
+            ("sent", marked(report.sent - report.duplicates)),
+            ("duplicate", marked(report.duplicates)),
+            ("refused", marked(report.refused)),
+            ("dead", marked(report.dead)),
+            ("unconfirmed", report.unconfirmed),
+            ("unmarked", report.sent - marked(report.sent)),
+        ] {
+            if n > 0 {
+                metrics::counter!(OUTBOX_MESSAGES, "result" => result).increment(n as u64);
+            }
+        }
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = report;
 }
 
 /// The cron runner settled a slot of `job`.

@@ -359,6 +359,7 @@ impl Consumer {
         tracing::info!(stream = %self.stream, durable = %self.durable, "idem nats consumer started");
 
         let settings = Arc::new(Settings {
+            stream: self.stream.clone(),
             context: self.context.clone(),
             dead_letter_subject: self.dead_letter_subject.clone(),
             max_deliver: self.max_deliver,
@@ -443,6 +444,7 @@ fn report_panic(joined: Result<(), tokio::task::JoinError>) {
 }
 
 struct Settings {
+    stream: String,
     context: jetstream::Context,
     dead_letter_subject: String,
     max_deliver: u64,
@@ -575,6 +577,7 @@ async fn handle<I, F, Fut, R, E>(
         message_id: message_id(&message),
         error,
     };
+    crate::metrics::nats_settled(&settings.stream, action);
     if let Some(hook) = &settings.on_settle {
         hook(&settled);
     }

@@ -399,6 +399,7 @@ impl<DB: Backend, P: Publisher> Relay<DB, P> {
         .await;
         report.committed = marked.is_ok();
         self.count(&report, &confirms);
+        crate::metrics::outbox_batch(&report);
         for (_, status, attempts, _, reason, message) in &failures {
             if *status == DEAD && report.committed {
                 tracing::error!(
