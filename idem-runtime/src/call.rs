@@ -130,7 +130,11 @@ where
     // Events the body queues take their ids from the call (`outbox::queue`).
     #[cfg(feature = "outbox")]
     let executed = crate::outbox::scope(engine, spec.biz, key, executed);
-    match executed.await {
+    // On the heap: the body's and the database's futures run to tens of
+    // kilobytes, and a call's future is moved before it is first polled
+    // (into its span, into the caller's). A replay never builds this one,
+    // so it moves a few hundred bytes instead.
+    match Box::pin(executed).await {
         Ok(recorded) => {
             // The stored result goes on to the duplicates: to Redis in place
             // of our claim, or to those waiting here.
