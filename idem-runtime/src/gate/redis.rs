@@ -7,8 +7,14 @@
 //! either `p:<token>:<fingerprint>` (a call is running; expires with its
 //! lease) or `d:<expires_ms>:<fingerprint>:<response>` (finished). A finished
 //! result carries its record's absolute expiry: a copy read at or after it is
-//! a miss, however late the write that set it landed. Every script touches
-//! exactly that one key, so Redis Cluster routes it.
+//! a miss, however late the write that set it landed. Every command and
+//! script touches exactly that one key, so Redis Cluster routes it.
+//!
+//! A claim is one native `SET key claim NX PX lease GET` (Redis 7.0 and
+//! later): it takes the key or hands back what holds it, a replay's whole
+//! cost. The claim script does the same in Lua for the two cases `SET`
+//! cannot: a server that refuses `NX` with `GET` (learnt once), and a
+//! finished result our clock says has expired while Redis still keeps it.
 //!
 //! Redis failing in any way (refused, timed out, erroring) degrades to the
 //! database alone: the operation reports [`Found::Unavailable`], a warning is
@@ -20,7 +26,7 @@
 //! lease.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -47,11 +53,12 @@ const LATER_TRIES: usize = 20;
 /// first timeout leaves one; past the bound, claims end with their lease.
 pub const MAX_BACKGROUND: usize = 256;
 
-// GET and SET NX in one step; the reply is the value found, or nil when
-// the claim is ours. Our own value counts as ours: a client that resends
-// the script after a lost reply (the cluster client does) finds it. A
-// finished result past its expiry (ARGV[3], the caller's clock, the one the
-// record's expiry is compared with) counts as absent.
+// GET and SET NX in one step, as `SET NX GET` does, and one thing more: a
+// finished result past its expiry (ARGV[3], the caller's clock, the one
+// the record's expiry is compared with) counts as absent and is replaced.
+// The reply is the value found, or nil when the claim is ours. Our own
+// value counts as ours: a client that resends after a lost reply (the
+// cluster client does) finds it.
 const CLAIM: &str = r"
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then return false end
@@ -133,6 +140,9 @@ pub(crate) struct RedisGate {
     down_until_ms: AtomicU64,
     /// Background tasks running now; at most [`MAX_BACKGROUND`].
     background: AtomicUsize,
+    /// The server refused `SET NX GET` (before Redis 7.0): claims go
+    /// through the claim script.
+    claim_by_script: AtomicBool,
     claim: Script,
     release: Script,
     finish: Script,
@@ -157,6 +167,7 @@ impl RedisGate {
             timeout,
             down_until_ms: AtomicU64::new(0),
             background: AtomicUsize::new(0),
+            claim_by_script: AtomicBool::new(false),
             claim: Script::new(CLAIM),
             release: Script::new(RELEASE),
             finish: Script::new(FINISH),
@@ -215,10 +226,11 @@ impl RedisGate {
         lease: Duration,
     ) -> Found {
         let held = HeldClaim { key: redis_key(namespace, biz, key), value: format!("p:{}:{fingerprint}", token()) };
-        let mut call = self.claim.key(&held.key);
-        call.arg(&held.value).arg(millis(lease)).arg(clock::now_ms());
         let mut unanswered = Unanswered { claims: self, held: Some(held) };
-        let answer = self.run::<Option<String>>(&call, Backoff::Respect).await;
+        let answer = match &unanswered.held {
+            Some(held) => self.send_claim(held, lease).await,
+            None => Err(Missed::Skipped),
+        };
         if matches!(answer, Err(Missed::Failed)) {
             return Found::Unavailable; // `unanswered` releases what may have landed
         }
@@ -227,6 +239,39 @@ impl RedisGate {
             (Ok(Some(found)), _) => parse(&found, clock::now_ms()),
             _ => Found::Unavailable, // skipped while Redis backs off: never sent
         }
+    }
+
+    /// Sends the claim `held`: `None` when the key is ours, else the value
+    /// that holds it.
+    async fn send_claim(&self, held: &HeldClaim, lease: Duration) -> Result<Option<String>, Missed> {
+        let refused = if self.claim_by_script.load(Ordering::Relaxed) {
+            None
+        } else {
+            let mut set = redis::cmd("SET");
+            set.arg(&held.key).arg(&held.value).arg("NX").arg("PX").arg(millis(lease)).arg("GET");
+            let sent = |mut c: ConnectionHandle| {
+                refusal_is_an_answer(async move { set.query_async::<Option<String>>(&mut c).await })
+            };
+            match self.guarded(Backoff::Respect, sent).await? {
+                // Our own value: sent again after a lost reply.
+                Ok(Some(found)) if found == held.value => return Ok(None),
+                // Expired by our clock, not yet by Redis's: the script replaces it.
+                Ok(Some(found)) if matches!(parse(&found, clock::now_ms()), Found::Unavailable) => None,
+                Ok(found) => return Ok(found),
+                Err(refused) => Some(refused),
+            }
+        };
+        let mut call = self.claim.key(&held.key);
+        call.arg(&held.value).arg(millis(lease)).arg(clock::now_ms());
+        let found = self.run::<Option<String>>(&call, Backoff::Respect).await?;
+        // The script answered where `SET` was refused: the server does not
+        // know `NX` with `GET`, and is not asked again.
+        if let Some(refused) = refused
+            && !self.claim_by_script.swap(true, Ordering::Relaxed)
+        {
+            tracing::warn!(error = %refused, "redis refused SET NX GET (before 7.0?); claims go through a Lua script from now on");
+        }
+        Ok(found)
     }
 
     /// Drops our claim so the next call may execute (after a failed body).
@@ -458,15 +503,7 @@ impl RedisGate {
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
         // A refusal is an answer: Redis is up, and claims need not back off.
-        let answered = self
-            .guarded(Backoff::Ignore, |c| async move {
-                match op(c).await {
-                    Ok(value) => Ok(Ok(value)),
-                    Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) => Ok(Err(e)),
-                    Err(e) => Err(e),
-                }
-            })
-            .await;
+        let answered = self.guarded(Backoff::Ignore, |c| refusal_is_an_answer(op(c))).await;
         match answered {
             Ok(Ok(value)) => Reply::Value(value),
             Ok(Err(refused)) => Reply::Refused(refused),
@@ -613,6 +650,19 @@ impl NamespaceSlot {
     }
 }
 
+/// `op`'s result, with the server's own refusal (`ERR ...`, such as an
+/// unknown command or option) as an answer: Redis is up, the operation did
+/// not run, and claims need not back off.
+async fn refusal_is_an_answer<T>(
+    op: impl std::future::Future<Output = redis::RedisResult<T>>,
+) -> redis::RedisResult<Result<T, redis::RedisError>> {
+    match op.await {
+        Ok(value) => Ok(Ok(value)),
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) => Ok(Err(e)),
+        Err(e) => Err(e),
+    }
+}
+
 /// The value a finished call leaves in Redis; [`parse`] reads it back.
 fn done_value(expires_ms: i64, fingerprint: &str, response: &str) -> String {
     format!("d:{expires_ms}:{fingerprint}:{response}")
@@ -709,6 +759,162 @@ mod tests {
         let now_held: String = redis::cmd("GET").arg(&key).query(&mut conn).expect("GET");
         assert_eq!(now_held, "p:ours:f");
         let _: i64 = redis::cmd("DEL").arg(&key).query(&mut conn).expect("DEL");
+    }
+
+    fn redis_url() -> String {
+        std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+    }
+
+    /// A connection to the test Redis, or `None` (skipped) when none
+    /// answers, unless `IDEM_REQUIRE_SERVICES` is set.
+    async fn test_redis() -> Option<redis::aio::MultiplexedConnection> {
+        let client = redis::Client::open(redis_url()).expect("redis url");
+        match client.get_multiplexed_async_connection().await {
+            Ok(conn) => Some(conn),
+            Err(e) => {
+                assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "redis unreachable: {e}");
+                eprintln!("skipped: redis unreachable ({e})");
+                None
+            }
+        }
+    }
+
+    /// Every answer of a claim through `SET NX GET`: ours, our own value
+    /// sent again, someone else's claim, a live result, and an expired
+    /// result Redis still keeps (replaced through the script).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn claims_through_set_nx_get() {
+        let Some(mut conn) = test_redis().await else { return };
+        let gate = Arc::new(RedisGate::new(
+            Target::Single(redis::Client::open(redis_url()).unwrap()),
+            Duration::from_secs(2),
+            None,
+        ));
+        let namespace = Namespace::new("t_unit").unwrap();
+        let (biz, key) = ("t_setget", token());
+        let redis_key = redis_key(&namespace, biz, &key);
+        let lease = Duration::from_secs(60);
+        let get = |conn: &mut redis::aio::MultiplexedConnection| {
+            let mut conn = conn.clone();
+            let redis_key = redis_key.clone();
+            async move { redis::cmd("GET").arg(&redis_key).query_async::<Option<String>>(&mut conn).await.unwrap() }
+        };
+
+        let Found::Ours(held) = gate.claim(&namespace, biz, &key, "fp", lease).await else { panic!("not ours") };
+        assert_eq!(get(&mut conn).await.as_deref(), Some(held.value.as_str()));
+        assert_eq!(gate.send_claim(&held, lease).await, Ok(None), "our own value sent again is ours");
+        assert!(matches!(gate.claim(&namespace, biz, &key, "fp", lease).await, Found::Running));
+
+        let live = done_value(i64::try_from(clock::now_ms() + 60_000).unwrap(), "fp", "{\"a\":1}");
+        let _: () = redis::cmd("SET").arg(&redis_key).arg(&live).query_async(&mut conn).await.unwrap();
+        match gate.claim(&namespace, biz, &key, "fp", lease).await {
+            Found::Finished(answer) => assert_eq!(answer.response, "{\"a\":1}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(get(&mut conn).await.as_deref(), Some(live.as_str()), "a finished result is left alone");
+
+        // Expired by our clock, kept by Redis for another minute.
+        let expired = done_value(i64::try_from(clock::now_ms() - 1).unwrap(), "fp", "1");
+        let _: () =
+            redis::cmd("SET").arg(&redis_key).arg(&expired).arg("PX").arg(60_000).query_async(&mut conn).await.unwrap();
+        let Found::Ours(held) = gate.claim(&namespace, biz, &key, "fp", lease).await else {
+            panic!("expired, not ours")
+        };
+        assert_eq!(get(&mut conn).await.as_deref(), Some(held.value.as_str()), "the expired result is replaced");
+        assert!(!gate.claim_by_script.load(Ordering::Relaxed), "Redis 7 takes SET NX GET");
+        let _: i64 = redis::cmd("DEL").arg(&redis_key).query_async(&mut conn).await.unwrap();
+    }
+
+    /// A proxy to the test Redis that makes it refuse `SET` with both `NX`
+    /// and `GET` as servers before 7.0 do (`ERR syntax error`): it adds an
+    /// argument no `SET` knows. Everything else passes untouched.
+    async fn proxy_refusing_set_nx_get(upstream: String) -> u16 {
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = tokio::net::TcpStream::connect(&upstream).await.expect("upstream");
+                let (client_read, mut client_write) = client.into_split();
+                let (mut server_read, mut server_write) = server.into_split();
+                tokio::spawn(async move { tokio::io::copy(&mut server_read, &mut client_write).await });
+                tokio::spawn(async move {
+                    // Requests are arrays of bulk strings: `*n`, then `$len` and the bytes, n times.
+                    let mut reader = BufReader::new(client_read);
+                    let mut line = String::new();
+                    loop {
+                        line.clear();
+                        if reader.read_line(&mut line).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let n: usize = line.trim_end().trim_start_matches('*').parse().expect("array header");
+                        let mut args = Vec::with_capacity(n);
+                        for _ in 0..n {
+                            line.clear();
+                            reader.read_line(&mut line).await.expect("bulk header");
+                            let len: usize = line.trim_end().trim_start_matches('$').parse().expect("bulk length");
+                            let mut arg = vec![0; len + 2];
+                            reader.read_exact(&mut arg).await.expect("bulk");
+                            arg.truncate(len);
+                            args.push(arg);
+                        }
+                        let upper: Vec<Vec<u8>> = args.iter().map(|a| a.to_ascii_uppercase()).collect();
+                        let has = |word: &[u8]| upper.iter().skip(3).any(|a| a == word);
+                        if upper.first().is_some_and(|c| c == b"SET") && has(b"NX") && has(b"GET") {
+                            args.push(b"REFUSED_BEFORE_7".to_vec());
+                        }
+                        let mut request = format!("*{}\r\n", args.len()).into_bytes();
+                        for arg in &args {
+                            request.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
+                            request.extend_from_slice(arg);
+                            request.extend_from_slice(b"\r\n");
+                        }
+                        if server_write.write_all(&request).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        port
+    }
+
+    /// On a server that refuses `SET NX GET`, the first claim is taken
+    /// through the script, the refusal is learnt (no back-off: Redis is
+    /// up), and every later claim goes straight to the script.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn claims_through_the_script_where_set_nx_get_is_refused() {
+        let Some(mut conn) = test_redis().await else { return };
+        let client = redis::Client::open(redis_url()).unwrap();
+        let redis::ConnectionAddr::Tcp(host, port) = client.get_connection_info().addr().clone() else { return };
+        let proxy = proxy_refusing_set_nx_get(format!("{host}:{port}")).await;
+        let through = redis::Client::open(format!("redis://127.0.0.1:{proxy}")).unwrap();
+        let mut refused = through.get_multiplexed_async_connection().await.unwrap();
+        let probe = redis::cmd("SET")
+            .arg("t_unit_probe")
+            .arg("v")
+            .arg("NX")
+            .arg("GET")
+            .query_async::<Option<String>>(&mut refused)
+            .await;
+        assert!(probe.is_err_and(|e| e.to_string().contains("syntax")), "the proxy refuses SET NX GET");
+
+        let gate = Arc::new(RedisGate::new(Target::Single(through), Duration::from_secs(2), None));
+        let namespace = Namespace::new("t_unit").unwrap();
+        let lease = Duration::from_secs(60);
+        let (first, second) = (token(), token());
+        let Found::Ours(held) = gate.claim(&namespace, "t_old", &first, "fp", lease).await else { panic!("not ours") };
+        assert!(gate.claim_by_script.load(Ordering::Relaxed), "the refusal is learnt");
+        assert_eq!(gate.down_until_ms.load(Ordering::Relaxed), 0, "a refusal is no outage");
+        let held_now: Option<String> = redis::cmd("GET").arg(&held.key).query_async(&mut conn).await.unwrap();
+        assert_eq!(held_now, Some(held.value.clone()));
+        assert!(matches!(gate.claim(&namespace, "t_old", &first, "fp", lease).await, Found::Running));
+        let Found::Ours(other) = gate.claim(&namespace, "t_old", &second, "fp", lease).await else {
+            panic!("not ours")
+        };
+        for key in [&held.key, &other.key] {
+            let _: i64 = redis::cmd("DEL").arg(key).query_async(&mut conn).await.unwrap();
+        }
     }
 
     /// Regression: with Redis black-holed (it accepts connections and never
