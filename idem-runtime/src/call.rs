@@ -126,15 +126,15 @@ where
         }
     };
 
-    let executed = execute(engine, &id, pass.holds_claim(), body);
+    // On the heap from the start: the body's and the database's futures
+    // run to kilobytes, and every wrapper that took it by value (the outbox
+    // scope, the span, the caller's future) would copy it, first calls and
+    // replays alike. A replay never builds this one.
+    let executed = Box::pin(execute(engine, &id, pass.holds_claim(), body));
     // Events the body queues take their ids from the call (`outbox::queue`).
     #[cfg(feature = "outbox")]
     let executed = crate::outbox::scope(engine, spec.biz, key, executed);
-    // On the heap: the body's and the database's futures run to tens of
-    // kilobytes, and a call's future is moved before it is first polled
-    // (into its span, into the caller's). A replay never builds this one,
-    // so it moves a few hundred bytes instead.
-    match Box::pin(executed).await {
+    match executed.await {
         Ok(recorded) => {
             // The stored result goes on to the duplicates: to Redis in place
             // of our claim, or to those waiting here.

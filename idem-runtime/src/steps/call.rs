@@ -119,7 +119,8 @@ where
     let entry = engine.gate().enter(engine.pool(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
     match entry {
         Entry::GoAhead(pass) => {
-            let executed = execute(engine, &id, body);
+            // On the heap, as in the single-transaction flow (`crate::call`).
+            let executed = Box::pin(execute(engine, &id, body));
             // Events the body queues take their ids from the call (`outbox::queue`).
             #[cfg(feature = "outbox")]
             let executed = crate::outbox::scope_where(engine, spec.biz, key, executed, |ended| ended.answer.is_some());
