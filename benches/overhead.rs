@@ -4,11 +4,14 @@
 //! with and without Redis, from 1 task and from 32.
 //!
 //! Rows: `bare` (the body in a plain transaction), `first` (a fresh key per
-//! call), `replay` (a finished key again), `storm` (100 concurrent calls on
-//! one new key; executions must be 1); with one Redis node also `floor`
-//! (the first call's round trips written by hand) and `get` (one plain Redis
-//! `GET`, what a replay's round trip costs at least). Each row also prints
-//! the SQL statements and Redis commands per call, counted in a separate pass.
+//! call), `replay` (a finished key again), `replay-local` (the same from the
+//! engine's local cache), `storm` (100 concurrent calls on one new key;
+//! executions must be 1); with one Redis node also `floor` (the first call's
+//! round trips written by hand), and `get` and `tcp` (one plain Redis `GET`
+//! through redis-rs and on a bare socket, what a replay's round trip costs at
+//! least, measured in turns with `replay` so all three see the same moments).
+//! Each row also prints the SQL statements and Redis commands per call,
+//! counted in a separate pass.
 //! Results also go to `target/idem-bench.json`.
 
 use std::sync::Arc;
@@ -22,6 +25,8 @@ use tokio::sync::Barrier;
 const ORDERS: i64 = 1_000;
 const CONCURRENCY: usize = 32;
 const STORM: usize = 100;
+/// Connections per backend's pool.
+const POOL: u32 = 40;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Receipt {
@@ -165,92 +170,186 @@ where
     (wall, all)
 }
 
-/// One plain `GET` per call, through redis-rs (`get`) and hand-written on
-/// plain sockets the calling tasks own (`tcp`, no client library in between),
-/// in alternating slices so that both see the same moments of the machine.
-async fn plain_gets(
-    client: &redis::Client,
+/// One call of a row measured in alternating slices with others.
+type Call = Arc<dyn Fn(usize) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync>;
+
+fn call<F, Fut>(f: F) -> Call
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    Arc::new(move |i| Box::pin(f(i)))
+}
+
+/// Runs `calls` calls of every row from `tasks` tasks, the rows taking
+/// turns in slices of at least ten calls each, so that all see the same
+/// moments of a shared machine and their ratios hold still.
+async fn alternating(
     tasks: usize,
     calls: usize,
+    rows: Vec<(&'static str, Call)>,
 ) -> Vec<(&'static str, (Duration, Vec<Duration>))> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    const SLICES: usize = 100;
-    let redis = redis::aio::ConnectionManager::new(client.clone()).await.expect("redis");
-    let get = Arc::new(move |i: usize| {
-        let mut conn = redis.clone();
-        async move {
-            let _: Option<String> =
-                redis::cmd("GET").arg(format!("idem:bench_get:{}", i % 10)).query_async(&mut conn).await.expect("get");
-        }
-    });
-    let redis::ConnectionAddr::Tcp(host, port) = client.get_connection_info().addr() else { return Vec::new() };
-    let mut sockets = Vec::new();
-    for _ in 0..tasks {
-        let socket = tokio::net::TcpStream::connect((host.as_str(), *port)).await.expect("tcp connect");
-        socket.set_nodelay(true).expect("nodelay");
-        sockets.push(tokio::sync::Mutex::new(socket));
-    }
-    let sockets = Arc::new(sockets);
-    let tcp = Arc::new(move |i: usize| {
-        let sockets = sockets.clone();
-        async move {
-            let mut socket = sockets[i % sockets.len()].lock().await;
-            let key = format!("idem:bench_get:{}", i % 10);
-            let request = format!("*2\r\n$3\r\nGET\r\n${}\r\n{key}\r\n", key.len());
-            socket.write_all(request.as_bytes()).await.expect("tcp write");
-            // The key is absent: the whole reply is the null bulk string.
-            let mut reply = [0u8; 5];
-            socket.read_exact(&mut reply).await.expect("tcp read");
-            assert_eq!(&reply, b"$-1\r\n", "unexpected reply");
-        }
-    });
-    let mut totals = [(Duration::ZERO, Vec::new()), (Duration::ZERO, Vec::new())];
-    for _ in 0..SLICES {
-        let (g, t) = (get.clone(), tcp.clone());
-        for (total, (wall, lat)) in totals
-            .iter_mut()
-            .zip([drive(tasks, calls / SLICES, move |i| g(i)).await, drive(tasks, calls / SLICES, move |i| t(i)).await])
-        {
+    let slices = (calls / 10).clamp(1, 100);
+    let mut totals: Vec<_> = rows.iter().map(|_| (Duration::ZERO, Vec::with_capacity(calls))).collect();
+    let per_slice = calls / slices;
+    for slice in 0..slices {
+        for ((_, row), total) in rows.iter().zip(&mut totals) {
+            let row = row.clone();
+            // Call numbers run on across slices: a fresh key stays fresh.
+            let (wall, lat) = drive(tasks, per_slice, move |i| row(slice * per_slice + i)).await;
             total.0 += wall;
             total.1.extend(lat);
         }
     }
-    let [mut get, mut tcp] = totals;
-    get.1.sort();
-    tcp.1.sort();
+    rows.into_iter()
+        .zip(totals)
+        .map(|((name, _), (wall, mut lat))| {
+            lat.sort();
+            (name, (wall, lat))
+        })
+        .collect()
+}
+
+/// One plain `GET` per call of the keys in `keys` (those the replays read:
+/// the same result comes back), through redis-rs (`get`) and hand-written
+/// on plain sockets the calling tasks own (`tcp`, no client library in
+/// between): the least a replay's one Redis round trip costs.
+async fn plain_gets(client: &redis::Client, tasks: usize, keys: Vec<String>) -> Vec<(&'static str, Call)> {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    let keys = Arc::new(keys);
+    let redis = redis::aio::ConnectionManager::new(client.clone()).await.expect("redis");
+    let k = keys.clone();
+    let get = call(move |i: usize| {
+        let (mut conn, key) = (redis.clone(), k[i % k.len()].clone());
+        async move {
+            let found: Option<String> = redis::cmd("GET").arg(&key).query_async(&mut conn).await.expect("get");
+            assert!(found.is_some(), "{key} holds no result");
+        }
+    });
+    let redis::ConnectionAddr::Tcp(host, port) = client.get_connection_info().addr() else { return vec![("get", get)] };
+    let mut sockets = Vec::new();
+    for _ in 0..tasks {
+        let socket = tokio::net::TcpStream::connect((host.as_str(), *port)).await.expect("tcp connect");
+        socket.set_nodelay(true).expect("nodelay");
+        sockets.push(tokio::sync::Mutex::new(tokio::io::BufReader::new(socket)));
+    }
+    let sockets = Arc::new(sockets);
+    let tcp = call(move |i: usize| {
+        let (sockets, key) = (sockets.clone(), keys[i % keys.len()].clone());
+        async move {
+            let mut socket = sockets[i % sockets.len()].lock().await;
+            let request = format!("*2\r\n$3\r\nGET\r\n${}\r\n{key}\r\n", key.len());
+            socket.get_mut().write_all(request.as_bytes()).await.expect("tcp write");
+            // A bulk string: `$<length>\r\n`, the bytes, `\r\n`.
+            let mut header = String::new();
+            socket.read_line(&mut header).await.expect("tcp read");
+            let length: usize = header.trim_end().strip_prefix('$').and_then(|n| n.parse().ok()).expect("bulk reply");
+            let mut value = vec![0; length + 2];
+            socket.read_exact(&mut value).await.expect("tcp read");
+        }
+    });
     vec![("get", get), ("tcp", tcp)]
 }
 
-/// Round trips our Redis layer made so far: every one is a script call
-/// (`EVALSHA`, or `EVAL`/`SCRIPT LOAD` the first time). Commands that scripts
-/// run inside Redis (`GET`, `SET`) are not round trips and are not counted.
-async fn redis_round_trips(nodes: &[redis::Client]) -> u64 {
-    let mut total = 0;
-    for node in nodes {
-        let Ok(mut conn) = node.get_multiplexed_async_connection().await else { continue };
-        let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap_or_default();
-        total += info
-            .lines()
-            .filter(|l| l.starts_with("cmdstat_eval") || l.starts_with("cmdstat_script"))
-            .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
-            .sum::<u64>();
-    }
-    total
+/// Counts the commands clients send to Redis nodes from [`start`] to
+/// [`stop`], through `MONITOR`: what a script runs inside Redis shows there
+/// as `[0 lua]` and is no round trip. Whatever background work a counted
+/// call leaves (the cache write) lands before `stop` ends the count.
+///
+/// [`start`]: RedisCount::start
+/// [`stop`]: RedisCount::stop
+struct RedisCount {
+    nodes: Vec<(String, u16)>,
+    readers: Vec<tokio::task::JoinHandle<u64>>,
 }
 
-/// The claim and cache-write scripts, as the engine runs them, for the `floor` row.
-static FLOOR_CLAIM: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
-    redis::Script::new(
-        "local v = redis.call('GET', KEYS[1]) if v then return v end \
-         redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return false",
-    )
-});
+impl RedisCount {
+    const MARK: &str = "idem-bench-count-end";
+
+    async fn start(nodes: &[redis::Client]) -> Self {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+        let mut count = RedisCount { nodes: Vec::new(), readers: Vec::new() };
+        for node in nodes {
+            let redis::ConnectionAddr::Tcp(host, port) = node.get_connection_info().addr() else { continue };
+            let mut socket = tokio::net::TcpStream::connect((host.as_str(), *port)).await.expect("monitor connect");
+            socket.write_all(b"MONITOR\r\n").await.expect("monitor");
+            let mut lines = BufReader::new(socket).lines();
+            assert_eq!(lines.next_line().await.expect("monitor reply").as_deref(), Some("+OK"));
+            count.nodes.push((host.clone(), *port));
+            count.readers.push(tokio::spawn(async move {
+                let mut sent = 0;
+                while let Ok(Some(line)) = lines.next_line().await {
+                    if line.contains(Self::MARK) {
+                        break;
+                    }
+                    sent += u64::from(!line.contains(" lua]"));
+                }
+                sent
+            }));
+        }
+        count
+    }
+
+    /// Commands per node summed; the background work of the counted calls
+    /// gets a moment to land first.
+    async fn stop(self) -> u64 {
+        use tokio::io::AsyncWriteExt;
+        if self.nodes.is_empty() {
+            return 0;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        for (host, port) in &self.nodes {
+            let mut socket = tokio::net::TcpStream::connect((host.as_str(), *port)).await.expect("mark connect");
+            let mark = format!("*2\r\n$4\r\nECHO\r\n${}\r\n{}\r\n", Self::MARK.len(), Self::MARK);
+            socket.write_all(mark.as_bytes()).await.expect("mark");
+        }
+        let mut total = 0;
+        for reader in self.readers {
+            total += reader.await.expect("monitor reader");
+        }
+        total
+    }
+}
+
+/// The cache-write script, as the engine runs it, for the `floor` row (its
+/// claim is the engine's `SET NX GET`).
 static FLOOR_FINISH: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) \
          return 1 end return 0",
     )
 });
+
+/// Which rows a runtime measures. One caller runs on a current-thread
+/// runtime: on a multi-thread one, whether its idle second worker happens
+/// to be awake splits a lone caller's round trips in two (on the 2-vCPU
+/// machine the figures come from: 9 µs with a vCPU awake, 70 µs when both
+/// had to wake), and a median over that mix is noise. Many callers, and
+/// the storms, run on the multi-thread runtime.
+#[derive(Clone, Copy, PartialEq)]
+enum Phase {
+    OneTask,
+    Concurrent,
+}
+
+impl Phase {
+    fn tasks(self) -> usize {
+        match self {
+            Phase::OneTask => 1,
+            Phase::Concurrent => CONCURRENCY,
+        }
+    }
+
+    fn runtime(self) -> tokio::runtime::Runtime {
+        match self {
+            Phase::OneTask => tokio::runtime::Builder::new_current_thread(),
+            Phase::Concurrent => tokio::runtime::Builder::new_multi_thread(),
+        }
+        .enable_all()
+        .build()
+        .expect("runtime")
+    }
+}
 
 /// Where the claims live in one pass of the bench.
 #[derive(Clone)]
@@ -285,7 +384,7 @@ where
     F: Fn(usize) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
-    let before_redis = redis_round_trips(redis).await;
+    let redis_count = RedisCount::start(redis).await;
     COUNTER.count.store(0, Ordering::Relaxed);
     COUNTER.transaction_ends.store(0, Ordering::Relaxed);
     COUNTER.on.store(true, Ordering::Relaxed);
@@ -295,7 +394,7 @@ where
     COUNTER.on.store(false, Ordering::Relaxed);
     let unlogged_begins = if begin_logged { 0 } else { COUNTER.transaction_ends.load(Ordering::Relaxed) };
     let sql = (COUNTER.count.load(Ordering::Relaxed) + unlogged_begins) as f64 / n as f64;
-    let redis_cmds = (redis_round_trips(redis).await - before_redis) as f64 / n as f64;
+    let redis_cmds = redis_count.stop().await as f64 / n as f64;
     (sql, redis_cmds)
 }
 
@@ -339,11 +438,14 @@ macro_rules! backend {
             ) {
                 let redis_key = format!("idem:bench_floor:{key}");
                 let mut conn = redis.clone();
-                let _: Option<String> = FLOOR_CLAIM
-                    .key(&redis_key)
+                let _: Option<String> = redis::cmd("SET")
+                    .arg(&redis_key)
                     .arg("p:token:fp")
+                    .arg("NX")
+                    .arg("PX")
                     .arg(30_000)
-                    .invoke_async(&mut conn)
+                    .arg("GET")
+                    .query_async(&mut conn)
                     .await
                     .expect("claim");
                 let mut tx = pool.begin().await.expect("begin");
@@ -376,19 +478,38 @@ macro_rules! backend {
                 });
             }
 
-            pub async fn run(rows: &mut Vec<Row>, passes: &[Claims]) -> Option<()> {
-                run_on(rows, passes, $url, $name).await
+            pub async fn run(rows: &mut Vec<Row>, passes: &[Claims], phase: Phase) -> Option<()> {
+                run_on(rows, passes, $url, $name, phase).await
             }
 
             /// The rows on the server at `url`, labelled `name`.
-            pub async fn run_on(rows: &mut Vec<Row>, passes: &[Claims], url: String, name: &'static str) -> Option<()> {
+            pub async fn run_on(
+                rows: &mut Vec<Row>,
+                passes: &[Claims],
+                url: String,
+                name: &'static str,
+                phase: Phase,
+            ) -> Option<()> {
                 let pool = sqlx::pool::PoolOptions::<$db>::new()
-                    .max_connections(40)
+                    .max_connections(POOL)
                     .test_before_acquire(false)
                     .connect(&url)
                     .await
                     .map_err(|e| println!("skipped: {name} unreachable ({e})"))
                     .ok()?;
+                // Every connection open before the first row: opening one (a
+                // process fork on PostgreSQL) is not what a call costs, and
+                // a storm's waiters would otherwise measure it.
+                let mut warm = tokio::task::JoinSet::new();
+                for _ in 0..POOL {
+                    let pool = pool.clone();
+                    warm.spawn(async move {
+                        let conn = pool.acquire().await.expect("connect");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        drop(conn);
+                    });
+                }
+                warm.join_all().await;
                 sqlx::raw_sql($ddl).execute(&pool).await.expect("orders table");
                 sqlx::query($seed).bind(ORDERS).execute(&pool).await.expect("seed orders");
                 let (seq_calls, conc_calls, storms) = if quick() { (300, 1_000, 5) } else { (2_000, 6_000, 20) };
@@ -406,7 +527,7 @@ macro_rules! backend {
                     let run_id = idem_testkit::unique(label);
                     let executions = Arc::new(AtomicUsize::new(0));
 
-                    for tasks in [1, CONCURRENCY] {
+                    for tasks in [phase.tasks()] {
                         let calls = if tasks == 1 { seq_calls } else { conc_calls };
                         let push =
                             |rows: &mut Vec<Row>, mode, (wall, lat): (Duration, Vec<Duration>), (sql, redis_cmds)| {
@@ -425,65 +546,93 @@ macro_rules! backend {
                                 });
                             };
 
-                        // bare (the Redis column does not apply; measured in both passes
-                        // so each ratio compares rows of the same moment)
-                        let p = pool.clone();
-                        let timing = drive(tasks, calls, move |i| {
-                            let p = p.clone();
-                            async move { bare(&p, (i as i64 % ORDERS) + 1).await }
-                        })
-                        .await;
-                        let counted =
-                            round_trips(BEGIN_LOGGED, &[], 50, |i| bare(&pool, (i as i64 % ORDERS) + 1)).await;
-                        push(rows, "bare", timing, counted);
-
-                        // first: a fresh key per call
+                        // bare, first (a fresh key per call) and, with one Redis node,
+                        // floor (the same round trips hand-written) in turns, so each
+                        // ratio compares rows of the same moments; bare's Redis column
+                        // does not apply, and it is measured in every pass for that
                         let tag = format!("{run_id}-first{tasks}");
+                        let p = pool.clone();
+                        let mut turns = vec![(
+                            "bare",
+                            call(move |i| {
+                                let p = p.clone();
+                                async move { bare(&p, (i as i64 % ORDERS) + 1).await }
+                            }),
+                        )];
                         let (i2, t2, e2) = (idem.clone(), tag.clone(), executions.clone());
-                        let timing = drive(tasks, calls, move |i| {
-                            let (idem, tag, e) = (i2.clone(), t2.clone(), e2.clone());
-                            async move {
-                                pay(&idem, &tag, i, (i as i64 % ORDERS) + 1, &e).await.expect("first");
+                        turns.push((
+                            "first",
+                            call(move |i| {
+                                let (idem, tag, e) = (i2.clone(), t2.clone(), e2.clone());
+                                async move {
+                                    pay(&idem, &tag, i, (i as i64 % ORDERS) + 1, &e).await.expect("first");
+                                }
+                            }),
+                        ));
+                        let floor_redis = match claims {
+                            Claims::Single(c) => {
+                                Some(redis::aio::ConnectionManager::new(c.clone()).await.expect("redis"))
                             }
-                        })
-                        .await;
-                        let tag_c = format!("{tag}-count");
-                        let counted = round_trips(BEGIN_LOGGED, &client, 50, |i| {
-                            let (idem, tag, e) = (&idem, &tag_c, &executions);
-                            async move {
-                                pay(idem, tag, i, 1, e).await.expect("first");
-                            }
-                        })
-                        .await;
-                        push(rows, "first", timing, counted);
-
-                        // floor: the same round trips, hand-written, for the first/bare floor
-                        if let Claims::Single(c) = claims {
-                            let redis = redis::aio::ConnectionManager::new(c.clone()).await.expect("redis");
+                            _ => None,
+                        };
+                        if let Some(redis) = &floor_redis {
                             let (p, r, t) = (pool.clone(), redis.clone(), format!("{tag}-floor"));
-                            let timing = drive(tasks, calls, move |i| {
-                                let (p, r, key) = (p.clone(), r.clone(), format!("{t}_{i}"));
-                                async move { floor(&p, &r, key, (i as i64 % ORDERS) + 1).await }
-                            })
-                            .await;
-                            let t = format!("{tag}-floorcount");
-                            let counted = round_trips(BEGIN_LOGGED, &client, 50, |i| {
-                                floor(&pool, &redis, format!("{t}_{i}"), (i as i64 % ORDERS) + 1)
-                            })
-                            .await;
-                            push(rows, "floor", timing, counted);
+                            turns.push((
+                                "floor",
+                                call(move |i| {
+                                    let (p, r, key) = (p.clone(), r.clone(), format!("{t}_{i}"));
+                                    async move { floor(&p, &r, key, (i as i64 % ORDERS) + 1).await }
+                                }),
+                            ));
+                        }
+                        for (mode, timing) in alternating(tasks, calls, turns).await {
+                            let counted = match (mode, &floor_redis) {
+                                ("bare", _) => {
+                                    round_trips(BEGIN_LOGGED, &[], 50, |i| bare(&pool, (i as i64 % ORDERS) + 1)).await
+                                }
+                                ("floor", Some(redis)) => {
+                                    let t = format!("{tag}-floorcount");
+                                    round_trips(BEGIN_LOGGED, &client, 50, |i| {
+                                        floor(&pool, redis, format!("{t}_{i}"), (i as i64 % ORDERS) + 1)
+                                    })
+                                    .await
+                                }
+                                _ => {
+                                    let tag_c = format!("{tag}-count");
+                                    round_trips(BEGIN_LOGGED, &client, 50, |i| {
+                                        let (idem, tag, e) = (&idem, &tag_c, &executions);
+                                        async move {
+                                            pay(idem, tag, i, 1, e).await.expect("first");
+                                        }
+                                    })
+                                    .await
+                                }
+                            };
+                            push(rows, mode, timing, counted);
                         }
 
-                        // replay: the same 10 finished keys again and again
+                        // replay: the same 10 finished keys again and again; with one
+                        // Redis node in turns with plain GETs (pushed after replay-local)
                         let (i2, t2, e2) = (idem.clone(), tag.clone(), executions.clone());
                         let before = executions.load(Ordering::Relaxed);
-                        let timing = drive(tasks, calls, move |i| {
+                        let replay = call(move |i| {
                             let (idem, tag, e) = (i2.clone(), t2.clone(), e2.clone());
                             async move {
                                 pay(&idem, &tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, &e).await.expect("replay");
                             }
-                        })
-                        .await;
+                        });
+                        let mut turns = vec![("replay", replay)];
+                        if let Claims::Single(c) = claims {
+                            let mut conn = c.get_multiplexed_async_connection().await.expect("redis");
+                            let pattern = format!("idem:*:bench_pay:{tag}_?");
+                            let keys: Vec<String> =
+                                redis::cmd("KEYS").arg(&pattern).query_async(&mut conn).await.expect("keys");
+                            assert_eq!(keys.len(), 10, "the replayed results in redis");
+                            turns.extend(plain_gets(c, tasks, keys).await);
+                        }
+                        let mut timings = alternating(tasks, calls, turns).await.into_iter();
+                        let (_, timing) = timings.next().expect("replay row");
+                        let gets: Vec<_> = timings.collect();
                         assert_eq!(executions.load(Ordering::Relaxed), before, "a replay executed the body");
                         let counted = round_trips(BEGIN_LOGGED, &client, 50, |i| {
                             let (idem, tag, e) = (&idem, &tag, &executions);
@@ -531,14 +680,15 @@ macro_rules! backend {
                         }
 
                         // get and tcp: the least a replay's one Redis round trip costs
-                        if let Claims::Single(c) = claims {
-                            for (mode, timing) in plain_gets(c, tasks, calls).await {
-                                push(rows, mode, timing, (f64::NAN, f64::NAN));
-                            }
+                        for (mode, timing) in gets {
+                            push(rows, mode, timing, (f64::NAN, f64::NAN));
                         }
                     }
 
                     // storm: 100 calls released together on one new key
+                    if phase == Phase::OneTask {
+                        continue;
+                    }
                     let mut lat = Vec::new();
                     let mut wall = Duration::ZERO;
                     for s in 0..storms {
@@ -620,35 +770,43 @@ fn ratio(rows: &[Row], backend: &str, redis: &str, tasks: usize, mode: &str) -> 
 
 fn main() {
     tracing::subscriber::set_global_default(&COUNTER).expect("subscriber");
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
     let started = Instant::now();
-    let rows = runtime.block_on(async {
-        let redis_url = idem_testkit::redis_url();
-        let mut passes = vec![Claims::None];
-        match redis::Client::open(redis_url) {
-            Ok(c) if c.get_multiplexed_async_connection().await.is_ok() => passes.push(Claims::Single(c)),
-            _ => println!("skipped: redis unreachable (rows with Redis left out)"),
-        }
-        // A private 3-master cluster on loopback ports, stopped when dropped.
-        let cluster = idem_testkit::servers::RedisCluster::start();
-        if let Some(cluster) = &cluster {
-            let nodes = cluster.urls().into_iter().map(|u| redis::Client::open(u).expect("node url")).collect();
-            passes.push(Claims::Cluster(Box::new(cluster.client()), nodes));
-        }
-        let mut rows = Vec::new();
-        mariadb::run(&mut rows, &passes).await;
-        postgres::run(&mut rows, &passes).await;
-        // A three-node MariaDB Galera cluster (about 25 s to start): the same
-        // rows with the engines on its first node. Full runs only, or with
-        // IDEM_BENCH_GALERA=1, so the quick run stays under a minute.
-        let galera = !quick() || std::env::var("IDEM_BENCH_GALERA").is_ok_and(|v| v == "1");
-        if galera && let Some(galera) = idem_testkit::galera::Cluster::start() {
-            let single: Vec<Claims> = passes.iter().filter(|p| !matches!(p, Claims::Cluster(..))).cloned().collect();
-            mariadb::run_on(&mut rows, &single, galera.nodes[0].url(), "galera").await;
-        }
-        drop(cluster);
-        rows
-    });
+    let mut passes = vec![Claims::None];
+    let runtime = Phase::Concurrent.runtime();
+    match redis::Client::open(idem_testkit::redis_url()) {
+        Ok(c) if runtime.block_on(c.get_multiplexed_async_connection()).is_ok() => passes.push(Claims::Single(c)),
+        _ => println!("skipped: redis unreachable (rows with Redis left out)"),
+    }
+    // A private 3-master cluster on loopback ports, stopped when dropped.
+    let cluster = idem_testkit::servers::RedisCluster::start();
+    if let Some(cluster) = &cluster {
+        let nodes = cluster.urls().into_iter().map(|u| redis::Client::open(u).expect("node url")).collect();
+        passes.push(Claims::Cluster(Box::new(cluster.client()), nodes));
+    }
+    // A three-node MariaDB Galera cluster (about 25 s to start): the same
+    // rows with the engines on its first node. Full runs only, or with
+    // IDEM_BENCH_GALERA=1, so the quick run stays under a minute.
+    let galera = !quick() || std::env::var("IDEM_BENCH_GALERA").is_ok_and(|v| v == "1");
+    let galera = if galera { idem_testkit::galera::Cluster::start() } else { None };
+    let single: Vec<Claims> = passes.iter().filter(|p| !matches!(p, Claims::Cluster(..))).cloned().collect();
+    let mut rows = Vec::new();
+    for phase in [Phase::OneTask, Phase::Concurrent] {
+        phase.runtime().block_on(async {
+            mariadb::run(&mut rows, &passes, phase).await;
+            postgres::run(&mut rows, &passes, phase).await;
+            if let Some(galera) = &galera {
+                mariadb::run_on(&mut rows, &single, galera.nodes[0].url(), "galera", phase).await;
+            }
+        });
+    }
+    drop((galera, cluster, runtime));
+    // One caller's rows, then many callers' and the storm, per backend and pass.
+    let order = |r: &Row| {
+        let backend = ["mariadb", "postgres", "galera"].iter().position(|b| *b == r.backend);
+        let redis = ["none", "redis", "cluster"].iter().position(|c| *c == r.redis);
+        (backend, redis, r.tasks)
+    };
+    rows.sort_by_key(order);
 
     println!(
         "\n{:<9} {:<7} {:<12} {:>5} {:>7} {:>10} {:>8} {:>8} {:>6} {:>6} {:>10} {:>10} {:>11} {:>11}",
