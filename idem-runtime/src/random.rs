@@ -20,7 +20,13 @@ pub(crate) fn token() -> String {
     let mut b = seed.build_hasher();
     b.write_u64(!n);
     b.write_u64(a.finish());
-    format!("{:016x}{:016x}", a.finish(), b.finish())
+    let mut hex = String::with_capacity(32);
+    for half in [a.finish(), b.finish()] {
+        for shift in (0..16).rev() {
+            hex.push(char::from(b"0123456789abcdef"[((half >> (shift * 4)) & 0xf) as usize]));
+        }
+    }
+    hex
 }
 
 #[cfg(test)]

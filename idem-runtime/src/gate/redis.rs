@@ -225,7 +225,8 @@ impl RedisGate {
         fingerprint: &str,
         lease: Duration,
     ) -> Found {
-        let held = HeldClaim { key: redis_key(namespace, biz, key), value: format!("p:{}:{fingerprint}", token()) };
+        let held =
+            HeldClaim { key: redis_key(namespace, biz, key), value: concat(&["p:", &token(), ":", fingerprint]) };
         let mut unanswered = Unanswered { claims: self, held: Some(held) };
         let answer = match &unanswered.held {
             Some(held) => self.send_claim(held, lease).await,
@@ -414,7 +415,9 @@ impl RedisGate {
         F: FnOnce(ConnectionHandle) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
-        if backoff == Backoff::Respect && clock::now_ms() < self.down_until_ms.load(Ordering::Relaxed) {
+        // The clock is read only while backing off: healthy, the bound is 0.
+        let down_until = self.down_until_ms.load(Ordering::Relaxed);
+        if backoff == Backoff::Respect && down_until != 0 && clock::now_ms() < down_until {
             return Err(Missed::Skipped);
         }
         let attempt = async {
@@ -699,7 +702,15 @@ fn parse(found: &str, now_ms: u64) -> Found {
 /// The Redis key of `(biz, key)` in `namespace`. Neither the namespace nor
 /// `biz` holds a `:`, so no two triples share a Redis key.
 fn redis_key(namespace: &Namespace, biz: &str, key: &str) -> String {
-    format!("idem:{namespace}:{biz}:{key}")
+    concat(&["idem:", namespace.as_str(), ":", biz, ":", key])
+}
+
+/// `parts` joined, in one allocation of the right size: every call builds
+/// a key and a claim, and `format!` grows its buffer as it goes.
+fn concat(parts: &[&str]) -> String {
+    let mut out = String::with_capacity(parts.iter().map(|p| p.len()).sum());
+    parts.iter().for_each(|p| out.push_str(p));
+    out
 }
 
 fn millis(d: Duration) -> u64 {
