@@ -500,16 +500,11 @@ macro_rules! backend {
                 // Every connection open before the first row: opening one (a
                 // process fork on PostgreSQL) is not what a call costs, and
                 // a storm's waiters would otherwise measure it.
-                let mut warm = tokio::task::JoinSet::new();
+                let mut open = Vec::with_capacity(POOL as usize);
                 for _ in 0..POOL {
-                    let pool = pool.clone();
-                    warm.spawn(async move {
-                        let conn = pool.acquire().await.expect("connect");
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                        drop(conn);
-                    });
+                    open.push(pool.acquire().await.expect("connect"));
                 }
-                warm.join_all().await;
+                drop(open);
                 sqlx::raw_sql($ddl).execute(&pool).await.expect("orders table");
                 sqlx::query($seed).bind(ORDERS).execute(&pool).await.expect("seed orders");
                 let (seq_calls, conc_calls, storms) = if quick() { (300, 1_000, 5) } else { (2_000, 6_000, 20) };
@@ -527,162 +522,157 @@ macro_rules! backend {
                     let run_id = idem_testkit::unique(label);
                     let executions = Arc::new(AtomicUsize::new(0));
 
-                    for tasks in [phase.tasks()] {
-                        let calls = if tasks == 1 { seq_calls } else { conc_calls };
-                        let push =
-                            |rows: &mut Vec<Row>, mode, (wall, lat): (Duration, Vec<Duration>), (sql, redis_cmds)| {
-                                rows.push(Row {
-                                    backend: name,
-                                    redis: label,
-                                    mode,
-                                    tasks,
-                                    calls: lat.len(),
-                                    calls_per_sec: lat.len() as f64 / wall.as_secs_f64(),
-                                    p50_ms: percentile(&lat, 0.50),
-                                    p99_ms: percentile(&lat, 0.99),
-                                    sql_per_call: sql,
-                                    redis_per_call: redis_cmds,
-                                    executions: None,
-                                });
-                            };
-
-                        // bare, first (a fresh key per call) and, with one Redis node,
-                        // floor (the same round trips hand-written) in turns, so each
-                        // ratio compares rows of the same moments; bare's Redis column
-                        // does not apply, and it is measured in every pass for that
-                        let tag = format!("{run_id}-first{tasks}");
-                        let p = pool.clone();
-                        let mut turns = vec![(
-                            "bare",
-                            call(move |i| {
-                                let p = p.clone();
-                                async move { bare(&p, (i as i64 % ORDERS) + 1).await }
-                            }),
-                        )];
-                        let (i2, t2, e2) = (idem.clone(), tag.clone(), executions.clone());
-                        turns.push((
-                            "first",
-                            call(move |i| {
-                                let (idem, tag, e) = (i2.clone(), t2.clone(), e2.clone());
-                                async move {
-                                    pay(&idem, &tag, i, (i as i64 % ORDERS) + 1, &e).await.expect("first");
-                                }
-                            }),
-                        ));
-                        let floor_redis = match claims {
-                            Claims::Single(c) => {
-                                Some(redis::aio::ConnectionManager::new(c.clone()).await.expect("redis"))
-                            }
-                            _ => None,
+                    let tasks = phase.tasks();
+                    let calls = if tasks == 1 { seq_calls } else { conc_calls };
+                    let push =
+                        |rows: &mut Vec<Row>, mode, (wall, lat): (Duration, Vec<Duration>), (sql, redis_cmds)| {
+                            rows.push(Row {
+                                backend: name,
+                                redis: label,
+                                mode,
+                                tasks,
+                                calls: lat.len(),
+                                calls_per_sec: lat.len() as f64 / wall.as_secs_f64(),
+                                p50_ms: percentile(&lat, 0.50),
+                                p99_ms: percentile(&lat, 0.99),
+                                sql_per_call: sql,
+                                redis_per_call: redis_cmds,
+                                executions: None,
+                            });
                         };
-                        if let Some(redis) = &floor_redis {
-                            let (p, r, t) = (pool.clone(), redis.clone(), format!("{tag}-floor"));
-                            turns.push((
-                                "floor",
-                                call(move |i| {
-                                    let (p, r, key) = (p.clone(), r.clone(), format!("{t}_{i}"));
-                                    async move { floor(&p, &r, key, (i as i64 % ORDERS) + 1).await }
-                                }),
-                            ));
-                        }
-                        for (mode, timing) in alternating(tasks, calls, turns).await {
-                            let counted = match (mode, &floor_redis) {
-                                ("bare", _) => {
-                                    round_trips(BEGIN_LOGGED, &[], 50, |i| bare(&pool, (i as i64 % ORDERS) + 1)).await
-                                }
-                                ("floor", Some(redis)) => {
-                                    let t = format!("{tag}-floorcount");
-                                    round_trips(BEGIN_LOGGED, &client, 50, |i| {
-                                        floor(&pool, redis, format!("{t}_{i}"), (i as i64 % ORDERS) + 1)
-                                    })
-                                    .await
-                                }
-                                _ => {
-                                    let tag_c = format!("{tag}-count");
-                                    round_trips(BEGIN_LOGGED, &client, 50, |i| {
-                                        let (idem, tag, e) = (&idem, &tag_c, &executions);
-                                        async move {
-                                            pay(idem, tag, i, 1, e).await.expect("first");
-                                        }
-                                    })
-                                    .await
-                                }
-                            };
-                            push(rows, mode, timing, counted);
-                        }
 
-                        // replay: the same 10 finished keys again and again; with one
-                        // Redis node in turns with plain GETs (pushed after replay-local)
-                        let (i2, t2, e2) = (idem.clone(), tag.clone(), executions.clone());
-                        let before = executions.load(Ordering::Relaxed);
-                        let replay = call(move |i| {
+                    // bare, first (a fresh key per call) and, with one Redis node,
+                    // floor (the same round trips hand-written) in turns, so each
+                    // ratio compares rows of the same moments; bare's Redis column
+                    // does not apply, and it is measured in every pass for that
+                    let tag = format!("{run_id}-first{tasks}");
+                    let p = pool.clone();
+                    let mut turns = vec![(
+                        "bare",
+                        call(move |i| {
+                            let p = p.clone();
+                            async move { bare(&p, (i as i64 % ORDERS) + 1).await }
+                        }),
+                    )];
+                    let (i2, t2, e2) = (idem.clone(), tag.clone(), executions.clone());
+                    turns.push((
+                        "first",
+                        call(move |i| {
                             let (idem, tag, e) = (i2.clone(), t2.clone(), e2.clone());
                             async move {
-                                pay(&idem, &tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, &e).await.expect("replay");
+                                pay(&idem, &tag, i, (i as i64 % ORDERS) + 1, &e).await.expect("first");
                             }
-                        });
-                        let mut turns = vec![("replay", replay)];
-                        if let Claims::Single(c) = claims {
-                            let mut conn = c.get_multiplexed_async_connection().await.expect("redis");
-                            let pattern = format!("idem:*:bench_pay:{tag}_?");
-                            let keys: Vec<String> =
-                                redis::cmd("KEYS").arg(&pattern).query_async(&mut conn).await.expect("keys");
-                            assert_eq!(keys.len(), 10, "the replayed results in redis");
-                            turns.extend(plain_gets(c, tasks, keys).await);
+                        }),
+                    ));
+                    let floor_redis = match claims {
+                        Claims::Single(c) => Some(redis::aio::ConnectionManager::new(c.clone()).await.expect("redis")),
+                        _ => None,
+                    };
+                    if let Some(redis) = &floor_redis {
+                        let (p, r, t) = (pool.clone(), redis.clone(), format!("{tag}-floor"));
+                        turns.push((
+                            "floor",
+                            call(move |i| {
+                                let (p, r, key) = (p.clone(), r.clone(), format!("{t}_{i}"));
+                                async move { floor(&p, &r, key, (i as i64 % ORDERS) + 1).await }
+                            }),
+                        ));
+                    }
+                    for (mode, timing) in alternating(tasks, calls, turns).await {
+                        let counted = match (mode, &floor_redis) {
+                            ("bare", _) => {
+                                round_trips(BEGIN_LOGGED, &[], 50, |i| bare(&pool, (i as i64 % ORDERS) + 1)).await
+                            }
+                            ("floor", Some(redis)) => {
+                                let t = format!("{tag}-floorcount");
+                                round_trips(BEGIN_LOGGED, &client, 50, |i| {
+                                    floor(&pool, redis, format!("{t}_{i}"), (i as i64 % ORDERS) + 1)
+                                })
+                                .await
+                            }
+                            _ => {
+                                let tag_c = format!("{tag}-count");
+                                round_trips(BEGIN_LOGGED, &client, 50, |i| {
+                                    let (idem, tag, e) = (&idem, &tag_c, &executions);
+                                    async move {
+                                        pay(idem, tag, i, 1, e).await.expect("first");
+                                    }
+                                })
+                                .await
+                            }
+                        };
+                        push(rows, mode, timing, counted);
+                    }
+
+                    // replay: the same 10 finished keys again and again; with one
+                    // Redis node in turns with plain GETs (pushed after replay-local)
+                    let (i2, t2, e2) = (idem.clone(), tag.clone(), executions.clone());
+                    let before = executions.load(Ordering::Relaxed);
+                    let replay = call(move |i| {
+                        let (idem, tag, e) = (i2.clone(), t2.clone(), e2.clone());
+                        async move {
+                            pay(&idem, &tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, &e).await.expect("replay");
                         }
-                        let mut timings = alternating(tasks, calls, turns).await.into_iter();
-                        let (_, timing) = timings.next().expect("replay row");
-                        let gets: Vec<_> = timings.collect();
-                        assert_eq!(executions.load(Ordering::Relaxed), before, "a replay executed the body");
-                        let counted = round_trips(BEGIN_LOGGED, &client, 50, |i| {
-                            let (idem, tag, e) = (&idem, &tag, &executions);
+                    });
+                    let mut turns = vec![("replay", replay)];
+                    if let Claims::Single(c) = claims {
+                        let mut conn = c.get_multiplexed_async_connection().await.expect("redis");
+                        let pattern = format!("idem:*:bench_pay:{tag}_?");
+                        let keys: Vec<String> =
+                            redis::cmd("KEYS").arg(&pattern).query_async(&mut conn).await.expect("keys");
+                        assert_eq!(keys.len(), 10, "the replayed results in redis");
+                        turns.extend(plain_gets(c, tasks, keys).await);
+                    }
+                    let mut timings = alternating(tasks, calls, turns).await.into_iter();
+                    let (_, timing) = timings.next().expect("replay row");
+                    let gets: Vec<_> = timings.collect();
+                    assert_eq!(executions.load(Ordering::Relaxed), before, "a replay executed the body");
+                    let counted = round_trips(BEGIN_LOGGED, &client, 50, |i| {
+                        let (idem, tag, e) = (&idem, &tag, &executions);
+                        async move {
+                            pay(idem, tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, e).await.expect("replay");
+                        }
+                    })
+                    .await;
+                    push(rows, "replay", timing, counted);
+
+                    // replay-local: the same finished keys from the process's own cache
+                    if !matches!(claims, Claims::Cluster(..)) {
+                        let cache = idem::LocalCache::new(10_000, 64 << 20).max_age(Duration::from_secs(600));
+                        let builder = Idem::builder(pool.clone()).local_cache(cache);
+                        let local = match claims {
+                            Claims::Single(c) => builder.redis(c.clone()).build(),
+                            _ => builder.build(),
+                        };
+                        for i in 0..10 {
+                            pay(&local, &tag, i, ((i % 10) as i64 % ORDERS) + 1, &executions).await.expect("warm");
+                        }
+                        let before = executions.load(Ordering::Relaxed);
+                        let (l2, t2, e2) = (local.clone(), tag.clone(), executions.clone());
+                        let local_calls = calls * 20;
+                        let timing = drive(tasks, local_calls, move |i| {
+                            let (idem, tag, e) = (l2.clone(), t2.clone(), e2.clone());
                             async move {
-                                pay(idem, tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, e).await.expect("replay");
+                                pay(&idem, &tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, &e)
+                                    .await
+                                    .expect("replay-local");
                             }
                         })
                         .await;
-                        push(rows, "replay", timing, counted);
-
-                        // replay-local: the same finished keys from the process's own cache
-                        if !matches!(claims, Claims::Cluster(..)) {
-                            let cache = idem::LocalCache::new(10_000, 64 << 20).max_age(Duration::from_secs(600));
-                            let builder = Idem::builder(pool.clone()).local_cache(cache);
-                            let local = match claims {
-                                Claims::Single(c) => builder.redis(c.clone()).build(),
-                                _ => builder.build(),
-                            };
-                            for i in 0..10 {
-                                pay(&local, &tag, i, ((i % 10) as i64 % ORDERS) + 1, &executions).await.expect("warm");
+                        assert_eq!(executions.load(Ordering::Relaxed), before, "a local replay executed the body");
+                        let counted = round_trips(BEGIN_LOGGED, &client, 50, |i| {
+                            let (idem, tag, e) = (&local, &tag, &executions);
+                            async move {
+                                pay(idem, tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, e).await.expect("replay-local");
                             }
-                            let before = executions.load(Ordering::Relaxed);
-                            let (l2, t2, e2) = (local.clone(), tag.clone(), executions.clone());
-                            let local_calls = calls * 20;
-                            let timing = drive(tasks, local_calls, move |i| {
-                                let (idem, tag, e) = (l2.clone(), t2.clone(), e2.clone());
-                                async move {
-                                    pay(&idem, &tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, &e)
-                                        .await
-                                        .expect("replay-local");
-                                }
-                            })
-                            .await;
-                            assert_eq!(executions.load(Ordering::Relaxed), before, "a local replay executed the body");
-                            let counted = round_trips(BEGIN_LOGGED, &client, 50, |i| {
-                                let (idem, tag, e) = (&local, &tag, &executions);
-                                async move {
-                                    pay(idem, tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, e)
-                                        .await
-                                        .expect("replay-local");
-                                }
-                            })
-                            .await;
-                            push(rows, "replay-local", timing, counted);
-                        }
+                        })
+                        .await;
+                        push(rows, "replay-local", timing, counted);
+                    }
 
-                        // get and tcp: the least a replay's one Redis round trip costs
-                        for (mode, timing) in gets {
-                            push(rows, mode, timing, (f64::NAN, f64::NAN));
-                        }
+                    // get and tcp: the least a replay's one Redis round trip costs
+                    for (mode, timing) in gets {
+                        push(rows, mode, timing, (f64::NAN, f64::NAN));
                     }
 
                     // storm: 100 calls released together on one new key
@@ -783,23 +773,26 @@ fn main() {
         let nodes = cluster.urls().into_iter().map(|u| redis::Client::open(u).expect("node url")).collect();
         passes.push(Claims::Cluster(Box::new(cluster.client()), nodes));
     }
-    // A three-node MariaDB Galera cluster (about 25 s to start): the same
-    // rows with the engines on its first node. Full runs only, or with
-    // IDEM_BENCH_GALERA=1, so the quick run stays under a minute.
-    let galera = !quick() || std::env::var("IDEM_BENCH_GALERA").is_ok_and(|v| v == "1");
-    let galera = if galera { idem_testkit::galera::Cluster::start() } else { None };
-    let single: Vec<Claims> = passes.iter().filter(|p| !matches!(p, Claims::Cluster(..))).cloned().collect();
     let mut rows = Vec::new();
     for phase in [Phase::OneTask, Phase::Concurrent] {
         phase.runtime().block_on(async {
             mariadb::run(&mut rows, &passes, phase).await;
             postgres::run(&mut rows, &passes, phase).await;
-            if let Some(galera) = &galera {
-                mariadb::run_on(&mut rows, &single, galera.nodes[0].url(), "galera", phase).await;
-            }
         });
     }
-    drop((galera, cluster, runtime));
+    // A three-node MariaDB Galera cluster (about 25 s to start), started
+    // once the single servers' rows are done so its nodes do not share the
+    // cores with them: the same rows with the engines on its first node.
+    // Full runs only, or with IDEM_BENCH_GALERA=1, so the quick run stays
+    // under a minute.
+    let galera = !quick() || std::env::var("IDEM_BENCH_GALERA").is_ok_and(|v| v == "1");
+    if galera && let Some(galera) = idem_testkit::galera::Cluster::start() {
+        let single: Vec<Claims> = passes.iter().filter(|p| !matches!(p, Claims::Cluster(..))).cloned().collect();
+        for phase in [Phase::OneTask, Phase::Concurrent] {
+            phase.runtime().block_on(mariadb::run_on(&mut rows, &single, galera.nodes[0].url(), "galera", phase));
+        }
+    }
+    drop((cluster, runtime));
     // One caller's rows, then many callers' and the storm, per backend and pass.
     let order = |r: &Row| {
         let backend = ["mariadb", "postgres", "galera"].iter().position(|b| *b == r.backend);

@@ -5,6 +5,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::clock;
+use crate::fingerprint::lower_hex;
 
 /// 128 bits that no other call of this process (nor, in practice, any other
 /// process) returns: a per-process random seed (from the OS, through std's
@@ -20,13 +21,7 @@ pub(crate) fn token() -> String {
     let mut b = seed.build_hasher();
     b.write_u64(!n);
     b.write_u64(a.finish());
-    let mut hex = String::with_capacity(32);
-    for half in [a.finish(), b.finish()] {
-        for shift in (0..16).rev() {
-            hex.push(char::from(b"0123456789abcdef"[((half >> (shift * 4)) & 0xf) as usize]));
-        }
-    }
-    hex
+    lower_hex(&(u128::from(a.finish()) << 64 | u128::from(b.finish())).to_be_bytes())
 }
 
 #[cfg(test)]
