@@ -126,18 +126,24 @@ fn write_json<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) {
 }
 
 pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
-    lower_hex(&Sha256::digest(bytes))
+    let mut hex = String::with_capacity(64);
+    push_lower_hex(&mut hex, &Sha256::digest(bytes));
+    hex
 }
 
-/// `bytes` as lowercase hex, two digits each.
-pub(crate) fn lower_hex(bytes: &[u8]) -> String {
+/// Appends `bytes` as lowercase hex, two digits each: written into a
+/// stack buffer, not a `char` at a time (this runs on every call, twice).
+pub(crate) fn push_lower_hex(out: &mut String, bytes: &[u8]) {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut hex = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        hex.push(char::from(DIGITS[usize::from(b >> 4)]));
-        hex.push(char::from(DIGITS[usize::from(b & 0xf)]));
+    out.reserve(bytes.len() * 2);
+    for chunk in bytes.chunks(32) {
+        let mut buf = [0u8; 64];
+        for (pair, b) in buf.chunks_exact_mut(2).zip(chunk) {
+            pair[0] = DIGITS[usize::from(b >> 4)];
+            pair[1] = DIGITS[usize::from(b & 0xf)];
+        }
+        out.push_str(std::str::from_utf8(&buf[..chunk.len() * 2]).expect("hex digits are ASCII"));
     }
-    hex
 }
 
 /// A value serialized through [`Finite`].

@@ -32,9 +32,9 @@ impl Namespace {
     /// A fresh random namespace (64 bits, 16 hex digits), as `migrate`
     /// stores in a database that has none.
     pub(crate) fn generate() -> Self {
-        let mut token = random::token();
-        token.truncate(16);
-        Namespace(token.into())
+        let mut name = String::with_capacity(16);
+        crate::fingerprint::push_lower_hex(&mut name, &random::random_u64().to_be_bytes());
+        Namespace(name.into())
     }
 
     /// The namespace as text.

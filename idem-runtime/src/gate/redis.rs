@@ -40,7 +40,7 @@ use sqlx::Pool;
 use super::{Answer, Entry, Pass};
 use crate::clock;
 use crate::namespace::Namespace;
-use crate::random::token;
+use crate::random::push_token;
 use crate::store::Backend;
 
 /// How long Redis is skipped after it failed.
@@ -225,8 +225,7 @@ impl RedisGate {
         fingerprint: &str,
         lease: Duration,
     ) -> Found {
-        let held =
-            HeldClaim { key: redis_key(namespace, biz, key), value: concat(&["p:", &token(), ":", fingerprint]) };
+        let held = HeldClaim { key: redis_key(namespace, biz, key), value: claim_value(fingerprint) };
         let mut unanswered = Unanswered { claims: self, held: Some(held) };
         let answer = match &unanswered.held {
             Some(held) => self.send_claim(held, lease).await,
@@ -237,28 +236,32 @@ impl RedisGate {
         }
         match (answer, unanswered.held.take()) {
             (Ok(None), Some(held)) => Found::Ours(held),
-            (Ok(Some(found)), _) => parse(&found, clock::now_ms()),
+            (Ok(Some(holder)), _) => holder,
             _ => Found::Unavailable, // skipped while Redis backs off: never sent
         }
     }
 
-    /// Sends the claim `held`: `None` when the key is ours, else the value
-    /// that holds it.
-    async fn send_claim(&self, held: &HeldClaim, lease: Duration) -> Result<Option<String>, Missed> {
+    /// Sends the claim `held`: `None` when the key is ours, else what
+    /// holds it.
+    async fn send_claim(&self, held: &HeldClaim, lease: Duration) -> Result<Option<Found>, Missed> {
         let refused = if self.claim_by_script.load(Ordering::Relaxed) {
             None
         } else {
-            let mut set = redis::cmd("SET");
-            set.arg(&held.key).arg(&held.value).arg("NX").arg("PX").arg(millis(lease)).arg("GET");
+            // Sized up front: seven arguments would grow both buffers a few times.
+            let mut set = redis::Cmd::with_capacity(7, held.key.len() + held.value.len() + 32);
+            set.arg("SET").arg(&held.key).arg(&held.value).arg("NX").arg("PX").arg(millis(lease)).arg("GET");
             let sent = |mut c: ConnectionHandle| {
                 refusal_is_an_answer(async move { set.query_async::<Option<String>>(&mut c).await })
             };
             match self.guarded(Backoff::Respect, sent).await? {
                 // Our own value: sent again after a lost reply.
                 Ok(Some(found)) if found == held.value => return Ok(None),
-                // Expired by our clock, not yet by Redis's: the script replaces it.
-                Ok(Some(found)) if matches!(parse(&found, clock::now_ms()), Found::Unavailable) => None,
-                Ok(found) => return Ok(found),
+                Ok(Some(found)) => match parse(found, clock::now_ms()) {
+                    // Expired by our clock, not yet by Redis's: the script replaces it.
+                    Found::Unavailable => None,
+                    holder => return Ok(Some(holder)),
+                },
+                Ok(None) => return Ok(None),
                 Err(refused) => Some(refused),
             }
         };
@@ -272,7 +275,7 @@ impl RedisGate {
         {
             tracing::warn!(error = %refused, "redis refused SET NX GET (before 7.0?); claims go through a Lua script from now on");
         }
-        Ok(found)
+        Ok(found.map(|found| parse(found, clock::now_ms())))
     }
 
     /// Drops our claim so the next call may execute (after a failed body).
@@ -399,7 +402,7 @@ impl RedisGate {
         let got: Result<Option<String>, Missed> =
             self.guarded(Backoff::Respect, |mut c| async move { cmd.query_async(&mut c).await }).await;
         match got {
-            Ok(Some(found)) => parse(&found, clock::now_ms()),
+            Ok(Some(found)) => parse(found, clock::now_ms()),
             Ok(None) | Err(_) => Found::Unavailable,
         }
     }
@@ -452,9 +455,15 @@ impl RedisGate {
                 match &self.target {
                     Target::Single(client) => {
                         // Lazy: connects on first use and reconnects by itself.
+                        // No response timeout of its own: `guarded` bounds each
+                        // operation already, and a second timer per operation
+                        // is not free (registering one wakes tokio's driver
+                        // through a syscall). Its timeout would not reconnect
+                        // either: redis-rs reconnects on a dropped connection,
+                        // not on a slow answer.
                         let config = ConnectionManagerConfig::new()
                             .set_connection_timeout(Some(self.timeout))
-                            .set_response_timeout(Some(self.timeout))
+                            .set_response_timeout(None)
                             .set_number_of_retries(1);
                         ConnectionManager::new_lazy_with_config(client.clone(), config).map(Connection::Single)
                     }
@@ -681,28 +690,38 @@ fn spawn_detached(task: impl std::future::Future<Output = ()> + Send + 'static) 
 
 /// What a Redis value says at `now_ms`. A finished result past its expiry
 /// is no answer at all.
-fn parse(found: &str, now_ms: u64) -> Found {
-    if let Some(rest) = found.strip_prefix("d:") {
-        let done = rest.split_once(':').and_then(|(expires, rest)| Some((expires.parse::<u64>().ok()?, rest)));
-        return match done.and_then(|(expires, rest)| Some((expires, rest.split_once(':')?))) {
-            Some((expires, _)) if expires <= now_ms => Found::Unavailable,
-            Some((expires, (fingerprint, response))) => Found::Finished(Answer {
-                fingerprint: fingerprint.to_owned(),
-                response: response.to_owned(),
-                expires_ms: i64::try_from(expires).unwrap_or(i64::MAX),
-            }),
-            // Not a value we wrote: someone else's.
-            None => Found::Running,
-        };
+fn parse(found: String, now_ms: u64) -> Found {
+    // `d:<expires>:<fingerprint>:<response>`; `p:...`, or a value we did not
+    // write: either way someone else's.
+    let done = found.strip_prefix("d:").and_then(|rest| rest.split_once(':')).and_then(|(expires, rest)| {
+        let (fingerprint, response) = rest.split_once(':')?;
+        Some((expires.parse::<u64>().ok()?, fingerprint, found.len() - response.len()))
+    });
+    let Some((expires, fingerprint, response_at)) = done else { return Found::Running };
+    if expires <= now_ms {
+        return Found::Unavailable;
     }
-    // `p:...`, or a value we did not write: either way someone else's.
-    Found::Running
+    let fingerprint = fingerprint.to_owned();
+    // The response is the value's tail: it stays in the reply's buffer.
+    let mut response = found;
+    response.drain(..response_at);
+    Found::Finished(Answer { fingerprint, response, expires_ms: i64::try_from(expires).unwrap_or(i64::MAX) })
 }
 
 /// The Redis key of `(biz, key)` in `namespace`. Neither the namespace nor
 /// `biz` holds a `:`, so no two triples share a Redis key.
 fn redis_key(namespace: &Namespace, biz: &str, key: &str) -> String {
     concat(&["idem:", namespace.as_str(), ":", biz, ":", key])
+}
+
+/// A claim's value, `p:<owner token>:<fingerprint>`, in one allocation.
+fn claim_value(fingerprint: &str) -> String {
+    let mut value = String::with_capacity(2 + 32 + 1 + fingerprint.len());
+    value.push_str("p:");
+    push_token(&mut value);
+    value.push(':');
+    value.push_str(fingerprint);
+    value
 }
 
 /// `parts` joined, in one allocation of the right size: every call builds
@@ -720,20 +739,24 @@ fn millis(d: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::random::token;
 
     #[test]
     fn parses_values() {
-        match parse(&done_value(2_000, "abc", "{\"x\":\"a:b\"}"), 1_999) {
+        match parse(done_value(2_000, "abc", "{\"x\":\"a:b\"}"), 1_999) {
             Found::Finished(Answer { fingerprint, response, expires_ms: 2_000 }) => {
                 assert_eq!(fingerprint, "abc");
                 assert_eq!(response, "{\"x\":\"a:b\"}");
             }
             other => panic!("{other:?}"),
         }
-        assert!(matches!(parse(&done_value(2_000, "abc", "1"), 2_000), Found::Unavailable), "expired");
-        assert!(matches!(parse("p:t:f", 0), Found::Running));
-        assert!(matches!(parse("garbage", 0), Found::Running));
-        assert!(matches!(parse("d:abc:1", 0), Found::Running), "not ours");
+        assert!(matches!(parse(done_value(2_000, "abc", "1"), 2_000), Found::Unavailable), "expired");
+        assert!(
+            matches!(parse(done_value(2_000, "abc", ""), 0), Found::Finished(Answer { response, .. }) if response.is_empty())
+        );
+        for theirs in ["p:t:f", "garbage", "d:abc:1", "d:12", "d:12:f", "d:-1:f:r", ""] {
+            assert!(matches!(parse(theirs.into(), 0), Found::Running), "{theirs}");
+        }
     }
 
     /// Against a real Redis; skipped when none answers, unless
@@ -813,7 +836,7 @@ mod tests {
 
         let Found::Ours(held) = gate.claim(&namespace, biz, &key, "fp", lease).await else { panic!("not ours") };
         assert_eq!(get(&mut conn).await.as_deref(), Some(held.value.as_str()));
-        assert_eq!(gate.send_claim(&held, lease).await, Ok(None), "our own value sent again is ours");
+        assert!(matches!(gate.send_claim(&held, lease).await, Ok(None)), "our own value sent again is ours");
         assert!(matches!(gate.claim(&namespace, biz, &key, "fp", lease).await, Found::Running));
 
         let live = done_value(i64::try_from(clock::now_ms() + 60_000).unwrap(), "fp", "{\"a\":1}");
