@@ -38,9 +38,10 @@
 //!    (`[A-Za-z0-9_.:-]{1,255}`, else [`Error::InvalidKey`]); the arguments
 //!    are fingerprinted (SHA-256 of a canonical JSON).
 //! 2. With Redis ([`Builder::redis`], feature `redis`), the key is claimed
-//!    with a random owner token. A finished call with the same fingerprint is
-//!    replayed from Redis without a query; a running one answers
-//!    [`Error::InProgress`]; another fingerprint, [`Error::KeyReused`].
+//!    with an owner token no other call holds. A finished call with the
+//!    same fingerprint is replayed from Redis without a query; a running
+//!    one answers [`Error::InProgress`]; another fingerprint,
+//!    [`Error::KeyReused`].
 //!    Without a claim, a duplicate of a call running on the same engine
 //!    waits for it in memory (up to [`Builder::lock_wait`]) and takes its
 //!    result; duplicates elsewhere meet at the unique index.

@@ -10,14 +10,17 @@ use crate::fingerprint::push_lower_hex;
 
 /// Appends 128 bits as 32 lowercase hex digits that no other call of this
 /// process returns (the low half is a counter) nor, in practice, any other
-/// process (the high half is drawn once per process). Claims take one on
-/// every call, replays included: no hashing and no clock here.
+/// process (the high half is drawn once per process, then mixed with the
+/// time of the call, so that a forked child or a clone of a memory snapshot,
+/// which copy the counter, still draw their own). Claims take one on every
+/// call, replays included: no hashing and no allocation here.
 pub(crate) fn push_token(out: &mut String) {
     static PROCESS: OnceLock<u64> = OnceLock::new();
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let process = *PROCESS.get_or_init(random_u64);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    push_lower_hex(out, &(u128::from(process) << 64 | u128::from(n)).to_be_bytes());
+    let high = process ^ clock::now_nanos() as u64; // the low 64 bits: they change every call
+    push_lower_hex(out, &(u128::from(high) << 64 | u128::from(n)).to_be_bytes());
 }
 
 /// A [`push_token`] of its own.
@@ -28,12 +31,14 @@ pub(crate) fn token() -> String {
     token
 }
 
-/// 64 bits from the OS (through std's `RandomState`, whose keys differ per
-/// instance) mixed with the time: a new value on every call.
+/// 64 bits from the operating system; where it cannot answer, std's
+/// `RandomState` (keys drawn once per thread, then stepped) over the time.
 pub(crate) fn random_u64() -> u64 {
-    let mut hasher = RandomState::new().build_hasher();
-    hasher.write_u128(clock::now_nanos());
-    hasher.finish()
+    getrandom::u64().unwrap_or_else(|_| {
+        let mut hasher = RandomState::new().build_hasher();
+        hasher.write_u128(clock::now_nanos());
+        hasher.finish()
+    })
 }
 
 #[cfg(test)]

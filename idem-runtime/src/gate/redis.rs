@@ -242,7 +242,7 @@ impl RedisGate {
     }
 
     /// Sends the claim `held`: `None` when the key is ours, else what
-    /// holds it.
+    /// [`parse`] makes of the value that holds it.
     async fn send_claim(&self, held: &HeldClaim, lease: Duration) -> Result<Option<Found>, Missed> {
         let refused = if self.claim_by_script.load(Ordering::Relaxed) {
             None
