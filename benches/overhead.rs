@@ -436,6 +436,15 @@ macro_rules! backend {
                 Ok(Receipt { order_id, amount: 1999 })
             }
 
+            /// Call `i` of a replay row: one of the ten finished keys
+            /// `<run>_0` to `<run>_9` again, through `idem`.
+            async fn replay_one(idem: &Idem<$db>, run: &str, i: usize, executions: &AtomicUsize, row: &str) {
+                let n = i % 10;
+                if let Err(e) = pay(idem, run, n, (n as i64 % ORDERS) + 1, executions).await {
+                    panic!("{row}: {e:?}");
+                }
+            }
+
             /// The least a first call with a claim can cost, with no idem code
             /// at all: the claim script, the body's transaction with the record
             /// insert, and the cache write spawned off the caller's path.
@@ -619,9 +628,7 @@ macro_rules! backend {
                     let before = executions.load(Ordering::Relaxed);
                     let replay = call(move |i| {
                         let (idem, tag, e) = (i2.clone(), t2.clone(), e2.clone());
-                        async move {
-                            pay(&idem, &tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, &e).await.expect("replay");
-                        }
+                        async move { replay_one(&idem, &tag, i, &e, "replay").await }
                     });
                     let mut turns = vec![("replay", replay)];
                     if let Claims::Single(c) = claims {
@@ -641,13 +648,9 @@ macro_rules! backend {
                     let (_, timing) = timings.next().expect("replay row");
                     let gets: Vec<_> = timings.collect();
                     assert_eq!(executions.load(Ordering::Relaxed), before, "a replay executed the body");
-                    let counted = round_trips(BEGIN_LOGGED, &client, 50, |i| {
-                        let (idem, tag, e) = (&idem, &tag, &executions);
-                        async move {
-                            pay(idem, tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, e).await.expect("replay");
-                        }
-                    })
-                    .await;
+                    let counted =
+                        round_trips(BEGIN_LOGGED, &client, 50, |i| replay_one(&idem, &tag, i, &executions, "replay"))
+                            .await;
                     push(rows, "replay", timing, counted);
 
                     // replay-local: the same finished keys from the process's own cache
@@ -659,26 +662,19 @@ macro_rules! backend {
                             _ => builder.build(),
                         };
                         for i in 0..10 {
-                            pay(&local, &tag, i, ((i % 10) as i64 % ORDERS) + 1, &executions).await.expect("warm");
+                            replay_one(&local, &tag, i, &executions, "warm").await;
                         }
                         let before = executions.load(Ordering::Relaxed);
                         let (l2, t2, e2) = (local.clone(), tag.clone(), executions.clone());
                         let local_calls = calls * 20;
                         let timing = drive(tasks, local_calls, move |i| {
                             let (idem, tag, e) = (l2.clone(), t2.clone(), e2.clone());
-                            async move {
-                                pay(&idem, &tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, &e)
-                                    .await
-                                    .expect("replay-local");
-                            }
+                            async move { replay_one(&idem, &tag, i, &e, "replay-local").await }
                         })
                         .await;
                         assert_eq!(executions.load(Ordering::Relaxed), before, "a local replay executed the body");
                         let counted = round_trips(BEGIN_LOGGED, &client, 50, |i| {
-                            let (idem, tag, e) = (&local, &tag, &executions);
-                            async move {
-                                pay(idem, tag, i % 10, ((i % 10) as i64 % ORDERS) + 1, e).await.expect("replay-local");
-                            }
+                            replay_one(&local, &tag, i, &executions, "replay-local")
                         })
                         .await;
                         push(rows, "replay-local", timing, counted);

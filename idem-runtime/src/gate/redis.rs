@@ -711,7 +711,8 @@ fn parse(found: String, now_ms: u64) -> Found {
 /// The Redis key of `(biz, key)` in `namespace`. Neither the namespace nor
 /// `biz` holds a `:`, so no two triples share a Redis key.
 fn redis_key(namespace: &Namespace, biz: &str, key: &str) -> String {
-    concat(&["idem:", namespace.as_str(), ":", biz, ":", key])
+    // `concat` sizes its one allocation first; `format!` grows as it goes.
+    ["idem:", namespace.as_str(), ":", biz, ":", key].concat()
 }
 
 /// A claim's value, `p:<owner token>:<fingerprint>`, in one allocation.
@@ -722,14 +723,6 @@ fn claim_value(fingerprint: &str) -> String {
     value.push(':');
     value.push_str(fingerprint);
     value
-}
-
-/// `parts` joined, in one allocation of the right size: every call builds
-/// a key and a claim, and `format!` grows its buffer as it goes.
-fn concat(parts: &[&str]) -> String {
-    let mut out = String::with_capacity(parts.iter().map(|p| p.len()).sum());
-    parts.iter().for_each(|p| out.push_str(p));
-    out
 }
 
 fn millis(d: Duration) -> u64 {
