@@ -10,7 +10,7 @@ use crate::Done;
 use crate::cli::{CallId, Cli, Command, RecordField, State};
 use crate::ident::Ident;
 use crate::store::{Failure, ListFilter, Record, Store};
-use crate::time::{now_ms, parse_duration, rfc3339};
+use crate::time::{parse_duration, rfc3339};
 
 pub async fn run(cli: Cli) -> Result<Done, Failure> {
     let Some(url) = cli.global.database_url.as_deref() else {
@@ -25,7 +25,7 @@ pub async fn run(cli: Cli) -> Result<Done, Failure> {
         Command::Status { id, json } => status(&store, &id, json).await,
         Command::Show { id, json } => show(&store, &id, json).await,
         Command::List { biz, state, older_than, limit, json } => {
-            let created_before = older_than.map(|d| parse_duration(&d).map(|ms| now_ms() - ms)).transpose()?;
+            let created_before = older_than.map(|d| parse_duration(&d).map(|ms| store.now_ms() - ms)).transpose()?;
             let filter = ListFilter {
                 biz: &biz,
                 processing: state.map(|s| s == State::Processing),
@@ -175,7 +175,7 @@ impl RedisEntry {
     }
 }
 
-fn record_json(r: &Record) -> Value {
+fn record_json(r: &Record, now_ms: i64) -> Value {
     json!({
         "id": r.id,
         "biz": r.biz,
@@ -186,7 +186,7 @@ fn record_json(r: &Record) -> Value {
         "created_at": rfc3339(r.created_at),
         "updated_at": rfc3339(r.updated_at),
         "expires_at": rfc3339(r.expires_at),
-        "expired": r.expires_at <= now_ms(),
+        "expired": r.expires_at <= now_ms,
         "response": r.response.as_deref().map(response_json),
     })
 }
@@ -195,13 +195,15 @@ async fn show(store: &Store, id: &CallId, as_json: bool) -> Result<Done, Failure
     let record = store.record(&id.biz, &id.key).await?;
     let redis = redis_entry(store, id).await?;
     if as_json {
-        print_json(&json!({ "record": record.as_ref().map(record_json), "redis": redis.json() }));
+        print_json(
+            &json!({ "record": record.as_ref().map(|r| record_json(r, store.now_ms())), "redis": redis.json() }),
+        );
         return Ok(Done::Ok);
     }
     match &record {
         None => println!("record {} {}\n  none", id.biz, id.key),
         Some(r) => {
-            let expired = if r.expires_at <= now_ms() { " (expired)" } else { "" };
+            let expired = if r.expires_at <= store.now_ms() { " (expired)" } else { "" };
             println!("record {} {}", r.biz, r.key);
             println!("  id          {}", r.id);
             println!("  state       {}", r.state);
@@ -220,7 +222,7 @@ async fn show(store: &Store, id: &CallId, as_json: bool) -> Result<Done, Failure
 async fn list(store: &Store, filter: &ListFilter<'_>, as_json: bool) -> Result<Done, Failure> {
     let records = store.list(filter).await?;
     if as_json {
-        print_json(&Value::Array(records.iter().map(record_json).collect()));
+        print_json(&Value::Array(records.iter().map(|r| record_json(r, store.now_ms())).collect()));
         return Ok(Done::Ok);
     }
     let width = records.iter().map(|r| r.key.len()).max().unwrap_or(0).max(3);
@@ -311,7 +313,7 @@ async fn reconcile(store: &Store, r: Reconcile<'_>, as_json: bool) -> Result<Don
             Err(_) => (1, 0, v.clone()),
         })
         .collect();
-    let stuck_before = now_ms() - r.stuck_after;
+    let stuck_before = store.now_ms() - r.stuck_after;
     let stuck: Vec<&Record> =
         records.iter().filter(|rec| rec.state == "processing" && rec.created_at <= stuck_before).collect();
     let found = without_row.len() + without_record.len() + stuck.len();

@@ -3,7 +3,7 @@
 //! `idem_record` through sqlx's `Any` driver, with this file's SQL; `status`
 //! and `purge` ask the engine itself.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idem_runtime::{Backend, Idem, Namespace, Status};
 use sqlx::any::{AnyPoolOptions, AnyRow};
@@ -58,6 +58,9 @@ pub struct Store {
     pub pool: AnyPool,
     pub redis: Option<redis::Client>,
     namespace: Option<String>,
+    /// The database's clock when the store opened, and this process's
+    /// monotonic clock then: "expired" means what the engines mean by it.
+    clock: (i64, Instant),
 }
 
 /// One row of `idem_record`.
@@ -73,6 +76,18 @@ pub struct Record {
     pub created_at: i64,
     pub updated_at: i64,
     pub expires_at: i64,
+}
+
+/// The database's clock in Unix epoch milliseconds (SQLite's is this
+/// host's), read as the engines read it.
+async fn database_ms(pool: &AnyPool, dialect: Dialect) -> Result<i64, Failure> {
+    let sql = match dialect {
+        Dialect::MySql => "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000",
+        Dialect::Postgres => "SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT",
+        Dialect::Sqlite => return Ok(crate::time::host_ms()),
+    };
+    let row = sqlx::raw_sql(sql).fetch_one(pool).await?;
+    Ok(row.try_get::<i64, _>(0)?)
 }
 
 /// The columns [`Record::from_row`] reads, in order. `params_hash` is a
@@ -123,7 +138,15 @@ impl Store {
         if let Some(ns) = &namespace {
             Namespace::new(ns).map_err(|e| format!("--namespace: {e}"))?;
         }
-        Ok(Store { url: url.to_owned(), dialect, pool, redis, namespace })
+        let clock = (database_ms(&pool, dialect).await?, Instant::now());
+        Ok(Store { url: url.to_owned(), dialect, pool, redis, namespace, clock })
+    }
+
+    /// Now on the database's clock, in Unix epoch milliseconds: the clock
+    /// the engines stamp and judge expiry by, whatever this host's says.
+    pub fn now_ms(&self) -> i64 {
+        let elapsed = i64::try_from(self.clock.1.elapsed().as_millis()).unwrap_or(i64::MAX);
+        self.clock.0.saturating_add(elapsed)
     }
 
     /// The record of `(biz, key)`, expired or not.

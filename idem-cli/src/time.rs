@@ -31,8 +31,9 @@ pub fn parse_duration(text: &str) -> Result<i64, String> {
     i64::try_from(ms).map_err(|_| format!("{text}: too long"))
 }
 
-/// Milliseconds since the Unix epoch, now.
-pub fn now_ms() -> i64 {
+/// Milliseconds since the Unix epoch, now, on this host's clock (SQLite's
+/// clock: its file lives here).
+pub fn host_ms() -> i64 {
     let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
 }

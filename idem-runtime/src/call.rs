@@ -105,6 +105,9 @@ where
     }
     let fingerprint = fingerprint.finish()?;
     let id = RecordKey { biz: spec.biz, key, fingerprint: &fingerprint, biz_no, ttl: spec.ttl };
+    // Expiry is stamped and judged on the database's clock: an engine's
+    // first call reads it (once); later calls pay one atomic load.
+    engine.now_ms().await;
 
     let entry = engine.gate().enter(engine.pool(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
     let pass = match entry {

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
+use crate::clock::Clock;
 use crate::error::Error;
 use crate::gate::Gate;
 use crate::gate::local::LocalCache;
@@ -16,7 +17,7 @@ use crate::key::{validate_biz, validate_key};
 use crate::namespace::Namespace;
 use crate::status::Status;
 use crate::store::Backend;
-use crate::store::record::{Records, now_ms};
+use crate::store::record::Records;
 use crate::token::{self, Tokens};
 
 /// The idempotency engine for one database (and optionally one Redis).
@@ -27,6 +28,8 @@ pub struct Idem<DB: Backend> {
 
 struct Inner<DB: Backend> {
     pool: Pool<DB>,
+    /// The database's clock, shared with the gate.
+    clock: Arc<Clock>,
     gate: Gate,
     lock_wait: Duration,
     tokens: token::Settings,
@@ -156,17 +159,19 @@ impl<DB: Backend> Builder<DB> {
 
     /// Builds the engine. Connects to nothing yet.
     pub fn build(self) -> Idem<DB> {
+        let clock = Arc::new(Clock::new(DB::HAS_CLOCK));
         #[cfg(feature = "redis")]
         let gate = match self.redis {
-            Some(target) => Gate::redis(RedisGate::new(target, self.redis_timeout, self.namespace)),
+            Some(target) => Gate::redis(RedisGate::new(target, self.redis_timeout, self.namespace, Arc::clone(&clock))),
             None => Gate::memory(),
         };
         #[cfg(not(feature = "redis"))]
         let gate = Gate::memory();
-        let gate = gate.with_local_cache(self.local_cache);
+        let gate = gate.with_local_cache(self.local_cache, &clock);
         Idem {
             inner: Arc::new(Inner {
                 pool: self.pool,
+                clock,
                 gate,
                 lock_wait: self.lock_wait,
                 tokens: self.tokens,
@@ -228,7 +233,22 @@ impl<DB: Backend> Idem<DB> {
     }
 
     pub(crate) fn records(&self) -> Records<'_, DB> {
-        Records { pool: &self.inner.pool, lock_wait: self.inner.lock_wait }
+        Records { pool: &self.inner.pool, lock_wait: self.inner.lock_wait, clock: &self.inner.clock }
+    }
+
+    /// The database's clock, as this engine reads it (see [`crate::clock`]).
+    /// Read it after [`Idem::now_ms`] (or another `ready`) made it the
+    /// database's.
+    pub(crate) fn clock(&self) -> &Arc<Clock> {
+        &self.inner.clock
+    }
+
+    /// Now on the database's clock, in Unix epoch milliseconds: waits for
+    /// the engine's first reading of it, and starts a fresh reading in the
+    /// background when one is due; otherwise no round trip.
+    pub(crate) async fn now_ms(&self) -> i64 {
+        self.inner.clock.ready(&self.inner.pool).await;
+        self.inner.clock.now_ms()
     }
 
     /// Creates the `idem_record` table and its indexes if absent, and
@@ -237,6 +257,7 @@ impl<DB: Backend> Idem<DB> {
     /// `idem_outbox` (see [`outbox`](crate::outbox)).
     pub async fn migrate(&self) -> Result<(), Error> {
         DB::migrate(&self.inner.pool, Namespace::generate().as_str()).await?;
+        self.inner.clock.measure(&self.inner.pool).await;
         #[cfg(feature = "outbox")]
         DB::outbox_migrate(&self.inner.pool).await?;
         // Calls to outside services (`steps`): `idem_call`, `idem_step`.
@@ -263,7 +284,8 @@ impl<DB: Backend> Idem<DB> {
     /// Deletes up to `limit` expired records; returns how many. Run it
     /// periodically to keep the table bounded.
     pub async fn purge_expired(&self, limit: u32) -> Result<u64, Error> {
-        DB::purge_expired(&self.inner.pool, now_ms(), i64::from(limit)).await.map_err(Error::Storage)
+        let now = self.now_ms().await;
+        DB::purge_expired(&self.inner.pool, now, i64::from(limit)).await.map_err(Error::Storage)
     }
 
     /// Where the call `(biz, key)` stands: the query behind "in progress,
@@ -272,8 +294,9 @@ impl<DB: Backend> Idem<DB> {
     pub async fn status(&self, biz: &str, key: &str) -> Result<Status, Error> {
         validate_biz(biz)?;
         validate_key(key)?;
+        let now = self.now_ms().await;
         let recorded = match self.records().read(biz, key).await? {
-            Some(row) if row.is_live(now_ms()) => {
+            Some(row) if row.is_live(now) => {
                 return Ok(Status::Completed { response: row.response.unwrap_or_default() });
             }
             row => row.is_some(),

@@ -33,7 +33,7 @@ use crate::provider::{Provider, ProviderCharge, ProviderClient};
 use crate::support::{TestDb, epoch_ms, unique, unmigrated_engine};
 
 /// Set in a child's environment: its orders, as JSON.
-const CHILD_ENV: &str = "IDEM_STEPS_CHILD";
+pub(crate) const CHILD_ENV: &str = "IDEM_STEPS_CHILD";
 const STEPS_BIZ: &str = "crash_steps";
 const PLAIN_BIZ: &str = "crash_plain";
 /// The lease of both fns below.
@@ -44,44 +44,48 @@ const LINE_WAIT: Duration = Duration::from_secs(60);
 // ---------------------------------------------------------------- the child
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct ChildConfig {
-    db: DbKind,
-    redis: bool,
-    mode: Mode,
-    key: String,
-    amount: i64,
-    provider: String,
+pub(crate) struct ChildConfig {
+    pub(crate) db: DbKind,
+    pub(crate) redis: bool,
+    pub(crate) mode: Mode,
+    pub(crate) key: String,
+    pub(crate) amount: i64,
+    pub(crate) provider: String,
     /// Where to stop and wait for a line on stdin.
-    stop: Option<String>,
+    pub(crate) stop: Option<String>,
     /// Call again until the answer is final (not `InProgress`, not a
     /// failure of the provider or the database).
-    retry: bool,
+    pub(crate) retry: bool,
     /// Print `IDEM-READY` once connected, and wait for a line on stdin
     /// before calling: the parent starts the clock, not the process.
-    wait_for_go: bool,
+    pub(crate) wait_for_go: bool,
+    /// Call the fns of [`crate::skew`] (ttl 5 min, lease 30 s) instead.
+    pub(crate) skew_fns: bool,
+    /// Run under libfaketime with this offset (`+10m`, `-10m`).
+    pub(crate) faketime: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-enum DbKind {
+pub(crate) enum DbKind {
     MariaDb,
     Postgres,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-enum Mode {
+pub(crate) enum Mode {
     Steps,
     Plain,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-struct Receipt {
-    key: String,
-    charge_id: String,
-    amount: i64,
+pub(crate) struct Receipt {
+    pub(crate) key: String,
+    pub(crate) charge_id: String,
+    pub(crate) amount: i64,
 }
 
 #[derive(Debug)]
-enum ChildError {
+pub(crate) enum ChildError {
     Idem(Error),
     Db(sqlx::Error),
     Provider(String),
@@ -150,7 +154,7 @@ static STOP: OnceLock<Option<String>> = OnceLock::new();
 /// At the configured point: says so, and waits for a line on stdin (the
 /// parent kills or pauses the process meanwhile). A closed stdin (the
 /// parent died) ends the process rather than letting the call go on.
-async fn stop_at(point: &str) {
+pub(crate) async fn stop_at(point: &str) {
     if STOP.get().and_then(Option::as_deref) != Some(point) {
         return;
     }
@@ -196,9 +200,11 @@ async fn child<DB: TestDb>(config: ChildConfig) {
     let mut attempts = 0;
     loop {
         attempts += 1;
-        let answer = match config.mode {
-            Mode::Steps => pay_steps(&idem, &provider, &config.key, config.amount).await,
-            Mode::Plain => pay_plain(&idem, &provider, &config.key, config.amount).await,
+        let answer = match (config.mode, config.skew_fns) {
+            (Mode::Steps, false) => pay_steps(&idem, &provider, &config.key, config.amount).await,
+            (Mode::Plain, false) => pay_plain(&idem, &provider, &config.key, config.amount).await,
+            (Mode::Steps, true) => crate::skew::pay_steps(&idem, &provider, &config.key, config.amount).await,
+            (Mode::Plain, true) => crate::skew::pay_plain(&idem, &provider, &config.key, config.amount).await,
         };
         let at = epoch_ms();
         let final_answer =
@@ -230,7 +236,7 @@ fn render(answer: &Result<Receipt, ChildError>) -> String {
 // --------------------------------------------------------------- the parent
 
 /// A child process and the lines it prints.
-struct Proc {
+pub(crate) struct Proc {
     child: Child,
     stdin: Option<ChildStdin>,
     lines: mpsc::Receiver<String>,
@@ -240,15 +246,24 @@ struct Proc {
 /// What a child answered: its line, when the answer came (epoch ms) and
 /// after how many calls.
 #[derive(Debug)]
-struct Answered {
-    answer: String,
+pub(crate) struct Answered {
+    pub(crate) answer: String,
     at_ms: i64,
-    attempts: u32,
+    pub(crate) attempts: u32,
 }
 
 impl Proc {
-    fn spawn(config: &ChildConfig) -> Proc {
-        let mut child = Command::new(std::env::current_exe().unwrap())
+    pub(crate) fn spawn(config: &ChildConfig) -> Proc {
+        let exe = std::env::current_exe().unwrap();
+        let mut command = match &config.faketime {
+            Some(offset) => {
+                let mut faked = Command::new("faketime");
+                faked.args(["-f", offset]).arg(exe);
+                faked
+            }
+            None => Command::new(exe),
+        };
+        let mut child = command
             .args(["--exact", "crash::child_process", "--nocapture", "--test-threads=1"])
             .env(CHILD_ENV, serde_json::to_string(config).unwrap())
             .stdin(Stdio::piped())
@@ -270,7 +285,7 @@ impl Proc {
 
     /// Waits for the line holding `marker`; returns what follows it. (The
     /// first may share its line with libtest's `test child_process ... `.)
-    fn expect(&mut self, marker: &str) -> String {
+    pub(crate) fn expect(&mut self, marker: &str) -> String {
         loop {
             match self.lines.recv_timeout(LINE_WAIT) {
                 Ok(line) => {
@@ -285,7 +300,7 @@ impl Proc {
     }
 
     /// Lets a child waiting at a point (or for its go) carry on.
-    fn go(&mut self) {
+    pub(crate) fn go(&mut self) {
         let stdin = self.stdin.as_mut().expect("stdin");
         stdin.write_all(b"go\n").and_then(|()| stdin.flush()).expect("write to the child");
     }
@@ -302,7 +317,7 @@ impl Proc {
         self.child.wait().expect("reaped");
     }
 
-    fn answered(mut self) -> Answered {
+    pub(crate) fn answered(mut self) -> Answered {
         let answer = self.expect("IDEM-ANSWER ");
         let done = self.expect("IDEM-DONE ");
         let (at, attempts) = done.split_once(' ').expect("at and attempts");
@@ -322,16 +337,16 @@ impl Drop for Proc {
 }
 
 /// The parent's side: the provider, and the databases to reconcile.
-struct Bench {
+pub(crate) struct Bench {
     runtime: tokio::runtime::Runtime,
-    provider: Provider,
+    pub(crate) provider: Provider,
     mariadb: Option<Pool<sqlx::MySql>>,
     postgres: Option<Pool<sqlx::Postgres>>,
     redis: bool,
 }
 
 impl Bench {
-    fn new() -> Bench {
+    pub(crate) fn new() -> Bench {
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let (provider, mariadb, postgres, redis) = runtime.block_on(async {
             let provider = Provider::start().await;
@@ -343,7 +358,7 @@ impl Bench {
         Bench { runtime, provider, mariadb, postgres, redis }
     }
 
-    fn config(&self, db: DbKind, redis: bool, mode: Mode, key: &str) -> ChildConfig {
+    pub(crate) fn config(&self, db: DbKind, redis: bool, mode: Mode, key: &str) -> ChildConfig {
         ChildConfig {
             db,
             redis,
@@ -354,12 +369,14 @@ impl Bench {
             stop: None,
             retry: false,
             wait_for_go: false,
+            skew_fns: false,
+            faketime: None,
         }
     }
 
     /// The setups this machine can run: each database that answers, with
     /// and without Redis (if it answers).
-    fn setups(&self) -> Vec<(DbKind, bool)> {
+    pub(crate) fn setups(&self) -> Vec<(DbKind, bool)> {
         let mut setups = Vec::new();
         for (db, up) in [(DbKind::MariaDb, self.mariadb.is_some()), (DbKind::Postgres, self.postgres.is_some())] {
             if up {
@@ -376,11 +393,20 @@ impl Bench {
     /// and the record's status (`idem_call` for steps, `idem_record` for
     /// the plain mode).
     fn books(&self, db: DbKind, mode: Mode, key: &str) -> Books {
+        let biz = match mode {
+            Mode::Steps => STEPS_BIZ,
+            Mode::Plain => PLAIN_BIZ,
+        };
+        self.books_of(db, mode, biz, key)
+    }
+
+    /// [`Bench::books`] of the fns of another `biz`.
+    pub(crate) fn books_of(&self, db: DbKind, mode: Mode, biz: &str, key: &str) -> Books {
         let charges = self.provider.charges(key);
         self.runtime.block_on(async {
             match db {
-                DbKind::MariaDb => books(self.mariadb.as_ref().unwrap(), mode, key, charges).await,
-                DbKind::Postgres => books(self.postgres.as_ref().unwrap(), mode, key, charges).await,
+                DbKind::MariaDb => books(self.mariadb.as_ref().unwrap(), mode, biz, key, charges).await,
+                DbKind::Postgres => books(self.postgres.as_ref().unwrap(), mode, biz, key, charges).await,
             }
         })
     }
@@ -393,21 +419,19 @@ async fn prepare<DB: TestDb>() -> Option<Pool<DB>> {
 }
 
 #[derive(Debug, PartialEq, Eq)]
-struct Books {
-    charges: u32,
-    payments: i64,
+pub(crate) struct Books {
+    pub(crate) charges: u32,
+    pub(crate) payments: i64,
     /// Status of the record (1 succeeded) and, for steps, its fence.
-    record: Option<(i16, i64)>,
-    steps_left: i64,
+    pub(crate) record: Option<(i16, i64)>,
+    pub(crate) steps_left: i64,
 }
 
-async fn books<DB: TestDb>(pool: &Pool<DB>, mode: Mode, key: &str, charges: u32) -> Books {
+async fn books<DB: TestDb>(pool: &Pool<DB>, mode: Mode, biz: &str, key: &str, charges: u32) -> Books {
     let payments = DB::payments(pool, key).await;
     let (record, steps_left) = match mode {
-        Mode::Steps => {
-            (DB::call(pool, STEPS_BIZ, key).await.map(|c| (c.status, c.fence)), DB::steps(pool, STEPS_BIZ, key).await)
-        }
-        Mode::Plain => (DB::record_status(pool, PLAIN_BIZ, key).await.map(|s| (s, 0)), 0),
+        Mode::Steps => (DB::call(pool, biz, key).await.map(|c| (c.status, c.fence)), DB::steps(pool, biz, key).await),
+        Mode::Plain => (DB::record_status(pool, biz, key).await.map(|s| (s, 0)), 0),
     };
     Books { charges, payments, record, steps_left }
 }
@@ -546,7 +570,7 @@ fn declined(bench: &Bench, db: DbKind, redis: bool) {
 }
 
 /// Runs `jobs` on `threads` threads at once.
-fn in_parallel<T: Send>(threads: usize, jobs: Vec<Box<dyn FnOnce() -> T + Send + '_>>) -> Vec<T> {
+pub(crate) fn in_parallel<T: Send>(threads: usize, jobs: Vec<Box<dyn FnOnce() -> T + Send + '_>>) -> Vec<T> {
     let jobs = Mutex::new(jobs.into_iter().enumerate().collect::<Vec<_>>());
     let done = Mutex::new(Vec::new());
     std::thread::scope(|scope| {

@@ -5,8 +5,11 @@
 //!   with and without Redis.
 //! - `crash`: the proof by killing real processes (child processes are this
 //!   binary again), against a payment provider on loopback (`provider`).
+//! - `skew`: the same processes with their clocks skewed by libfaketime:
+//!   the database's clock decides expiry and leases.
 
 mod api;
 mod crash;
 mod provider;
+mod skew;
 mod support;

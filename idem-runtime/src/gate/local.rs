@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::Answer;
-use crate::clock;
+use crate::clock::Clock;
 
 /// An optional bounded in-process cache of finished results; see
 /// [`Builder::local_cache`](crate::Builder::local_cache).
@@ -71,10 +71,12 @@ impl quick_cache::Weighter<String, Cached> for Weight {
 pub(crate) struct LocalGate {
     cache: quick_cache::sync::Cache<String, Cached, Weight>,
     max_age_ms: u64,
+    /// The database's clock, which a record's expiry is judged by.
+    clock: Arc<Clock>,
 }
 
 impl LocalGate {
-    pub(crate) fn new(config: LocalCache) -> Self {
+    pub(crate) fn new(config: LocalCache, clock: Arc<Clock>) -> Self {
         let floor = (config.max_bytes / u64::try_from(config.max_entries).unwrap_or(u64::MAX)).max(1);
         // Each shard holds a share of the bytes, and an entry larger than a
         // shard is not kept: at least 1 MiB a shard, at most 16 shards.
@@ -93,6 +95,7 @@ impl LocalGate {
                 quick_cache::sync::DefaultLifecycle::default(),
             ),
             max_age_ms: u64::try_from(config.max_age.as_millis()).unwrap_or(u64::MAX),
+            clock,
         }
     }
 
@@ -100,7 +103,7 @@ impl LocalGate {
     pub(crate) fn get(&self, biz: &str, key: &str) -> Option<Arc<Answer>> {
         let id = id(biz, key);
         let cached = self.cache.get(&id)?;
-        if clock::now_ms() < cached.until_ms {
+        if self.now_ms() < cached.until_ms {
             return Some(cached.answer);
         }
         self.cache.remove(&id);
@@ -109,11 +112,15 @@ impl LocalGate {
 
     /// Keeps a committed result until its record expires, or `max_age`.
     pub(crate) fn remember(&self, biz: &str, key: &str, answer: Arc<Answer>) {
-        let now = clock::now_ms();
+        let now = self.now_ms();
         let until_ms = u64::try_from(answer.expires_ms).unwrap_or(0).min(now.saturating_add(self.max_age_ms));
         if until_ms > now {
             self.cache.insert(id(biz, key), Cached { answer, until_ms });
         }
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.clock.now_ms()).unwrap_or(0)
     }
 
     #[cfg(test)]
@@ -144,25 +151,33 @@ mod tests {
         Arc::new(Answer { fingerprint: "f".repeat(64), response: response.into(), expires_ms })
     }
 
+    fn now() -> i64 {
+        Clock::new(false).now_ms()
+    }
+
     fn far() -> i64 {
-        i64::try_from(clock::now_ms()).unwrap() + 3_600_000
+        now() + 3_600_000
+    }
+
+    fn local(cache: LocalCache) -> LocalGate {
+        LocalGate::new(cache, Arc::new(Clock::new(false)))
     }
 
     #[test]
     fn answers_what_it_was_given_until_the_record_expires() {
-        let gate = LocalGate::new(LocalCache::new(100, 1 << 20));
+        let gate = local(LocalCache::new(100, 1 << 20));
         gate.remember("pay", "k1", answer("1", far()));
         assert_eq!(gate.get("pay", "k1").unwrap().response, "1");
         assert!(gate.get("pay", "k2").is_none());
         assert!(gate.get("refund", "k1").is_none(), "another biz, another entry");
         // The record expired: never kept, never answered.
-        gate.remember("pay", "gone", answer("2", i64::try_from(clock::now_ms()).unwrap() - 1));
+        gate.remember("pay", "gone", answer("2", now() - 1));
         assert!(gate.get("pay", "gone").is_none());
     }
 
     #[test]
     fn max_age_bounds_an_entry_whatever_the_ttl() {
-        let gate = LocalGate::new(LocalCache::new(100, 1 << 20).max_age(Duration::from_millis(30)));
+        let gate = local(LocalCache::new(100, 1 << 20).max_age(Duration::from_millis(30)));
         gate.remember("pay", "k", answer("1", far()));
         assert!(gate.get("pay", "k").is_some());
         std::thread::sleep(Duration::from_millis(40));
@@ -173,13 +188,13 @@ mod tests {
     #[test]
     fn bounded_by_entries_and_by_bytes() {
         // 10 entries at most, whatever their size.
-        let gate = LocalGate::new(LocalCache::new(10, 1 << 20));
+        let gate = local(LocalCache::new(10, 1 << 20));
         for i in 0..1_000 {
             gate.remember("pay", &format!("k{i}"), answer("1", far()));
         }
         assert!(gate.len() <= 10, "{} entries", gate.len());
         // 4 KiB at most: large responses evict each other.
-        let gate = LocalGate::new(LocalCache::new(1_000, 4_096));
+        let gate = local(LocalCache::new(1_000, 4_096));
         for i in 0..100 {
             gate.remember("pay", &format!("k{i}"), answer(&"x".repeat(1_000), far()));
         }

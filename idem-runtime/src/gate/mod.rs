@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
+use crate::clock::Clock;
 use crate::store::Backend;
 
 pub(crate) mod local;
@@ -108,8 +109,8 @@ impl Gate {
     }
 
     /// Checks `cache` first, before anything else.
-    pub(crate) fn with_local_cache(mut self, cache: Option<LocalCache>) -> Self {
-        self.local = cache.map(LocalGate::new);
+    pub(crate) fn with_local_cache(mut self, cache: Option<LocalCache>, clock: &Arc<Clock>) -> Self {
+        self.local = cache.map(|cache| LocalGate::new(cache, Arc::clone(clock)));
         self
     }
 

@@ -38,7 +38,7 @@ use tokio::sync::OnceCell;
 use sqlx::Pool;
 
 use super::{Answer, Entry, Pass};
-use crate::clock;
+use crate::clock::{self, Clock};
 use crate::namespace::Namespace;
 use crate::random::push_token;
 use crate::store::Backend;
@@ -54,8 +54,9 @@ const LATER_TRIES: usize = 20;
 pub const MAX_BACKGROUND: usize = 256;
 
 // GET and SET NX in one step, as `SET NX GET` does, and one thing more: a
-// finished result past its expiry (ARGV[3], the caller's clock, the one
-// the record's expiry is compared with) counts as absent and is replaced.
+// finished result past its expiry (ARGV[3]: the database's clock, as the
+// caller reads it, which the record's expiry is compared with) counts as
+// absent and is replaced.
 // The reply is the value found, or nil when the claim is ours. Our own
 // value counts as ours: a client that resends after a lost reply (the
 // cluster client does) finds it.
@@ -136,7 +137,8 @@ pub(crate) struct RedisGate {
     namespace: NamespaceSlot,
     connection: OnceCell<Connection>,
     timeout: Duration,
-    /// `clock::now_ms()` before which Redis is not tried; 0 when healthy.
+    /// `clock::monotonic_ms()` before which Redis is not tried; 0 when healthy
+    /// (a back-off is this process's own business: no other instance judges it).
     down_until_ms: AtomicU64,
     /// Background tasks running now; at most [`MAX_BACKGROUND`].
     background: AtomicUsize,
@@ -146,6 +148,8 @@ pub(crate) struct RedisGate {
     claim: Script,
     release: Script,
     finish: Script,
+    /// The database's clock, which a cached result's expiry is judged by.
+    clock: Arc<Clock>,
 }
 
 impl std::fmt::Debug for RedisGate {
@@ -159,7 +163,7 @@ impl std::fmt::Debug for RedisGate {
 }
 
 impl RedisGate {
-    pub(crate) fn new(target: Target, timeout: Duration, namespace: Option<Namespace>) -> Self {
+    pub(crate) fn new(target: Target, timeout: Duration, namespace: Option<Namespace>, clock: Arc<Clock>) -> Self {
         Self {
             target,
             namespace: NamespaceSlot::new(namespace),
@@ -171,7 +175,13 @@ impl RedisGate {
             claim: Script::new(CLAIM),
             release: Script::new(RELEASE),
             finish: Script::new(FINISH),
+            clock,
         }
+    }
+
+    /// Now on the database's clock, as a cached result's expiry counts it.
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.clock.now_ms()).unwrap_or(0)
     }
 
     /// The gate's answer for `(biz, key)`: our claim, a finished result, or
@@ -256,7 +266,7 @@ impl RedisGate {
             match self.guarded(Backoff::Respect, sent).await? {
                 // Our own value: sent again after a lost reply.
                 Ok(Some(found)) if found == held.value => return Ok(None),
-                Ok(Some(found)) => match parse(found, clock::now_ms()) {
+                Ok(Some(found)) => match parse(found, self.now_ms()) {
                     // Expired by our clock, not yet by Redis's: the script replaces it.
                     Found::Unavailable => None,
                     holder => return Ok(Some(holder)),
@@ -266,7 +276,7 @@ impl RedisGate {
             }
         };
         let mut call = self.claim.key(&held.key);
-        call.arg(&held.value).arg(millis(lease)).arg(clock::now_ms());
+        call.arg(&held.value).arg(millis(lease)).arg(self.now_ms());
         let found = self.run::<Option<String>>(&call, Backoff::Respect).await?;
         // The script answered where `SET` was refused: the server does not
         // know `NX` with `GET`, and is not asked again.
@@ -275,7 +285,7 @@ impl RedisGate {
         {
             tracing::warn!(error = %refused, "redis refused SET NX GET (before 7.0?); claims go through a Lua script from now on");
         }
-        Ok(found.map(|found| parse(found, clock::now_ms())))
+        Ok(found.map(|found| parse(found, self.now_ms())))
     }
 
     /// Drops our claim so the next call may execute (after a failed body).
@@ -359,7 +369,7 @@ impl RedisGate {
     /// Waits a timeout, and longer if Redis is backing off.
     async fn pause_before_retry(&self) {
         let down_until = self.down_until_ms.load(Ordering::Relaxed);
-        let backing_off = Duration::from_millis(down_until.saturating_sub(clock::now_ms()));
+        let backing_off = Duration::from_millis(down_until.saturating_sub(clock::monotonic_ms()));
         tokio::time::sleep(self.timeout.max(backing_off)).await;
     }
 
@@ -402,7 +412,7 @@ impl RedisGate {
         let got: Result<Option<String>, Missed> =
             self.guarded(Backoff::Respect, |mut c| async move { cmd.query_async(&mut c).await }).await;
         match got {
-            Ok(Some(found)) => parse(found, clock::now_ms()),
+            Ok(Some(found)) => parse(found, self.now_ms()),
             Ok(None) | Err(_) => Found::Unavailable,
         }
     }
@@ -420,7 +430,7 @@ impl RedisGate {
     {
         // The clock is read only while backing off: healthy, the bound is 0.
         let down_until = self.down_until_ms.load(Ordering::Relaxed);
-        if backoff == Backoff::Respect && down_until != 0 && clock::now_ms() < down_until {
+        if backoff == Backoff::Respect && down_until != 0 && clock::monotonic_ms() < down_until {
             return Err(Missed::Skipped);
         }
         let attempt = async {
@@ -440,7 +450,7 @@ impl RedisGate {
             Ok(Err(e)) => e.to_string(),
             Err(_) => format!("no answer within {:?}", self.timeout),
         };
-        let until = clock::now_ms() + millis(BACKOFF);
+        let until = clock::monotonic_ms() + millis(BACKOFF);
         if self.down_until_ms.swap(until, Ordering::Relaxed) == 0 {
             tracing::warn!(error = %failure, "redis unavailable; idempotency continues on the database alone");
             crate::metrics::redis_degraded();
@@ -591,7 +601,7 @@ impl ClaimGuard {
         let expires_ms = answer.expires_ms;
         let Some(held) = self.held.take() else { return };
         let done = done_value(expires_ms, &answer.fingerprint, &answer.response);
-        let ttl = Duration::from_millis(u64::try_from(expires_ms).unwrap_or(0).saturating_sub(clock::now_ms()));
+        let ttl = Duration::from_millis(u64::try_from(expires_ms).unwrap_or(0).saturating_sub(self.gate.now_ms()));
         self.gate.finish_later(held, done, ttl);
     }
 
@@ -620,7 +630,7 @@ impl Drop for ClaimGuard {
 struct NamespaceSlot {
     fixed: Option<Namespace>,
     read: std::sync::RwLock<Option<Namespace>>,
-    /// `clock::now_ms()` before which the database is not asked again.
+    /// `clock::monotonic_ms()` before which the database is not asked again.
     unreadable_until_ms: AtomicU64,
 }
 
@@ -641,7 +651,7 @@ impl NamespaceSlot {
         if let Some(read) = &*self.read.read().unwrap_or_else(std::sync::PoisonError::into_inner) {
             return Some(read.clone());
         }
-        if clock::now_ms() < self.unreadable_until_ms.load(Ordering::Relaxed) {
+        if clock::monotonic_ms() < self.unreadable_until_ms.load(Ordering::Relaxed) {
             return None;
         }
         let why = match DB::namespace(pool).await {
@@ -655,7 +665,7 @@ impl NamespaceSlot {
             Ok(None) => "none recorded: run Idem::migrate, or set Builder::redis_namespace".into(),
             Err(e) => e.to_string(),
         };
-        if self.unreadable_until_ms.swap(clock::now_ms() + millis(BACKOFF), Ordering::Relaxed) == 0 {
+        if self.unreadable_until_ms.swap(clock::monotonic_ms() + millis(BACKOFF), Ordering::Relaxed) == 0 {
             tracing::warn!(reason = %why, "no namespace for redis keys; idempotency continues on the database alone");
         }
         None
@@ -734,6 +744,11 @@ mod tests {
     use super::*;
     use crate::random::token;
 
+    /// The host's clock: these tests stamp and judge on one host.
+    fn local_clock() -> Arc<Clock> {
+        Arc::new(Clock::new(false))
+    }
+
     #[test]
     fn parses_values() {
         match parse(done_value(2_000, "abc", "{\"x\":\"a:b\"}"), 1_999) {
@@ -768,7 +783,7 @@ mod tests {
         };
         let key = format!("idem:t_unit:{}", token());
         let script = Script::new(CLAIM);
-        let now = clock::now_ms();
+        let now = local_clock().now_ms();
         let claim = |conn: &mut redis::Connection, value: &str| -> Option<String> {
             script.key(&key).arg(value).arg(60_000).arg(now).invoke(conn).expect("claim script")
         };
@@ -777,10 +792,10 @@ mod tests {
         assert_eq!(claim(&mut conn, "p:theirs:f").as_deref(), Some("p:ours:f"), "someone else's is reported");
 
         // A finished result is reported until its expiry, and is absent from then on.
-        let live = done_value(i64::try_from(now + 1).unwrap(), "f", "1");
+        let live = done_value(now + 1, "f", "1");
         let _: () = redis::cmd("SET").arg(&key).arg(&live).query(&mut conn).expect("SET");
         assert_eq!(claim(&mut conn, "p:ours:f").as_deref(), Some(live.as_str()), "live result reported");
-        let expired = done_value(i64::try_from(now).unwrap(), "f", "1");
+        let expired = done_value(now, "f", "1");
         let _: () = redis::cmd("SET").arg(&key).arg(&expired).query(&mut conn).expect("SET");
         assert_eq!(claim(&mut conn, "p:ours:f"), None, "an expired result is no answer: the claim is ours");
         let now_held: String = redis::cmd("GET").arg(&key).query(&mut conn).expect("GET");
@@ -816,6 +831,7 @@ mod tests {
             Target::Single(redis::Client::open(redis_url()).unwrap()),
             Duration::from_secs(2),
             None,
+            local_clock(),
         ));
         let namespace = Namespace::new("t_unit").unwrap();
         let (biz, key) = ("t_setget", token());
@@ -832,7 +848,7 @@ mod tests {
         assert!(matches!(gate.send_claim(&held, lease).await, Ok(None)), "our own value sent again is ours");
         assert!(matches!(gate.claim(&namespace, biz, &key, "fp", lease).await, Found::Running));
 
-        let live = done_value(i64::try_from(clock::now_ms() + 60_000).unwrap(), "fp", "{\"a\":1}");
+        let live = done_value(local_clock().now_ms() + 60_000, "fp", "{\"a\":1}");
         let _: () = redis::cmd("SET").arg(&redis_key).arg(&live).query_async(&mut conn).await.unwrap();
         match gate.claim(&namespace, biz, &key, "fp", lease).await {
             Found::Finished(answer) => assert_eq!(answer.response, "{\"a\":1}"),
@@ -841,7 +857,7 @@ mod tests {
         assert_eq!(get(&mut conn).await.as_deref(), Some(live.as_str()), "a finished result is left alone");
 
         // Expired by our clock, kept by Redis for another minute.
-        let expired = done_value(i64::try_from(clock::now_ms() - 1).unwrap(), "fp", "1");
+        let expired = done_value(local_clock().now_ms() - 1, "fp", "1");
         let _: () =
             redis::cmd("SET").arg(&redis_key).arg(&expired).arg("PX").arg(60_000).query_async(&mut conn).await.unwrap();
         let Found::Ours(held) = gate.claim(&namespace, biz, &key, "fp", lease).await else {
@@ -926,7 +942,7 @@ mod tests {
             .await;
         assert!(probe.is_err_and(|e| e.to_string().contains("syntax")), "the proxy refuses SET NX GET");
 
-        let gate = Arc::new(RedisGate::new(Target::Single(through), Duration::from_secs(2), None));
+        let gate = Arc::new(RedisGate::new(Target::Single(through), Duration::from_secs(2), None, local_clock()));
         let namespace = Namespace::new("t_unit").unwrap();
         let lease = Duration::from_secs(60);
         let (first, second) = (token(), token());
@@ -958,7 +974,7 @@ mod tests {
             }
         });
         let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("client");
-        let claims = Arc::new(RedisGate::new(Target::Single(client), Duration::from_millis(300), None));
+        let claims = Arc::new(RedisGate::new(Target::Single(client), Duration::from_millis(300), None, local_clock()));
         let namespace = Namespace::new("t_unit").unwrap();
         let tasks_before = tokio::runtime::Handle::current().metrics().num_alive_tasks();
 

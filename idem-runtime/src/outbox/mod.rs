@@ -43,18 +43,19 @@
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 use sqlx::Transaction;
 
+use crate::clock::{Clock, host_ms};
 use crate::engine::Idem;
 use crate::error::Error;
 use crate::key::{validate_biz, validate_key};
 use crate::store::Backend;
 use crate::store::outbox::{DeadRow, NewEvent};
-use crate::store::record::now_ms;
 
 #[cfg(feature = "nats")]
 pub mod nats;
@@ -215,7 +216,9 @@ pub async fn queue<DB: Backend>(tx: &mut Transaction<'_, DB>, event: Event) -> R
         headers: headers.as_deref(),
         biz: call.as_ref().map(|c| c.biz),
         key: call.as_ref().map(|c| c.key.as_str()),
-        now_ms: now_ms(),
+        // The database's clock inside a call; outside one there is no
+        // engine to read it through, and this host's stands in.
+        now_ms: call.as_ref().map_or_else(host_ms, |c| c.clock.now_ms()),
     };
     DB::outbox_insert(&mut **tx, &row).await?;
     Ok(id)
@@ -226,6 +229,7 @@ struct CallScope {
     biz: &'static str,
     key: String,
     next: Cell<u32>,
+    clock: Arc<Clock>,
 }
 
 tokio::task_local! {
@@ -237,13 +241,14 @@ struct CurrentCall {
     biz: &'static str,
     key: String,
     position: u32,
+    clock: Arc<Clock>,
 }
 
 fn current_call() -> Option<CurrentCall> {
     CALL.try_with(|scope| {
         let position = scope.next.get();
         scope.next.set(position.saturating_add(1));
-        CurrentCall { biz: scope.biz, key: scope.key.clone(), position }
+        CurrentCall { biz: scope.biz, key: scope.key.clone(), position, clock: Arc::clone(&scope.clock) }
     })
     .ok()
 }
@@ -270,7 +275,7 @@ pub(crate) async fn scope_where<DB: Backend, R>(
     execution: impl Future<Output = R>,
     committed: impl FnOnce(&R) -> bool,
 ) -> R {
-    let scope = CallScope { biz, key: key.to_owned(), next: Cell::new(0) };
+    let scope = CallScope { biz, key: key.to_owned(), next: Cell::new(0), clock: Arc::clone(engine.clock()) };
     let (result, queued) = CALL
         .scope(scope, async move {
             let result = execution.await;
@@ -376,7 +381,7 @@ impl<DB: Backend> Outbox<'_, DB> {
     /// it at once (and the events of its aggregate queued after it, after
     /// it). `Ok(false)`: no dead event has that id.
     pub async fn retry_dead(&self, message_id: &str) -> Result<bool, Error> {
-        let retried = DB::outbox_retry_dead(self.engine.pool(), message_id, now_ms()).await?;
+        let retried = DB::outbox_retry_dead(self.engine.pool(), message_id, self.engine.now_ms().await).await?;
         if retried {
             self.engine.outbox_waker().wake();
         }
@@ -396,7 +401,8 @@ impl<DB: Backend> Outbox<'_, DB> {
     /// Deletes up to `limit` events sent at least `retention` ago; returns
     /// how many. Relays do this by themselves ([`Relay::retention`]).
     pub async fn purge_sent(&self, retention: Duration, limit: u32) -> Result<u64, Error> {
-        let before = now_ms().saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
+        let before =
+            self.engine.now_ms().await.saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
         Ok(DB::outbox_purge_sent(self.engine.pool(), before, i64::from(limit)).await?)
     }
 

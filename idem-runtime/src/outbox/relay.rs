@@ -28,7 +28,6 @@ use tokio::sync::watch;
 use crate::engine::Idem;
 use crate::store::Backend;
 use crate::store::outbox::{DEAD, PENDING, PendingRow};
-use crate::store::record::now_ms;
 
 /// One event as a [`Publisher`] gets it.
 #[derive(Debug, Clone)]
@@ -353,8 +352,9 @@ impl<DB: Backend, P: Publisher> Relay<DB, P> {
     /// One batch: take, publish, mark, commit.
     async fn batch(&mut self) -> Result<BatchReport, sqlx::Error> {
         let pool = self.engine.pool();
+        let now = self.engine.now_ms().await;
         let mut tx = DB::outbox_begin(pool).await?;
-        let rows = DB::outbox_pick(&mut tx, now_ms(), i64::from(self.batch_size)).await?;
+        let rows = DB::outbox_pick(&mut tx, now, i64::from(self.batch_size)).await?;
         if rows.is_empty() {
             tx.commit().await?;
             return Ok(BatchReport { committed: true, ..BatchReport::default() });
@@ -366,7 +366,7 @@ impl<DB: Backend, P: Publisher> Relay<DB, P> {
 
         let mut report = BatchReport { taken: messages.len(), ..BatchReport::default() };
         let mut sent = Vec::with_capacity(messages.len());
-        let now = now_ms();
+        let now = self.engine.clock().now_ms();
         let mut failures = Vec::new();
         for ((id, message), confirm) in ids.iter().zip(&messages).zip(&confirms) {
             match confirm {

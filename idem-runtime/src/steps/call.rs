@@ -115,6 +115,8 @@ where
         Err(e) => return Ended::error(e),
     };
     let id = CallKey { biz: spec.biz, key, fingerprint: &fingerprint, biz_no, ttl: spec.ttl, lease: spec.lease };
+    // Leases, fences and expiry are stamped and judged on the database's clock.
+    engine.now_ms().await;
 
     let entry = engine.gate().enter(engine.pool(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
     match entry {
@@ -170,7 +172,7 @@ where
     Fut: Future<Output = (Steps<DB>, Result<T, E>)>,
 {
     let pool = engine.pool();
-    let held = match protocol::open(pool, id).await {
+    let held = match protocol::open(pool, engine.clock(), id).await {
         Ok(Opened::Held(held)) => held,
         Ok(Opened::Finished(row)) => return from_row(id, row, Outcome::Replayed),
         Ok(Opened::Busy) => return Ended::error(id.in_progress()),
@@ -188,11 +190,11 @@ where
     let (status, response, value) = match result {
         Ok(value) => match stored_form(&value) {
             Ok((value, response)) => (SUCCEEDED, response, Some(value)),
-            Err(e) => return give_up(pool, parts, Ended::error(Error::Serialize(e))).await,
+            Err(e) => return give_up(engine, parts, Ended::error(Error::Serialize(e))).await,
         },
         Err(error) => match &parts.failure {
             Some(failure) => (FAILED, failure.as_json().to_owned(), None),
-            None => return give_up(pool, parts, Ended::body(error)).await,
+            None => return give_up(engine, parts, Ended::body(error)).await,
         },
     };
 
@@ -202,12 +204,12 @@ where
         None => match DB::begin(pool).await {
             Ok(tx) => tx,
             Err(e) => {
-                protocol::release(pool, owner).await;
+                protocol::release(pool, engine.clock(), owner).await;
                 return Ended::error(protocol::db_error::<DB>(id, e));
             }
         },
     };
-    match protocol::finish(tx, owner, status, &response, id.ttl, has_steps).await {
+    match protocol::finish(tx, engine.clock(), owner, status, &response, id.ttl, has_steps).await {
         Ok(Finished::Ours { expires_ms }) => match value {
             Some(value) => Ended {
                 result: Ok(value),
@@ -231,12 +233,13 @@ where
 /// transaction rolls back, its recorded steps stay, and the key is handed
 /// on at once. A call that was neither resumed nor reached outside is
 /// deleted, as if it never ran.
-async fn give_up<DB: Backend, T, E>(pool: &sqlx::Pool<DB>, parts: Parts<DB>, ended: Ended<T, E>) -> Ended<T, E> {
+async fn give_up<DB: Backend, T, E>(engine: &Idem<DB>, parts: Parts<DB>, ended: Ended<T, E>) -> Ended<T, E> {
+    let pool = engine.pool();
     if let Some(tx) = parts.tx {
         rollback(tx).await;
     }
     if parts.resumed || parts.started || parts.has_steps {
-        protocol::release(pool, parts.owner).await;
+        protocol::release(pool, engine.clock(), parts.owner).await;
     } else {
         protocol::discard(pool, parts.owner).await;
     }
@@ -269,7 +272,7 @@ async fn after_failed_finish<DB: Backend, T: DeserializeOwned, E>(
             from_row(id, row, outcome)
         }
         _ => {
-            protocol::release(engine.pool(), owner).await;
+            protocol::release(engine.pool(), engine.clock(), owner).await;
             Ended::error(protocol::db_error::<DB>(id, error))
         }
     }

@@ -15,9 +15,10 @@ use std::time::Duration;
 
 use sqlx::{Pool, Transaction};
 
+use crate::clock::Clock;
 use crate::error::Error;
 use crate::store::calls::{CallRow, NewCall, Owner, StepWritten};
-use crate::store::record::{now_ms, rollback};
+use crate::store::record::rollback;
 use crate::store::{Backend, ErrorClass, PROCESSING};
 
 /// Rounds of insert / read / take over before phase one gives up on a key
@@ -69,9 +70,9 @@ pub(crate) enum Opened {
 
 /// Phase one: a processing call with our fence, committed before anything
 /// else happens; or the call that answers instead.
-pub(crate) async fn open<DB: Backend>(pool: &Pool<DB>, id: &CallKey<'_>) -> Result<Opened, Error> {
+pub(crate) async fn open<DB: Backend>(pool: &Pool<DB>, clock: &Clock, id: &CallKey<'_>) -> Result<Opened, Error> {
     for _ in 0..OPEN_ATTEMPTS {
-        let now = now_ms();
+        let now = clock.now_ms();
         let lease_until = now.saturating_add(ms(id.lease));
         let new = NewCall {
             biz: id.biz,
@@ -131,14 +132,16 @@ pub(crate) enum StepRecord {
 /// Records a step's result (JSON) under `owner`, in a statement of its own.
 pub(crate) async fn record_step<DB: Backend>(
     pool: &Pool<DB>,
+    clock: &Clock,
     id: &CallKey<'_>,
     owner: Owner,
     step: &str,
     step_key: &str,
     response: &str,
 ) -> Result<StepRecord, Error> {
-    let written =
-        DB::step_insert(pool, owner, step, step_key, response, now_ms()).await.map_err(|e| db_error::<DB>(id, e))?;
+    let written = DB::step_insert(pool, owner, step, step_key, response, clock.now_ms())
+        .await
+        .map_err(|e| db_error::<DB>(id, e))?;
     Ok(match written {
         StepWritten::Recorded => StepRecord::Recorded,
         StepWritten::Fenced => StepRecord::Fenced,
@@ -164,13 +167,14 @@ pub(crate) enum Finished {
 /// (when it was the `COMMIT` that failed).
 pub(crate) async fn finish<DB: Backend>(
     mut tx: Transaction<'static, DB>,
+    clock: &Clock,
     owner: Owner,
     status: i16,
     response: &str,
     ttl: Duration,
     has_steps: bool,
 ) -> Result<Finished, sqlx::Error> {
-    let now = now_ms();
+    let now = clock.now_ms();
     let expires_ms = now.saturating_add(ms(ttl));
     // The fenced update first: it takes the call's row lock, so a takeover
     // waits for this commit (and then finds the call finished).
@@ -195,8 +199,8 @@ pub(crate) async fn finish<DB: Backend>(
 
 /// Ends our lease now, so the next call takes over at once and resumes
 /// from the recorded steps. Best effort: otherwise the lease ends by itself.
-pub(crate) async fn release<DB: Backend>(pool: &Pool<DB>, owner: Owner) {
-    if let Err(e) = DB::call_release(pool, owner, now_ms()).await {
+pub(crate) async fn release<DB: Backend>(pool: &Pool<DB>, clock: &Clock, owner: Owner) {
+    if let Err(e) = DB::call_release(pool, owner, clock.now_ms()).await {
         tracing::debug!(error = %e, "idem: releasing the call's lease failed; it ends by itself");
     }
 }

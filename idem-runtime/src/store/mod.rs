@@ -248,6 +248,36 @@ pub trait RecordSql: sqlx::Database + Sized {
     fn latest_committed_suffix() -> &'static str {
         ""
     }
+
+    /// Whether the database has a clock of its own to read (a server).
+    /// SQLite's file lives on this host, whose clock is the database's.
+    const HAS_CLOCK: bool = true;
+
+    /// The database's clock in Unix epoch microseconds (see
+    /// [`crate::clock`]), read in the simple protocol: no statement is
+    /// prepared, so a pooler in transaction mode passes it.
+    fn clock_us(pool: &Pool<Self>) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
+}
+
+/// The database clock's reading, for [`crate::clock::Clock`].
+impl<DB: Backend> crate::clock::ClockSource for Pool<DB> {
+    fn database_us(&self) -> impl Future<Output = Result<i64, sqlx::Error>> + Send {
+        DB::clock_us(self)
+    }
+}
+
+/// Reads the one `BIGINT` that `sql` (a constant) selects, in the simple
+/// protocol.
+pub(crate) async fn select_bigint<DB>(pool: &Pool<DB>, sql: &'static str) -> Result<i64, sqlx::Error>
+where
+    DB: sqlx::Database,
+    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    i64: sqlx::Type<DB> + for<'r> sqlx::Decode<'r, DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    use sqlx::Row;
+    let row = sqlx::raw_sql(sql).fetch_one(pool).await?;
+    row.try_get(0)
 }
 
 /// SQL of the statements every backend runs in the same shape.
@@ -579,5 +609,55 @@ mod classification {
                    CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); \
                    INSERT INTO idem_classify VALUES (1, 0), (2, 0) ON CONFLICT DO NOTHING";
         classifies(pool, Server { ddl, short_lock_wait: "SET lock_timeout = 300", row_locks: true }).await;
+    }
+}
+
+/// Each server's clock, read as the engines read it: within a second of
+/// this host's (the servers here share its clock), and the round trip that
+/// bounds a reading's error. Skipped when a server does not answer, unless
+/// `IDEM_REQUIRE_SERVICES=1`.
+#[cfg(test)]
+mod clock_reading {
+    use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+    use sqlx::Pool;
+
+    use super::RecordSql;
+
+    async fn reads<DB: RecordSql>(pool: Pool<DB>, server: &str) {
+        let mut best = Duration::MAX;
+        for _ in 0..20 {
+            let sent = Instant::now();
+            let db_us = DB::clock_us(&pool).await.expect("the clock query");
+            best = best.min(sent.elapsed());
+            let host_us = i64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros()).unwrap();
+            assert!((db_us - host_us).abs() < 1_000_000, "{server}: {db_us} vs the host's {host_us}");
+        }
+        println!("{server}: a clock reading's round trip is {best:?} at best (its error at most half that)");
+    }
+
+    fn unreachable(service: &str, e: impl std::fmt::Display) {
+        assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "{service} unreachable: {e}");
+        eprintln!("skipped: {service} unreachable ({e})");
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test]
+    async fn mysql_clock_is_read() {
+        let url = std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        match sqlx::mysql::MySqlPoolOptions::new().max_connections(1).connect(&url).await {
+            Ok(pool) => reads(pool, "mysql").await,
+            Err(e) => unreachable("mysql", e),
+        }
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test]
+    async fn postgres_clock_is_read() {
+        let url = std::env::var("IDEM_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        match sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&url).await {
+            Ok(pool) => reads(pool, "postgres").await,
+            Err(e) => unreachable("postgres", e),
+        }
     }
 }

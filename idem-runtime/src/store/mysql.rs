@@ -122,6 +122,11 @@ impl RecordSql for MySql {
         " LOCK IN SHARE MODE"
     }
 
+    // UTC_TIMESTAMP and a fixed epoch: no session time zone takes part.
+    async fn clock_us(pool: &Pool<Self>) -> Result<i64, sqlx::Error> {
+        super::select_bigint(pool, "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))").await
+    }
+
     fn classify(error: &sqlx::Error) -> ErrorClass {
         if is_unique_violation(error) {
             return ErrorClass::Duplicate;

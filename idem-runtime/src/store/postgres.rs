@@ -127,6 +127,12 @@ impl RecordSql for Postgres {
         done.rows_affected()
     }
 
+    // `clock_timestamp()`, not `now()`: the time of the statement, not of
+    // its transaction's start.
+    async fn clock_us(pool: &Pool<Self>) -> Result<i64, sqlx::Error> {
+        super::select_bigint(pool, "SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::BIGINT").await
+    }
+
     fn classify(error: &sqlx::Error) -> ErrorClass {
         if is_unique_violation(error) {
             return ErrorClass::Duplicate;

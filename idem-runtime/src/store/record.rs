@@ -16,7 +16,7 @@ use std::time::Duration;
 use sqlx::{Pool, Transaction};
 
 use super::{Backend, ErrorClass, NewRecord, PROCESSING, SUCCEEDED, StoredRecord};
-use crate::clock;
+use crate::clock::Clock;
 use crate::error::Error;
 
 /// How many attempts a deadlock or serialization failure before the body
@@ -34,8 +34,8 @@ pub(crate) struct RecordKey<'a> {
 }
 
 impl RecordKey<'_> {
-    fn record<'r>(&'r self, status: i16, response: Option<&'r str>) -> NewRecord<'r> {
-        let now = now_ms();
+    /// The row to insert at `now` (database time, epoch ms).
+    fn record<'r>(&'r self, status: i16, response: Option<&'r str>, now: i64) -> NewRecord<'r> {
         NewRecord {
             biz: self.biz,
             key: self.key,
@@ -58,6 +58,8 @@ pub(crate) struct Records<'p, DB: Backend> {
     pub pool: &'p Pool<DB>,
     /// Bound on a wait for a duplicate still in flight.
     pub lock_wait: Duration,
+    /// The database's clock: every stamp and every expiry judged by it.
+    pub clock: &'p Clock,
 }
 
 /// What [`Records::open`] found.
@@ -101,8 +103,8 @@ impl<DB: Backend> Records<'_, DB> {
             if claimed {
                 return Ok(Opened::Go(tx));
             }
-            let record = id.record(PROCESSING, None);
-            let inserted = match insert(&mut tx, id, &record, Some(self.lock_wait)).await {
+            let record = id.record(PROCESSING, None, self.clock.now_ms());
+            let inserted = match insert(&mut tx, id, &record, Some(self.lock_wait), self.clock).await {
                 Ok(Taken::No) => DB::end_bound(&mut tx).await.map(|()| Taken::No),
                 other => other,
             };
@@ -135,9 +137,9 @@ impl<DB: Backend> Records<'_, DB> {
         response: &str,
         claimed: bool,
     ) -> Result<Committed, Error> {
-        let record = id.record(SUCCEEDED, Some(response));
+        let record = id.record(SUCCEEDED, Some(response), self.clock.now_ms());
         let written = if claimed {
-            insert(&mut tx, id, &record, None).await
+            insert(&mut tx, id, &record, None, self.clock).await
         } else {
             DB::mark_succeeded(&mut tx, &record).await.map(|()| Taken::No)
         };
@@ -180,7 +182,8 @@ impl<DB: Backend> Records<'_, DB> {
         let probe = async {
             for attempt in 1..=2 {
                 let mut tx = DB::begin_bounded(self.pool, self.lock_wait).await?;
-                let taken = insert(&mut tx, id, &id.record(PROCESSING, None), Some(self.lock_wait)).await;
+                let probe = id.record(PROCESSING, None, self.clock.now_ms());
+                let taken = insert(&mut tx, id, &probe, Some(self.lock_wait), self.clock).await;
                 rollback(tx).await;
                 match taken? {
                     Taken::No if attempt == 1 => continue,
@@ -204,7 +207,7 @@ impl<DB: Backend> Records<'_, DB> {
 
     /// The live committed row of `(biz, key)`, if any.
     pub(crate) async fn read_live(&self, biz: &str, key: &str) -> Result<Option<StoredRecord>, Error> {
-        Ok(self.read(biz, key).await?.filter(|row| row.is_live(now_ms())))
+        Ok(self.read(biz, key).await?.filter(|row| row.is_live(self.clock.now_ms())))
     }
 }
 
@@ -222,6 +225,7 @@ async fn insert<DB: Backend>(
     id: &RecordKey<'_>,
     record: &NewRecord<'_>,
     wait: Option<Duration>,
+    clock: &Clock,
 ) -> Result<Taken, sqlx::Error> {
     // Each round either inserts, finds the live row, or clears an expired
     // one; a row that vanishes three times in a row is not worth chasing.
@@ -229,7 +233,7 @@ async fn insert<DB: Backend>(
         if DB::insert(tx, record, wait).await? {
             return Ok(Taken::No);
         }
-        let now = now_ms();
+        let now = clock.now_ms();
         match DB::read_locking(&mut **tx, id.biz, id.key, wait).await? {
             Some(row) if row.expires_ms > now => return Ok(Taken::By(row)),
             Some(_) => {
@@ -257,9 +261,4 @@ fn db_error<DB: Backend>(id: &RecordKey<'_>, error: sqlx::Error) -> Error {
         ErrorClass::LockTimeout | ErrorClass::Conflict => id.in_progress(),
         _ => Error::Storage(error),
     }
-}
-
-/// Now, as the record table stores time: Unix epoch milliseconds.
-pub(crate) fn now_ms() -> i64 {
-    i64::try_from(clock::now_ms()).unwrap_or(i64::MAX)
 }

@@ -97,6 +97,13 @@ impl RecordSql for Sqlite {
         done.rows_affected()
     }
 
+    const HAS_CLOCK: bool = false;
+
+    // Never asked (`HAS_CLOCK` is false); SQLite reads the host's clock too.
+    async fn clock_us(pool: &Pool<Self>) -> Result<i64, sqlx::Error> {
+        super::select_bigint(pool, "SELECT CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)").await
+    }
+
     fn classify(error: &sqlx::Error) -> ErrorClass {
         if is_unique_violation(error) {
             return ErrorClass::Duplicate;

@@ -35,7 +35,6 @@
 use std::future::Future;
 use std::time::Duration;
 
-use crate::clock;
 use crate::engine::Idem;
 use crate::key::validate_biz;
 use crate::store::{Backend, TokenId};
@@ -261,7 +260,7 @@ impl<'e, DB: Backend> Tokens<'e, DB> {
         }
         for _ in 0..ISSUE_ATTEMPTS {
             let token = generate()?;
-            let now = clock::now_ms();
+            let now = self.now_ms().await;
             let expires_at_ms = now + ttl_ms;
             if self.insert(TokenId { biz, token: &token, subject }, now, expires_at_ms).await? {
                 return Ok(IssuedToken { token, ttl, expires_at_ms });
@@ -279,7 +278,7 @@ impl<'e, DB: Backend> Tokens<'e, DB> {
         if !is_well_formed(token) {
             return Ok(Consumption::Unknown);
         }
-        let now = clock::now_ms();
+        let now = self.now_ms().await;
         Ok(match self.take(TokenId { biz, token, subject }, now).await? {
             Found::Consumed { expires_at_ms } => Consumption::Consumed(SpentToken {
                 biz: biz.to_owned(),
@@ -300,7 +299,7 @@ impl<'e, DB: Backend> Tokens<'e, DB> {
     /// it is back, or finds it [`AlreadyUsed`](Consumption::AlreadyUsed)
     /// and reaches the call keyed by the token: the record lets one run.
     pub async fn give_back(&self, spent: SpentToken) -> Result<bool, TokenError> {
-        let now = clock::now_ms();
+        let now = self.now_ms().await;
         #[cfg(feature = "redis")]
         if let Some(gate) = self.idem.gate().redis_gate() {
             return redis::give_back(gate, self.idem.pool(), &spent, now).await;
@@ -344,8 +343,13 @@ impl<'e, DB: Backend> Tokens<'e, DB> {
     /// more (expired, or used past [`Builder::token_used_for`](crate::Builder::token_used_for));
     /// returns how many. Tokens in Redis expire by themselves.
     pub async fn purge_expired(&self, limit: u32) -> Result<u64, TokenError> {
-        let now = i64::try_from(clock::now_ms()).unwrap_or(i64::MAX);
+        let now = self.idem.now_ms().await;
         Ok(DB::token_purge_expired(self.idem.pool(), now, i64::from(limit)).await?)
+    }
+
+    /// Now on the database's clock, as token expiries are stamped and judged.
+    async fn now_ms(&self) -> u64 {
+        u64::try_from(self.idem.now_ms().await).unwrap_or(0)
     }
 
     /// Stores a token just drawn where this engine keeps tokens.
