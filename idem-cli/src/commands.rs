@@ -263,6 +263,7 @@ async fn forget(store: &Store, id: &CallId, yes: bool) -> Result<Done, Failure> 
         if matches!(redis, RedisEntry::Claimed { .. }) {
             prompt += "  (a call holds the claim now: forgetting lets a duplicate run beside it)\n";
         }
+        prompt += "  (instances with a local replay cache may still answer it for up to their max_age)\n";
         eprint!("{prompt}forget? [y/N] ");
         let _ = std::io::stderr().flush();
         let mut answer = String::new();
@@ -272,18 +273,28 @@ async fn forget(store: &Store, id: &CallId, yes: bool) -> Result<Done, Failure> 
             return Ok(Done::Found);
         }
     }
+    let mut removed = false;
     if let Some(r) = &record
         && store.delete(&id.biz, &id.key).await?
     {
         println!("removed record {} {} (id {}, {})", r.biz, r.key, r.id, r.state);
+        removed = true;
     }
     if let Some(key) = redis.key()
         && store.redis_del(key).await?
     {
         println!("removed redis entry {key}");
+        removed = true;
+    }
+    if removed {
+        println!("{LOCAL_CACHES}");
     }
     Ok(Done::Ok)
 }
+
+/// What `forget` cannot reach: the copies instances keep in memory.
+const LOCAL_CACHES: &str = "note: instances with a local replay cache (Builder::local_cache) may answer the forgotten \
+result until their LocalCache::max_age has passed (10 s unless set); wait that long before relying on a new call executing";
 
 struct Reconcile<'a> {
     biz: &'a str,
