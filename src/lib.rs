@@ -93,6 +93,12 @@ pub use idem_runtime::{Consumption, IssuedToken, SpentToken, TokenError, Tokens}
 pub use idem_runtime::steps;
 pub use idem_runtime::{Failure, StepKey, Steps, StuckCall};
 
+/// Not a stable API: where Redis keeps claims and cached results (the
+/// tests read and forge them).
+#[doc(hidden)]
+#[cfg(feature = "redis")]
+pub use idem_runtime::redis_layout;
+
 /// Not a stable API: what the code written by `#[idempotent]` calls.
 #[doc(hidden)]
 pub mod __private {

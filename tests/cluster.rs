@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use idem_testkit::Location;
 use idem_testkit::servers::RedisCluster;
 use idem_testkit::soak::{self, Config, RedisSetup, SoakBackend, Tag};
 use idem_testkit::unique;
@@ -16,30 +17,30 @@ const INSTANCES: usize = 4;
 
 /// The run's claim/result keys (`idem:<biz>:<run>.*`) node `i` holds, with
 /// their values.
-fn keys_on_node(cluster: &RedisCluster, i: usize, pattern: &str) -> Vec<(String, String)> {
-    let (mut cursor, mut found) = (0u64, Vec::new());
-    loop {
-        let (next, keys): (u64, Vec<String>) = cluster
-            .query_node(i, redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(pattern).arg("COUNT").arg(1000))
-            .expect("SCAN");
-        for key in keys {
-            // A claim released since the SCAN is gone: nothing to report.
-            let value: Option<String> = cluster.query_node(i, redis::cmd("GET").arg(&key)).expect("GET");
-            found.extend(value.map(|value| (key, value)));
+/// The cached results on node `i` of the calls at `places`: (claim key,
+/// response), read from the result hashes of each call's shard.
+fn results_on_node(cluster: &RedisCluster, i: usize, places: &[Location]) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    for at in places {
+        let (mut cursor, pattern) = (0u64, format!("{}*", at.results_prefix));
+        loop {
+            let (next, hashes): (u64, Vec<String>) = cluster
+                .query_node(i, redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000))
+                .expect("SCAN");
+            for hash in hashes {
+                let value: Option<Vec<u8>> =
+                    cluster.query_node(i, redis::cmd("HGET").arg(&hash).arg(&at.field[..])).expect("HGET");
+                if let Some((_, _, response)) = value.and_then(idem::redis_layout::parse_result) {
+                    found.push((at.claim.clone(), response));
+                }
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
         }
-        if next == 0 {
-            return found;
-        }
-        cursor = next;
     }
-}
-
-/// The response part of a finished result, `d:<fingerprint>:<response>`;
-/// `None` for a claim still running (`p:...`).
-/// The response in a finished result, `d:<expires_ms>:<fingerprint>:<response>`.
-fn cached_response(value: &str) -> Option<&str> {
-    let (_expires, rest) = value.strip_prefix("d:")?.split_once(':')?;
-    rest.split_once(':').map(|(_, response)| response)
+    found
 }
 
 /// Four engines on `B` share a private 3-master cluster: a storm, distinct
@@ -63,17 +64,19 @@ async fn four_instances<B: SoakBackend>() {
 
     // Distinct keys spread over the three masters.
     let n = 300;
-    let (run, stored) = soak::distinct_keys::<B>(&engines, n).await;
+    let (_run, stored) = soak::distinct_keys::<B>(&engines, n).await;
     let namespace = engines[0].redis_namespace().await.expect("namespace").expect("migrated");
-    let pattern = format!("idem:{namespace}:{}:{run}.*", soak::BIZ);
+    let places: Vec<Location> = stored
+        .iter()
+        .map(|(k, _)| idem::redis_layout::locate(namespace.as_str(), soak::BIZ, k).expect("namespace"))
+        .collect();
     // A claim becomes its result after the commit, off the
     // caller's path: poll until every key holds one.
     let deadline = Instant::now() + Duration::from_secs(10);
     let per_node = loop {
         let per_node: Vec<Vec<(String, String)>> =
-            (0..cluster.ports().len()).map(|i| keys_on_node(&cluster, i, &pattern)).collect();
-        let finished = per_node.iter().flatten().filter(|(_, v)| cached_response(v).is_some()).count();
-        if finished == n || Instant::now() > deadline {
+            (0..cluster.ports().len()).map(|i| results_on_node(&cluster, i, &places)).collect();
+        if per_node.iter().map(Vec::len).sum::<usize>() == n || Instant::now() > deadline {
             break per_node;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -83,10 +86,9 @@ async fn four_instances<B: SoakBackend>() {
     assert!(counts.iter().all(|&k| k > 0), "a master holds none of the keys: {counts:?}");
     assert_eq!(counts.iter().sum::<usize>(), n, "one cached entry per key");
     // Each holds its key's stored response: what a replay returns.
-    let cached: HashMap<String, Option<&str>> =
-        per_node.iter().flatten().map(|(k, v)| (k.clone(), cached_response(v))).collect();
-    let expected: HashMap<String, Option<&str>> =
-        stored.iter().map(|(k, r)| (format!("idem:{namespace}:{}:{k}", soak::BIZ), Some(r.as_str()))).collect();
+    let cached: HashMap<String, String> = per_node.into_iter().flatten().collect();
+    let expected: HashMap<String, String> =
+        places.iter().zip(&stored).map(|(at, (_, response))| (at.claim.clone(), response.clone())).collect();
     assert_eq!(cached, expected, "every key caches its stored response");
     drop(engines);
 

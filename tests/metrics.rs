@@ -198,7 +198,7 @@ async fn a_known_sequence_of_calls_counts_exactly() {
         .redis_timeout(Duration::from_millis(300))
         .build();
     idem.migrate().await.expect("migrate");
-    let cached = |key: &str| format!("idem:{namespace}:m_redis:{key}");
+    let cached = |key: &str| idem::redis_layout::locate(&namespace, "m_redis", key).unwrap();
     let ok = |key: &str, amount| pay_redis(&idem, key.to_owned(), amount, Body::Ok);
 
     // Executed, then replayed from Redis once the cached result landed.
@@ -221,7 +221,7 @@ async fn a_known_sequence_of_calls_counts_exactly() {
     go.send(()).unwrap();
     assert_eq!(first.await.unwrap().unwrap(), 3);
     // Replayed from the database: Redis lost the cached result of k1.
-    idem_testkit::redis_del(&redis, &cached("k1")).await;
+    idem_testkit::redis_forget(&redis, &cached("k1")).await;
     assert_eq!(ok("k1", 1).await.unwrap(), 1);
 
     // A call dropped while its body runs: its claim is released from the

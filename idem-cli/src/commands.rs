@@ -9,6 +9,8 @@ use serde_json::{Value, json};
 use crate::Done;
 use crate::cli::{CallId, Cli, Command, RecordField, State};
 use crate::ident::Ident;
+use idem_runtime::redis_layout::Location;
+
 use crate::store::{Failure, ListFilter, Record, Store};
 use crate::time::{parse_duration, rfc3339};
 
@@ -104,14 +106,14 @@ async fn status(store: &Store, id: &CallId, as_json: bool) -> Result<Done, Failu
     Ok(Done::Ok)
 }
 
-/// What Redis holds for a call.
+/// What Redis holds for a call: its claim, or its cached result.
 enum RedisEntry {
     NotConfigured,
     NoNamespace,
-    Absent(String),
-    Claimed { key: String, lease_ms: i64 },
-    Cached { key: String, expires_at: i64 },
-    Other { key: String },
+    Absent(Location),
+    Claimed { at: Location, lease_ms: i64 },
+    Cached { at: Location, hashes: Vec<String>, expires_at: i64 },
+    Other { at: Location },
     Unreachable(String),
 }
 
@@ -119,19 +121,29 @@ async fn redis_entry(store: &Store, id: &CallId) -> Result<RedisEntry, Failure> 
     if store.redis.is_none() {
         return Ok(RedisEntry::NotConfigured);
     }
-    let Some(key) = store.redis_key(&id.biz, &id.key).await? else { return Ok(RedisEntry::NoNamespace) };
-    Ok(match store.redis_get(&key).await {
-        Err(e) => RedisEntry::Unreachable(e.to_string()),
-        Ok(None) => RedisEntry::Absent(key),
-        Ok(Some((value, ttl))) => {
-            if value.starts_with("p:") {
-                RedisEntry::Claimed { key, lease_ms: ttl }
-            } else if let Some(expires) = value.strip_prefix("d:").and_then(|r| r.split(':').next()?.parse().ok()) {
-                RedisEntry::Cached { key, expires_at: expires }
-            } else {
-                RedisEntry::Other { key }
-            }
+    let Some(at) = store.redis_location(&id.biz, &id.key).await? else { return Ok(RedisEntry::NoNamespace) };
+    let claim = match store.redis_get(&at.claim).await {
+        Err(e) => return Ok(RedisEntry::Unreachable(e.to_string())),
+        Ok(claim) => claim,
+    };
+    if let Some((value, ttl)) = claim {
+        return Ok(if value.starts_with(b"p:") {
+            RedisEntry::Claimed { at, lease_ms: ttl }
+        } else {
+            RedisEntry::Other { at }
+        });
+    }
+    let results = match store.redis_results(&at).await {
+        Err(e) => return Ok(RedisEntry::Unreachable(e.to_string())),
+        Ok(results) => results,
+    };
+    let expires_at = results.iter().find_map(|(_, v)| idem_runtime::redis_layout::parse_result(v.clone()));
+    Ok(match expires_at {
+        Some((expires_at, ..)) => {
+            RedisEntry::Cached { at, hashes: results.into_iter().map(|(hash, _)| hash).collect(), expires_at }
         }
+        None if results.is_empty() => RedisEntry::Absent(at),
+        None => RedisEntry::Other { at },
     })
 }
 
@@ -140,12 +152,14 @@ impl RedisEntry {
         match self {
             RedisEntry::NotConfigured => json!({ "state": "not_configured" }),
             RedisEntry::NoNamespace => json!({ "state": "no_namespace" }),
-            RedisEntry::Absent(key) => json!({ "key": key, "state": "absent" }),
-            RedisEntry::Claimed { key, lease_ms } => json!({ "key": key, "state": "claimed", "lease_ms": lease_ms }),
-            RedisEntry::Cached { key, expires_at } => {
-                json!({ "key": key, "state": "cached", "expires_at": rfc3339(*expires_at) })
+            RedisEntry::Absent(at) => json!({ "key": at.claim, "state": "absent" }),
+            RedisEntry::Claimed { at, lease_ms } => {
+                json!({ "key": at.claim, "state": "claimed", "lease_ms": lease_ms })
             }
-            RedisEntry::Other { key } => json!({ "key": key, "state": "unknown_value" }),
+            RedisEntry::Cached { at, hashes, expires_at } => {
+                json!({ "key": at.claim, "state": "cached", "in": hashes, "expires_at": rfc3339(*expires_at) })
+            }
+            RedisEntry::Other { at } => json!({ "key": at.claim, "state": "unknown_value" }),
             RedisEntry::Unreachable(e) => json!({ "state": "unreachable", "error": e }),
         }
     }
@@ -154,24 +168,21 @@ impl RedisEntry {
         match self {
             RedisEntry::NotConfigured => "redis: not configured (IDEM_REDIS_URL)".into(),
             RedisEntry::NoNamespace => "redis: no namespace (idem_meta has none; pass --namespace)".into(),
-            RedisEntry::Absent(key) => format!("redis {key}\n  absent"),
-            RedisEntry::Claimed { key, lease_ms } => {
-                format!("redis {key}\n  claimed by a running call, lease ends in {lease_ms} ms")
+            RedisEntry::Absent(at) => format!("redis {}\n  absent", at.claim),
+            RedisEntry::Claimed { at, lease_ms } => {
+                format!("redis {}\n  claimed by a running call, lease ends in {lease_ms} ms", at.claim)
             }
-            RedisEntry::Cached { key, expires_at } => {
-                format!("redis {key}\n  cached result until {}", rfc3339(*expires_at))
+            RedisEntry::Cached { at, hashes, expires_at } => {
+                format!("redis {}\n  cached result until {} (in {})", at.claim, rfc3339(*expires_at), hashes.join(", "))
             }
-            RedisEntry::Other { key } => format!("redis {key}\n  a value idem did not write"),
+            RedisEntry::Other { at } => format!("redis {}\n  a value idem did not write", at.claim),
             RedisEntry::Unreachable(e) => format!("redis: unreachable ({e})"),
         }
     }
 
-    /// Whether there is a key to delete.
-    fn key(&self) -> Option<&str> {
-        match self {
-            RedisEntry::Claimed { key, .. } | RedisEntry::Cached { key, .. } | RedisEntry::Other { key } => Some(key),
-            _ => None,
-        }
+    /// Whether Redis holds something of the call to delete.
+    fn held(&self) -> bool {
+        matches!(self, RedisEntry::Claimed { .. } | RedisEntry::Cached { .. } | RedisEntry::Other { .. })
     }
 }
 
@@ -241,7 +252,7 @@ async fn forget(store: &Store, id: &CallId, yes: bool) -> Result<Done, Failure> 
     if let RedisEntry::Unreachable(e) = &redis {
         return Err(format!("redis unreachable, nothing removed: {e}").into());
     }
-    if record.is_none() && redis.key().is_none() {
+    if record.is_none() && !redis.held() {
         println!("nothing to forget for {} {}", id.biz, id.key);
         return Ok(Done::Ok);
     }
@@ -257,8 +268,14 @@ async fn forget(store: &Store, id: &CallId, yes: bool) -> Result<Done, Failure> 
                 rfc3339(r.expires_at)
             );
         }
-        if let Some(key) = redis.key() {
-            prompt += &format!("  redis entry {key}\n");
+        match &redis {
+            RedisEntry::Claimed { at, .. } | RedisEntry::Other { at } => {
+                prompt += &format!("  redis entry {}\n", at.claim)
+            }
+            RedisEntry::Cached { at, hashes, .. } => {
+                prompt += &format!("  redis cached result of {} (in {})\n", at.claim, hashes.join(", "))
+            }
+            _ => {}
         }
         if matches!(redis, RedisEntry::Claimed { .. }) {
             prompt += "  (a call holds the claim now: forgetting lets a duplicate run beside it)\n";
@@ -280,11 +297,20 @@ async fn forget(store: &Store, id: &CallId, yes: bool) -> Result<Done, Failure> 
         println!("removed record {} {} (id {}, {})", r.biz, r.key, r.id, r.state);
         removed = true;
     }
-    if let Some(key) = redis.key()
-        && store.redis_del(key).await?
-    {
-        println!("removed redis entry {key}");
-        removed = true;
+    match &redis {
+        RedisEntry::Claimed { at, .. } | RedisEntry::Other { at } if store.redis_del(&at.claim).await? => {
+            println!("removed redis entry {}", at.claim);
+            removed = true;
+        }
+        RedisEntry::Cached { at, hashes, .. } => {
+            for hash in hashes {
+                if store.redis_hdel(hash, at).await? {
+                    println!("removed redis cached result of {} from {hash}", at.claim);
+                    removed = true;
+                }
+            }
+        }
+        _ => {}
     }
     if removed {
         println!("{LOCAL_CACHES}");

@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use idem_runtime::redis_layout::Location;
 use idem_runtime::{Backend, Idem, Namespace, Status};
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, AssertSqlSafe, Row};
@@ -223,12 +224,13 @@ impl Store {
         Ok(sqlx::query_scalar::<_, String>(sql).fetch_optional(&self.pool).await?)
     }
 
-    /// The Redis key of `(biz, key)`, when there is a Redis and a namespace.
-    pub async fn redis_key(&self, biz: &str, key: &str) -> Result<Option<String>, Failure> {
+    /// Where `(biz, key)` lives in Redis, when there is a Redis and a namespace.
+    pub async fn redis_location(&self, biz: &str, key: &str) -> Result<Option<Location>, Failure> {
         if self.redis.is_none() {
             return Ok(None);
         }
-        Ok(self.namespace().await?.map(|ns| format!("idem:{ns}:{biz}:{key}")))
+        let Some(ns) = self.namespace().await? else { return Ok(None) };
+        Ok(Some(idem_runtime::redis_layout::locate(&ns, biz, key).map_err(|e| format!("namespace: {e}"))?))
     }
 
     async fn redis_conn(&self) -> Result<redis::aio::MultiplexedConnection, Failure> {
@@ -241,17 +243,51 @@ impl Store {
     }
 
     /// What Redis holds at `key`, and for how long (ms; -1 without expiry).
-    pub async fn redis_get(&self, key: &str) -> Result<Option<(String, i64)>, Failure> {
+    pub async fn redis_get(&self, key: &str) -> Result<Option<(Vec<u8>, i64)>, Failure> {
         let mut conn = self.redis_conn().await?;
-        let (value, ttl): (Option<String>, i64) =
+        let (value, ttl): (Option<Vec<u8>>, i64) =
             redis::pipe().cmd("GET").arg(key).cmd("PTTL").arg(key).query_async(&mut conn).await?;
         Ok(value.map(|v| (v, ttl)))
+    }
+
+    /// The result hashes that hold a cached result of `at`, with its bytes.
+    /// The hashes of one shard are few (two windows live at a time), and so
+    /// are the keys a `SCAN` walks: results share hashes.
+    pub async fn redis_results(&self, at: &Location) -> Result<Vec<(String, Vec<u8>)>, Failure> {
+        let mut conn = self.redis_conn().await?;
+        let (mut cursor, mut found) = (0u64, Vec::new());
+        loop {
+            let (next, hashes): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{}*", at.results_prefix))
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await?;
+            for hash in hashes {
+                let value: Option<Vec<u8>> =
+                    redis::cmd("HGET").arg(&hash).arg(&at.field[..]).query_async(&mut conn).await?;
+                found.extend(value.map(|v| (hash, v)));
+            }
+            if next == 0 {
+                return Ok(found);
+            }
+            cursor = next;
+        }
     }
 
     /// Deletes `key` in Redis; whether it existed.
     pub async fn redis_del(&self, key: &str) -> Result<bool, Failure> {
         let mut conn = self.redis_conn().await?;
         let n: i64 = redis::cmd("DEL").arg(key).query_async(&mut conn).await?;
+        Ok(n > 0)
+    }
+
+    /// Deletes `at`'s cached result from `hash`; whether it was there.
+    pub async fn redis_hdel(&self, hash: &str, at: &Location) -> Result<bool, Failure> {
+        let mut conn = self.redis_conn().await?;
+        let n: i64 = redis::cmd("HDEL").arg(hash).arg(&at.field[..]).query_async(&mut conn).await?;
         Ok(n > 0)
     }
 

@@ -8,7 +8,9 @@
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
 
+use idem_runtime::redis_layout::Location;
 use serde_json::{Value, json};
 use sqlx::any::AnyPoolOptions;
 use sqlx::{AnyPool, AssertSqlSafe};
@@ -126,14 +128,42 @@ impl Fixture {
         sqlx::query_scalar(AssertSqlSafe(sql)).bind(&self.biz).bind(key).fetch_one(&self.pool).await.unwrap()
     }
 
-    fn redis_key(&self, key: &str) -> String {
-        format!("idem:{}:{}:{key}", self.namespace, self.biz)
+    /// Where `key` lives in Redis, by the engine's own layout.
+    fn location(&self, key: &str) -> Location {
+        idem_runtime::redis_layout::locate(&self.namespace, &self.biz, key).unwrap()
     }
 
-    async fn redis_set(&self, key: &str, value: &str) {
+    /// The result hash a cached result of `key` is forged into (the window of now).
+    fn results_hash(&self, key: &str) -> String {
+        let window = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() / 600_000;
+        format!("{}{window}", self.location(key).results_prefix)
+    }
+
+    /// Forges the cached result of `key`, as a finished call leaves it.
+    async fn redis_cache(&self, key: &str, response: &str) {
+        let mut conn = self.redis.as_ref().unwrap().get_multiplexed_async_connection().await.unwrap();
+        let value = idem_runtime::redis_layout::result_value(LIVE, HASH, response);
+        let hash = self.results_hash(key);
+        let _: () = redis::pipe()
+            .cmd("HSET")
+            .arg(&hash)
+            .arg(&self.location(key).field[..])
+            .arg(value)
+            .ignore()
+            .cmd("PEXPIRE")
+            .arg(&hash)
+            .arg(600_000)
+            .ignore()
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+
+    /// Forges the claim of a running call on `key`.
+    async fn redis_claim(&self, key: &str, value: &str) {
         let mut conn = self.redis.as_ref().unwrap().get_multiplexed_async_connection().await.unwrap();
         let _: () = redis::cmd("SET")
-            .arg(self.redis_key(key))
+            .arg(self.location(key).claim)
             .arg(value)
             .arg("PX")
             .arg(600_000)
@@ -142,9 +172,14 @@ impl Fixture {
             .unwrap();
     }
 
-    async fn redis_exists(&self, key: &str) -> bool {
+    /// Whether Redis holds the claim or the cached result of `key`.
+    async fn redis_holds(&self, key: &str) -> bool {
         let mut conn = self.redis.as_ref().unwrap().get_multiplexed_async_connection().await.unwrap();
-        redis::cmd("EXISTS").arg(self.redis_key(key)).query_async(&mut conn).await.unwrap()
+        let at = self.location(key);
+        let claim: bool = redis::cmd("EXISTS").arg(&at.claim).query_async(&mut conn).await.unwrap();
+        let cached: bool =
+            redis::cmd("HEXISTS").arg(self.results_hash(key)).arg(&at.field[..]).query_async(&mut conn).await.unwrap();
+        claim || cached
     }
 
     /// Runs `idem` with this fixture's database, Redis and namespace.
@@ -189,9 +224,9 @@ async fn every_command(db: Db) {
     f.record("k3", Some("3"), 1, CREATED + 2, EXPIRED).await;
     let id4 = f.record("k4", Some("4"), 1, CREATED + 3, LIVE).await;
     let id6 = f.record("k6", Some("6"), 0, CREATED + 4, LIVE).await;
-    f.redis_set("k1", &format!("d:{LIVE}:{HASH}:{{\"key\":\"k1\"}}")).await;
-    f.redis_set("k2", &format!("d:{LIVE}:{HASH}:{{\"key\":\"k2\"}}")).await;
-    f.redis_set("k7", "p:token:fingerprint").await;
+    f.redis_cache("k1", "{\"key\":\"k1\"}").await;
+    f.redis_cache("k2", "{\"key\":\"k2\"}").await;
+    f.redis_claim("k7", "p:token:fingerprint").await;
 
     // status
     assert_eq!(out(&f.idem(&["status", &b, "k1"], "")), (0, "completed {\"key\":\"k1\"}\n".into()));
@@ -209,13 +244,16 @@ async fn every_command(db: Db) {
         "created_at": "2026-01-01T00:00:00.000Z", "updated_at": "2026-01-01T00:00:00.000Z",
         "expires_at": "2100-01-01T00:00:00.000Z", "expired": false, "response": { "key": "k1" },
     });
-    let redis_k1 = json!({ "key": f.redis_key("k1"), "state": "cached", "expires_at": "2100-01-01T00:00:00.000Z" });
+    let redis_k1 = json!({
+        "key": f.location("k1").claim, "state": "cached", "in": [f.results_hash("k1")],
+        "expires_at": "2100-01-01T00:00:00.000Z",
+    });
     assert_eq!(out_json(&f.idem(&["show", &b, "k1", "--json"], "")), (0, json!({ "record": k1, "redis": redis_k1 })));
     let expected = format!(
         "record {b} k4\n  id          {id4}\n  state       succeeded\n  biz_no      4\n  params_hash {HASH}\n  \
          created_at  2026-01-01T00:00:00.003Z\n  updated_at  2026-01-01T00:00:00.003Z\n  \
          expires_at  2100-01-01T00:00:00.000Z\n  response    {{\"key\":\"k4\"}}\nredis {}\n  absent\n",
-        f.redis_key("k4")
+        f.location("k4").claim
     );
     assert_eq!(out(&f.idem(&["show", &b, "k4"], "")), (0, expected));
     let (code, shown) = out_json(&f.idem(&["show", &b, "k7", "--json"], ""));
@@ -335,14 +373,15 @@ async fn every_command(db: Db) {
     assert_eq!(out(&f.idem(&["status", &b, "k2"], "")).1, "completed {\"key\":\"k2\"}\n");
     let confirmed = f.idem(&["forget", &b, "k2"], "y\n");
     let removed = format!(
-        "removed record {b} k2 (id {id2}, succeeded)\nremoved redis entry {}\nnote: instances with a local replay \
-         cache (Builder::local_cache) may answer the forgotten result until their LocalCache::max_age has passed \
-         (10 s unless set); wait that long before relying on a new call executing\n",
-        f.redis_key("k2")
+        "removed record {b} k2 (id {id2}, succeeded)\nremoved redis cached result of {} from {}\nnote: instances \
+         with a local replay cache (Builder::local_cache) may answer the forgotten result until their \
+         LocalCache::max_age has passed (10 s unless set); wait that long before relying on a new call executing\n",
+        f.location("k2").claim,
+        f.results_hash("k2")
     );
     assert_eq!(out(&confirmed), (0, removed));
     assert_eq!(out(&f.idem(&["status", &b, "k2"], "")).1, "absent\n");
-    assert!(!f.redis_exists("k2").await);
+    assert!(!f.redis_holds("k2").await);
     assert_eq!(out(&f.idem(&["forget", &b, "k2", "--yes"], "")), (0, format!("nothing to forget for {b} k2\n")));
     let (code, stdout) = out(&f.idem(&["forget", &b, "k1", "--yes"], ""));
     assert_eq!((code, stdout.lines().count()), (0, 3), "{stdout}");

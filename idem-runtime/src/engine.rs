@@ -70,6 +70,8 @@ pub struct Builder<DB: Backend> {
     namespace: Option<Namespace>,
     #[cfg(feature = "redis")]
     redis_timeout: Duration,
+    #[cfg(feature = "redis")]
+    redis_hot_window: Duration,
     lock_wait: Duration,
     local_cache: Option<LocalCache>,
     tokens: token::Settings,
@@ -121,6 +123,20 @@ impl<DB: Backend> Builder<DB> {
         self
     }
 
+    /// How long Redis keeps a finished result for fast replays: between one
+    /// and two of these (results are kept in one hash per window of this
+    /// length, dropped a window after it ends), and never past its record's
+    /// expiry. Redis then holds about `calls per second × 1.5 × hot window`
+    /// results, whatever the records' ttl. A duplicate arriving later takes
+    /// the claim and is answered from the record: its body runs in a
+    /// transaction that rolls back when the record's insert meets the
+    /// committed row. Default 10 minutes; at least 1 s.
+    #[cfg(feature = "redis")]
+    pub fn redis_hot_window(mut self, window: Duration) -> Self {
+        self.redis_hot_window = window;
+        self
+    }
+
     /// Without a Redis claim, how long a call waits for a duplicate still
     /// running before answering `InProgress`. Default 5 s. A duplicate on
     /// this engine is waited for in memory, to the millisecond; one on
@@ -162,7 +178,13 @@ impl<DB: Backend> Builder<DB> {
         let clock = Arc::new(Clock::new(DB::HAS_CLOCK));
         #[cfg(feature = "redis")]
         let gate = match self.redis {
-            Some(target) => Gate::redis(RedisGate::new(target, self.redis_timeout, self.namespace, Arc::clone(&clock))),
+            Some(target) => Gate::redis(RedisGate::new(
+                target,
+                self.redis_timeout,
+                self.namespace,
+                self.redis_hot_window,
+                Arc::clone(&clock),
+            )),
             None => Gate::memory(),
         };
         #[cfg(not(feature = "redis"))]
@@ -193,6 +215,8 @@ impl<DB: Backend> Idem<DB> {
             namespace: None,
             #[cfg(feature = "redis")]
             redis_timeout: Duration::from_millis(500),
+            #[cfg(feature = "redis")]
+            redis_hot_window: crate::gate::redis::DEFAULT_HOT_WINDOW,
             lock_wait: Duration::from_secs(5),
             local_cache: None,
             tokens: token::Settings::default(),
@@ -268,7 +292,7 @@ impl<DB: Backend> Idem<DB> {
     }
 
     /// The namespace this engine's Redis keys carry
-    /// (`idem:<namespace>:<biz>:<key>`): the one set on the builder, else
+    /// (`idem:{<namespace>.<shard>}:...`): the one set on the builder, else
     /// the one [`Idem::migrate`] recorded in the database (`None` before
     /// it ran). Without a namespace the engine leaves Redis alone and
     /// works on the database alone.

@@ -58,6 +58,50 @@ pub use steps::{Failure, StepKey, Steps, StuckCall};
 pub use store::Backend;
 pub use token::{Consumption, IssuedToken, SpentToken, TokenError, Tokens};
 
+/// Not a stable API: where Redis keeps claims and cached results, for the
+/// `idem` tool and the tests, which read and forge them.
+#[doc(hidden)]
+#[cfg(feature = "redis")]
+pub mod redis_layout {
+    use crate::gate::redis::layout;
+    use crate::namespace::{InvalidNamespace, Namespace};
+
+    /// Where one `(biz, key)` of a namespace lives in Redis.
+    #[derive(Debug, Clone)]
+    pub struct Location {
+        /// The claim's key (a string: `p:<owner>:<fingerprint>` while a call runs).
+        pub claim: String,
+        /// The call's field in the result hashes.
+        pub field: [u8; 16],
+        /// What the result hashes of the call's shard are named: this, then the window.
+        pub results_prefix: String,
+    }
+
+    /// Where `(biz, key)` lives in `namespace`.
+    pub fn locate(namespace: &str, biz: &str, key: &str) -> Result<Location, InvalidNamespace> {
+        let place = layout::Place::of(&Namespace::new(namespace)?, biz, key);
+        let results = place.results(0);
+        let results_prefix = results[..results.len() - 1].to_owned();
+        Ok(Location { claim: place.claim, field: place.field, results_prefix })
+    }
+
+    /// A cached result's bytes read back: its record's expiry (epoch ms),
+    /// its fingerprint's first 16 bytes in hex, and the response.
+    pub fn parse_result(value: Vec<u8>) -> Option<(i64, String, String)> {
+        layout::parse_result(value).map(|r| (r.expires_ms, r.fingerprint_prefix, r.response))
+    }
+
+    /// The bytes a result hash keeps for a finished call.
+    pub fn result_value(expires_ms: i64, fingerprint: &str, response: &str) -> Vec<u8> {
+        layout::result_value(expires_ms, fingerprint, response)
+    }
+
+    /// A claim's value, with a fresh owner token.
+    pub fn claim_value(fingerprint: &str) -> String {
+        layout::claim_value(fingerprint)
+    }
+}
+
 /// Not a stable API: what the code written by `#[idempotent]` calls.
 #[doc(hidden)]
 pub mod __private {

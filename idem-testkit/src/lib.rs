@@ -30,7 +30,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 pub use backend::TestBackend;
-pub use redis_entries::{redis_cached_response, redis_del, redis_exists, redis_pause, redis_set, redis_value_after};
+#[cfg(feature = "redis")]
+pub use redis_entries::{
+    Location, redis_cached_response, redis_forget, redis_holds, redis_replace_result, redis_result,
+};
+pub use redis_entries::{redis_del, redis_exists, redis_pause, redis_set, redis_value_after};
 pub use services::{mysql_url, pg_url, reach, redis_client, redis_url, services_required, skip};
 
 /// A key nobody else uses: this process, this instant, a counter.

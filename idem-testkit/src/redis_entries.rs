@@ -1,7 +1,12 @@
-//! What a Redis holds, read and forged by tests: entries a crashed call
-//! would leave, entries Redis lost, cached results, and pauses.
+//! What a Redis holds, read and forged by tests: claims a crashed call
+//! would leave, results Redis lost, cached results, and pauses. Where a
+//! call's claim and result live is the engine's own layout
+//! ([`idem::redis_layout`]), never rewritten here.
 
 use std::time::Duration;
+
+#[cfg(feature = "redis")]
+pub use idem::redis_layout::Location;
 
 /// Whether Redis holds `key`.
 pub async fn redis_exists(client: &redis::Client, key: &str) -> bool {
@@ -15,7 +20,7 @@ pub async fn redis_set(client: &redis::Client, key: &str, value: &str, ttl_ms: u
     let _: () = redis::cmd("SET").arg(key).arg(value).arg("PX").arg(ttl_ms).query_async(&mut conn).await.expect("SET");
 }
 
-/// Deletes `key` (tests where Redis lost what it held).
+/// Deletes `key`.
 pub async fn redis_del(client: &redis::Client, key: &str) {
     let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
     let _: i64 = redis::cmd("DEL").arg(key).query_async(&mut conn).await.expect("DEL");
@@ -40,24 +45,89 @@ pub async fn redis_value_after(client: &redis::Client, key: &str, deadline: Dura
     }
 }
 
-/// Polls `key` until it holds a finished result (`d:<expires_ms>:<fingerprint>:<response>`,
-/// written after the commit from a spawned task); returns the response part.
-pub async fn redis_cached_response(client: &redis::Client, key: &str) -> String {
+/// The result hashes of `at`'s shard that hold its field: (hash, bytes).
+#[cfg(feature = "redis")]
+async fn results(
+    conn: &mut redis::aio::MultiplexedConnection,
+    at: &Location,
+) -> redis::RedisResult<Vec<(String, Vec<u8>)>> {
+    let mut cursor = 0u64;
+    let mut found = Vec::new();
+    loop {
+        let (next, hashes): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{}*", at.results_prefix))
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await?;
+        for hash in hashes {
+            let value: Option<Vec<u8>> = redis::cmd("HGET").arg(&hash).arg(&at.field[..]).query_async(conn).await?;
+            if let Some(value) = value {
+                found.push((hash, value));
+            }
+        }
+        if next == 0 {
+            return Ok(found);
+        }
+        cursor = next;
+    }
+}
+
+/// The cached result of `at` (its bytes, as the engine wrote them), if any.
+#[cfg(feature = "redis")]
+pub async fn redis_result(client: &redis::Client, at: &Location) -> Option<Vec<u8>> {
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    results(&mut conn, at).await.expect("SCAN / HGET").into_iter().next().map(|(_, value)| value)
+}
+
+/// Polls until Redis holds a finished result of `at` (written after the
+/// commit from a spawned task); returns its response.
+#[cfg(feature = "redis")]
+pub async fn redis_cached_response(client: &redis::Client, at: &Location) -> String {
     let start = std::time::Instant::now();
     loop {
-        // A paused Redis may time out the `GET`: asked again until the deadline.
-        let value: Option<String> = match client.get_multiplexed_async_connection().await {
-            Ok(mut conn) => redis::cmd("GET").arg(key).query_async(&mut conn).await.unwrap_or(None),
-            Err(_) => None,
+        // A paused Redis may time out: asked again until the deadline.
+        let found = match client.get_multiplexed_async_connection().await {
+            Ok(mut conn) => results(&mut conn, at).await.unwrap_or_default(),
+            Err(_) => Vec::new(),
         };
-        let done = value.as_deref().and_then(|v| v.strip_prefix("d:"));
-        // `d:<expires_ms>:<fingerprint>:<response>`
-        if let Some((_, response)) = done.and_then(|v| v.split_once(':')).and_then(|(_, v)| v.split_once(':')) {
-            return response.to_owned();
+        if let Some((_, value)) = found.into_iter().next() {
+            let (_, _, response) = idem::redis_layout::parse_result(value).expect("a result the engine wrote");
+            return response;
         }
-        assert!(start.elapsed() < Duration::from_secs(10), "{key} not cached: {value:?}");
+        assert!(start.elapsed() < Duration::from_secs(10), "{} not cached", at.claim);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Replaces the cached result of `at` (where it is kept) by `value`.
+#[cfg(feature = "redis")]
+pub async fn redis_replace_result(client: &redis::Client, at: &Location, value: &[u8]) {
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let found = results(&mut conn, at).await.expect("SCAN / HGET");
+    assert!(!found.is_empty(), "{} holds no result to replace", at.claim);
+    for (hash, _) in found {
+        let _: i64 = redis::cmd("HSET").arg(&hash).arg(&at.field[..]).arg(value).query_async(&mut conn).await.unwrap();
+    }
+}
+
+/// Makes Redis lose everything of `at`: its claim and its cached result
+/// (evicted, flushed, restarted).
+#[cfg(feature = "redis")]
+pub async fn redis_forget(client: &redis::Client, at: &Location) {
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let _: i64 = redis::cmd("DEL").arg(&at.claim).query_async(&mut conn).await.expect("DEL");
+    for (hash, _) in results(&mut conn, at).await.expect("SCAN / HGET") {
+        let _: i64 = redis::cmd("HDEL").arg(&hash).arg(&at.field[..]).query_async(&mut conn).await.expect("HDEL");
+    }
+}
+
+/// Whether Redis holds anything of `at`: a claim or a cached result.
+#[cfg(feature = "redis")]
+pub async fn redis_holds(client: &redis::Client, at: &Location) -> bool {
+    redis_exists(client, &at.claim).await || redis_result(client, at).await.is_some()
 }
 
 /// Makes Redis hold every command for `ms` (`CLIENT PAUSE`): answered as

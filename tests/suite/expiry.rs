@@ -7,7 +7,7 @@ use std::time::Duration;
 use idem_testkit::{redis_cached_response, redis_pause, unique};
 
 use super::fixture::{
-    Mode, Probe, Redis, engine, engine_on_private_redis, ledger_rows, pay_short_ttl, record_rows_for, redis_key,
+    Mode, Probe, Redis, engine, engine_on_private_redis, ledger_rows, pay_short_ttl, record_rows_for, redis_location,
     until_expired, until_held, with_and_without_redis,
 };
 
@@ -49,8 +49,8 @@ async fn a_cached_result_written_late_does_not_outlive_its_record() {
     redis_pause(&server.client(), 2_500).await;
     probe.open();
     let first = first.await.unwrap().unwrap();
-    let key = redis_key(&idem, "t_ttl", &k).await;
-    let cached = redis_cached_response(&server.client(), &key).await;
+    let at = redis_location(&idem, "t_ttl", &k).await;
+    let cached = redis_cached_response(&server.client(), &at).await;
     assert_eq!(cached, serde_json::to_string(&first).unwrap(), "the late write landed");
     until_expired(&idem, "t_ttl", &k).await;
 

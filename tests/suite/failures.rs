@@ -5,11 +5,11 @@
 use std::sync::Arc;
 
 use idem::{Idem, Status};
-use idem_testkit::{TestBackend, redis_client, redis_exists, unique};
+use idem_testkit::{TestBackend, redis_client, redis_holds, unique};
 
 use super::B;
 use super::fixture::{
-    Mode, Probe, Receipt, Redis, TestError, engine, ledger_rows, past_the_release, pay, redis_key, until_held,
+    Mode, Probe, Receipt, Redis, TestError, engine, ledger_rows, past_the_release, pay, redis_location, until_held,
     with_and_without_redis,
 };
 
@@ -116,7 +116,7 @@ async fn unreachable_database_is_a_storage_error(redis: Redis) {
     assert_eq!(probe.runs(), 0, "no body without a transaction");
     if let Some(client) = client {
         // The claim taken before the database failed was released.
-        assert!(!redis_exists(&client, &redis_key(&idem, "t_pay", &k).await).await);
+        assert!(!redis_holds(&client, &redis_location(&idem, "t_pay", &k).await).await);
     }
 }
 

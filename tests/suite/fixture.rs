@@ -258,10 +258,11 @@ pub(crate) async fn engine_on_private_database(name: &str) -> Option<(sqlx::Pool
     Some((pool, idem))
 }
 
-/// The Redis key of `(biz, k)` on `idem`: `idem:<namespace>:<biz>:<key>`.
-pub(crate) async fn redis_key(idem: &Idem<Db>, biz: &str, k: &str) -> String {
+/// Where `(biz, k)` on `idem` lives in Redis: its claim key and its field
+/// in the result hashes.
+pub(crate) async fn redis_location(idem: &Idem<Db>, biz: &str, k: &str) -> idem_testkit::Location {
     let namespace = idem.redis_namespace().await.expect("namespace").expect("migrated");
-    format!("idem:{namespace}:{biz}:{k}")
+    idem::redis_layout::locate(namespace.as_str(), biz, k).expect("a valid namespace")
 }
 
 /// The ledger rows of `k`: how many bodies of it committed.

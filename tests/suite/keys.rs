@@ -7,13 +7,13 @@ use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
 
 use idem::{Idem, Status, idempotent};
-use idem_testkit::{TestBackend, redis_client, redis_exists, unique};
+use idem_testkit::{TestBackend, redis_client, redis_exists, redis_holds, unique};
 use serde::{Deserialize, Serialize};
 use sqlx::Transaction;
 
 use super::fixture::{
     Mode, Probe, Receipt, Redis, TestError, body, engine, engine_on_private_redis, ledger_rows, pay, record_rows_for,
-    redis_key, with_and_without_redis,
+    redis_location, with_and_without_redis,
 };
 use super::{B, Db};
 
@@ -167,9 +167,12 @@ async fn hostile_keys_are_refused_before_any_write() {
     assert_eq!(record_rows_for(&idem, "t_bad_empty", "").await, 0);
     if let Some(client) = redis_client().await {
         for (what, k, _) in &hostile {
-            assert!(!redis_exists(&client, &redis_key(&idem, "t_badkey", &format!("bad_{k}")).await).await, "{what}");
+            assert!(
+                !redis_holds(&client, &redis_location(&idem, "t_badkey", &format!("bad_{k}")).await).await,
+                "{what}"
+            );
         }
-        assert!(!redis_exists(&client, &redis_key(&idem, "t_bad_empty", "").await).await);
+        assert!(!redis_holds(&client, &redis_location(&idem, "t_bad_empty", "").await).await);
         assert!(!redis_exists(&client, "pwned").await, "no command was injected");
     }
 }

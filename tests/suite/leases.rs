@@ -6,12 +6,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem::Idem;
-use idem_testkit::{TestBackend, redis_cached_response, redis_client, redis_set, redis_value_after, unique};
+use idem_testkit::{
+    TestBackend, redis_cached_response, redis_client, redis_forget, redis_set, redis_value_after, unique,
+};
 
 use super::B;
 use super::fixture::{
     Mode, Probe, Receipt, Redis, TestError, engine, is_in_progress, ledger_rows, pay, pay_short_lease, pay_short_ttl,
-    redis_key, until_expired, until_held, until_started,
+    redis_location, until_expired, until_held, until_started,
 };
 
 /// Without Redis, a duplicate waits for the first call: in memory when both
@@ -135,7 +137,8 @@ async fn duplicate_after_the_lease_still_commits_once() {
     };
     until_started(&probe, 1).await;
     // Its 100 ms lease runs out while its body is held.
-    let claim = redis_value_after(&client, &redis_key(&idem, "t_lease", &k).await, Duration::from_secs(10)).await;
+    let claim =
+        redis_value_after(&client, &redis_location(&idem, "t_lease", &k).await.claim, Duration::from_secs(10)).await;
     assert_eq!(claim, None, "the lease ran out");
     assert!(!first.is_finished());
 
@@ -178,11 +181,12 @@ async fn claim_left_by_a_call_that_died_after_commit_replays_from_the_record() {
     let probe = Probe::default();
     let k = unique("orphan");
     let first = pay(&idem, k.clone(), 8, &probe, Mode::Ok).await.unwrap();
-    // Our own cache write lands first; then the key is made to look like a
-    // claim whose owner died after its commit.
-    let key = redis_key(&idem, "t_pay", &k).await;
-    redis_cached_response(&client, &key).await;
-    redis_set(&client, &key, "p:dead-token:0", 60_000).await;
+    // Our own cache write lands first; then Redis is made to look like it
+    // holds a claim whose owner died after its commit.
+    let at = redis_location(&idem, "t_pay", &k).await;
+    redis_cached_response(&client, &at).await;
+    redis_forget(&client, &at).await;
+    redis_set(&client, &at.claim, "p:dead-token:0", 60_000).await;
 
     let (again, outcome) = idem::observe(pay(&idem, k.clone(), 8, &probe, Mode::Ok)).await;
     assert_eq!((again.unwrap(), outcome), (first, Some(idem::Outcome::Replayed)));

@@ -2,11 +2,11 @@
 //! Redis, a database re-created under it, an explicit namespace.
 
 use idem::{Idem, Status};
-use idem_testkit::{TestBackend, redis_cached_response, redis_client, redis_exists, unique};
+use idem_testkit::{TestBackend, redis_cached_response, redis_client, redis_result, unique};
 
 use super::B;
 use super::fixture::{
-    Mode, Probe, TestError, engine_on_private_database, ledger_rows, pay, record_rows_for, redis_key,
+    Mode, Probe, TestError, engine_on_private_database, ledger_rows, pay, record_rows_for, redis_location,
 };
 
 /// Regression: two databases (two tenants, or staging and production)
@@ -25,7 +25,7 @@ async fn databases_sharing_a_redis_never_replay_each_others_results() {
 
     let paid_a = pay(&a, k.clone(), 5, &probe_a, Mode::Ok).await.unwrap();
     // A's result is cached: under a shared key layout B would now replay it.
-    redis_cached_response(&client, &redis_key(&a, "t_pay", &k).await).await;
+    redis_cached_response(&client, &redis_location(&a, "t_pay", &k).await).await;
 
     let (paid_b, outcome) = idem::observe(pay(&b, k.clone(), 5, &probe_b, Mode::Ok)).await;
     assert_eq!(outcome, Some(idem::Outcome::Executed), "B ran its own body");
@@ -38,7 +38,7 @@ async fn databases_sharing_a_redis_never_replay_each_others_results() {
     // Another amount: `KeyReused` on each side, for the key each used.
     let other = unique("order_2");
     pay(&a, other.clone(), 5, &probe_a, Mode::Ok).await.unwrap();
-    redis_cached_response(&client, &redis_key(&a, "t_pay", &other).await).await;
+    redis_cached_response(&client, &redis_location(&a, "t_pay", &other).await).await;
     let (fresh, outcome) = idem::observe(pay(&b, other.clone(), 6, &probe_b, Mode::Ok)).await;
     assert_eq!((fresh.unwrap().amount, outcome), (6, Some(idem::Outcome::Executed)), "B never used the key");
     let reused = pay(&b, k.clone(), 6, &probe_b, Mode::Ok).await;
@@ -62,13 +62,13 @@ async fn a_recreated_database_does_not_see_the_old_redis_entries() {
     let probe = Probe::default();
     let k = unique("order_1");
     pay(&idem, k.clone(), 5, &probe, Mode::Ok).await.unwrap();
-    let old_key = redis_key(&idem, "t_pay", &k).await;
-    redis_cached_response(&client, &old_key).await;
+    let old = redis_location(&idem, "t_pay", &k).await;
+    redis_cached_response(&client, &old).await;
     drop(idem);
     B::drop_private(pool, &name).await;
 
     let Some((pool, idem)) = engine_on_private_database(&name).await else { return };
-    assert!(redis_exists(&client, &old_key).await, "Redis kept the old entry");
+    assert!(redis_result(&client, &old).await.is_some(), "Redis kept the old entry");
     let (again, outcome) = idem::observe(pay(&idem, k.clone(), 5, &probe, Mode::Ok)).await;
     assert_eq!((again.unwrap().run, outcome), (2, Some(idem::Outcome::Executed)));
     assert_eq!((ledger_rows(&idem, &k).await, record_rows_for(&idem, "t_pay", &k).await), (1, 1));
@@ -98,7 +98,8 @@ async fn an_explicit_namespace_is_shared_by_the_engines_given_it() {
     let probe = Probe::default();
     let k = unique("explicit");
     let first = pay(&a, k.clone(), 5, &probe, Mode::Ok).await.unwrap();
-    let cached = redis_cached_response(&client, &format!("idem:{namespace}:t_pay:{k}")).await;
+    let at = idem::redis_layout::locate(namespace.as_str(), "t_pay", &k).unwrap();
+    let cached = redis_cached_response(&client, &at).await;
     assert_eq!(cached, serde_json::to_string(&first).unwrap());
     // Replayed from Redis, not the record: the record is gone.
     sqlx::query(B::DELETE_RECORD).bind("t_pay").bind(&k).execute(&pool).await.expect("delete record");

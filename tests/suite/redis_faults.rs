@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem::Status;
-use idem_testkit::{redis_cached_response, redis_client, redis_del, redis_pause, redis_value_after, unique};
+use idem_testkit::{redis_cached_response, redis_client, redis_forget, redis_pause, redis_value_after, unique};
 
 use super::fixture::{
-    Mode, Probe, Redis, TestError, engine, engine_on_private_redis, ledger_rows, pay, redis_key, until_held,
+    Mode, Probe, Redis, TestError, engine, engine_on_private_redis, ledger_rows, pay, redis_location, until_held,
     until_started,
 };
 
@@ -30,7 +30,9 @@ async fn claim_whose_answer_came_too_late_is_released() {
     assert!(started.elapsed() >= Duration::from_millis(100), "the claim timed out (the pause held it)");
 
     // The release follows within a few Redis timeouts; the lease is 30 s.
-    let left = redis_value_after(&server.client(), &redis_key(&idem, "t_pay", &k).await, Duration::from_secs(15)).await;
+    let left =
+        redis_value_after(&server.client(), &redis_location(&idem, "t_pay", &k).await.claim, Duration::from_secs(15))
+            .await;
     assert_eq!(left, None, "the late claim was released");
 }
 
@@ -49,7 +51,9 @@ async fn claim_of_a_call_dropped_while_redis_is_slow_is_released() {
     assert_eq!(probe.runs(), 0, "its body never started");
 
     // After the pause the claim lands; it is gone well before its 30 s lease.
-    let left = redis_value_after(&server.client(), &redis_key(&idem, "t_pay", &k).await, Duration::from_secs(15)).await;
+    let left =
+        redis_value_after(&server.client(), &redis_location(&idem, "t_pay", &k).await.claim, Duration::from_secs(15))
+            .await;
     assert_eq!(left, None, "the dropped call's claim was released");
     let (again, outcome) = idem::observe(pay(&idem, k.clone(), 2, &probe, Mode::Ok)).await;
     assert_eq!((again.unwrap().run, outcome), (1, Some(idem::Outcome::Executed)));
@@ -81,7 +85,9 @@ async fn release_during_the_redis_back_off_is_retried() {
     probe.open();
     assert!(matches!(held.await.unwrap(), Err(TestError::Body)));
 
-    let left = redis_value_after(&server.client(), &redis_key(&idem, "t_pay", &k).await, Duration::from_secs(15)).await;
+    let left =
+        redis_value_after(&server.client(), &redis_location(&idem, "t_pay", &k).await.claim, Duration::from_secs(15))
+            .await;
     assert_eq!(left, None, "the failed call's claim was released");
 }
 
@@ -105,7 +111,7 @@ async fn a_cache_write_during_the_back_off_is_retried() {
     // Within the back-off: the cache write is skipped at first.
     probe.open();
     let first = held.await.unwrap().unwrap();
-    let cached = redis_cached_response(&server.client(), &redis_key(&idem, "t_pay", &k).await).await;
+    let cached = redis_cached_response(&server.client(), &redis_location(&idem, "t_pay", &k).await).await;
     assert_eq!(cached, serde_json::to_string(&first).unwrap());
     let (again, outcome) = idem::observe(pay(&idem, k.clone(), 2, &probe, Mode::Ok)).await;
     assert_eq!((again.unwrap(), outcome), (first, Some(idem::Outcome::Replayed)));
@@ -123,11 +129,11 @@ async fn duplicate_whose_body_fails_after_redis_lost_the_result_replays() {
     let probe = Probe::default();
     let k = unique("lost");
     let first = pay(&idem, k.clone(), 5, &probe, Mode::Ok).await.unwrap();
-    redis_del(&client, &redis_key(&idem, "t_pay", &k).await).await; // evicted, flushed, restarted
+    redis_forget(&client, &redis_location(&idem, "t_pay", &k).await).await; // evicted, flushed, restarted
 
     let (again, outcome) = idem::observe(pay(&idem, k.clone(), 5, &probe, Mode::Fail)).await;
     assert_eq!((again.unwrap(), outcome), (first, Some(idem::Outcome::Replayed)));
-    redis_del(&client, &redis_key(&idem, "t_pay", &k).await).await;
+    redis_forget(&client, &redis_location(&idem, "t_pay", &k).await).await;
     let reused = pay(&idem, k.clone(), 6, &probe, Mode::Fail).await;
     assert!(matches!(reused, Err(TestError::Idem(idem::Error::KeyReused { .. }))), "{reused:?}");
     assert_eq!(probe.runs(), 3, "both duplicates ran their bodies, which failed");

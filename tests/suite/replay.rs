@@ -5,12 +5,15 @@
 use std::sync::atomic::Ordering::SeqCst;
 
 use idem::{Idem, Status, idempotent};
-use idem_testkit::{TestBackend, redis_cached_response, redis_client, redis_exists, redis_set, unique};
+use idem_testkit::{
+    TestBackend, redis_cached_response, redis_client, redis_exists, redis_replace_result, redis_result, unique,
+};
 use serde::{Deserialize, Serialize};
 use sqlx::Transaction;
 
 use super::fixture::{
-    Mode, Probe, Redis, TestError, body, engine, ledger_rows, pay, record_rows_for, redis_key, with_and_without_redis,
+    Mode, Probe, Redis, TestError, body, engine, ledger_rows, pay, record_rows_for, redis_location,
+    with_and_without_redis,
 };
 use super::{B, Db};
 
@@ -81,7 +84,7 @@ async fn hostile_arguments_are_stored_and_replayed_byte_for_byte() {
     for note in &notes {
         let k = unique("echo");
         assert_eq!(&echo(&idem, k.clone(), note.clone(), &probe).await.unwrap(), note);
-        let cached = redis_cached_response(&client, &redis_key(&idem, "t_echo", &k).await).await;
+        let cached = redis_cached_response(&client, &redis_location(&idem, "t_echo", &k).await).await;
         assert_eq!(cached, serde_json::to_string(note).unwrap(), "cached byte for byte");
         assert_eq!(&echo(&idem, k.clone(), note.clone(), &probe).await.unwrap(), note, "replayed from Redis");
         assert_eq!(&echo(&plain, k.clone(), note.clone(), &probe).await.unwrap(), note, "replayed from the record");
@@ -180,13 +183,14 @@ async fn corrupted_cached_value_is_a_replay_error() {
     let probe = Probe::default();
     let k = unique("corrupt_cache");
     let first = pay(&idem, k.clone(), 8, &probe, Mode::Ok).await.unwrap();
-    let key = redis_key(&idem, "t_pay", &k).await;
-    let cached = redis_cached_response(&client, &key).await;
+    let at = redis_location(&idem, "t_pay", &k).await;
+    let cached = redis_cached_response(&client, &at).await;
     assert_eq!(cached, serde_json::to_string(&first).unwrap());
-    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
-    let value: String = redis::cmd("GET").arg(&key).query_async(&mut conn).await.expect("GET");
-    let corrupted = value.replace(&cached, "{\"not\":\"a receipt\"}");
-    redis_set(&client, &key, &corrupted, 60_000).await;
+    let value = redis_result(&client, &at).await.expect("cached");
+    let (head, response) = value.split_at(value.len() - cached.len());
+    assert_eq!(response, cached.as_bytes(), "the response is the value's tail");
+    let corrupted = [head, b"{\"not\":\"a receipt\"}"].concat();
+    redis_replace_result(&client, &at, &corrupted).await;
 
     let (again, outcome) = idem::observe(pay(&idem, k.clone(), 8, &probe, Mode::Ok)).await;
     assert!(matches!(again, Err(TestError::Idem(idem::Error::Replay { .. }))), "{again:?}");

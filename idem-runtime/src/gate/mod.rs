@@ -140,7 +140,11 @@ impl Gate {
         if let Some(redis) = &self.redis
             && let Some(entry) = redis.enter(pool, biz, key, fingerprint, lease).await
         {
-            if let Entry::Replay(answer, _) = &entry {
+            // Kept here only when it answers these arguments: one stored for
+            // others carries just its fingerprint's prefix.
+            if let Entry::Replay(answer, _) = &entry
+                && answer.fingerprint == fingerprint
+            {
                 self.remember(biz, key, answer);
             }
             return entry;

@@ -1,0 +1,248 @@
+//! The engine's Redis connection (one node or a cluster), the timeout every
+//! operation runs under, and the back-off after a failure: Redis failing in
+//! any way (refused, timed out, erroring) makes the operation report
+//! [`Missed::Failed`], logs a warning once, and leaves Redis alone for
+//! [`BACKOFF`] (claims then go to the database alone).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{FromRedisValue, ScriptInvocation};
+use tokio::sync::OnceCell;
+
+use crate::clock;
+
+/// How long Redis is skipped after it failed.
+pub const BACKOFF: Duration = Duration::from_secs(1);
+
+/// Where the claims live.
+pub(crate) enum Target {
+    Single(redis::Client),
+    Cluster(Box<ClusterClient>),
+}
+
+#[derive(Clone)]
+enum Connection {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+/// Why a Redis operation gave no answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Missed {
+    /// Not sent: Redis failed recently and is being left alone.
+    Skipped,
+    /// Sent, and it failed or timed out: it may or may not have run.
+    Failed,
+}
+
+/// Whether an operation is skipped while Redis is backing off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Backoff {
+    Respect,
+    Ignore,
+}
+
+/// What another user of the engine's Redis (issued tokens, `crate::token`)
+/// got back for one operation.
+#[derive(Debug)]
+pub(crate) enum Reply<T> {
+    /// The server's answer.
+    Value(T),
+    /// The server answered with an error of its own (`ERR ...`, such as an
+    /// unknown command): Redis is up, the operation did not run.
+    Refused(redis::RedisError),
+    /// No answer within the timeout, or the connection failed: the
+    /// operation may or may not have run.
+    Unreachable,
+}
+
+/// The connection, made on first use, and its health.
+pub(crate) struct Link {
+    target: Target,
+    connection: OnceCell<Connection>,
+    pub(crate) timeout: Duration,
+    /// `clock::monotonic_ms()` before which Redis is not tried; 0 when
+    /// healthy (a back-off is this process's own business: no other
+    /// instance judges it).
+    down_until_ms: AtomicU64,
+}
+
+impl Link {
+    pub(crate) fn new(target: Target, timeout: Duration) -> Self {
+        Link { target, connection: OnceCell::new(), timeout, down_until_ms: AtomicU64::new(0) }
+    }
+
+    pub(crate) fn kind(&self) -> &'static str {
+        match self.target {
+            Target::Single(_) => "single",
+            Target::Cluster(_) => "cluster",
+        }
+    }
+
+    /// Whether Redis is being left alone after a failure.
+    #[cfg(test)]
+    pub(crate) fn backing_off(&self) -> bool {
+        self.down_until_ms.load(Ordering::Relaxed) != 0
+    }
+
+    /// How long until the back-off ends (zero when healthy).
+    pub(crate) fn backoff_left(&self) -> Duration {
+        let down_until = self.down_until_ms.load(Ordering::Relaxed);
+        Duration::from_millis(down_until.saturating_sub(clock::monotonic_ms()))
+    }
+
+    /// Runs a script (EVALSHA, EVAL when the server has not loaded it).
+    pub(crate) async fn run<T: FromRedisValue>(
+        &self,
+        call: &ScriptInvocation<'_>,
+        backoff: Backoff,
+    ) -> Result<T, Missed> {
+        self.guarded(backoff, |mut c| async move { call.invoke_async(&mut c).await }).await
+    }
+
+    /// Sends one command.
+    pub(crate) async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd, backoff: Backoff) -> Result<T, Missed> {
+        self.guarded(backoff, |mut c| async move { cmd.query_async(&mut c).await }).await
+    }
+
+    /// Runs one Redis operation under the timeout and (unless told to
+    /// ignore it) the back-off.
+    async fn guarded<T, F, Fut>(&self, backoff: Backoff, op: F) -> Result<T, Missed>
+    where
+        F: FnOnce(ConnectionHandle) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        // The clock is read only while backing off: healthy, the bound is 0.
+        let down_until = self.down_until_ms.load(Ordering::Relaxed);
+        if backoff == Backoff::Respect && down_until != 0 && clock::monotonic_ms() < down_until {
+            return Err(Missed::Skipped);
+        }
+        let attempt = async {
+            let conn = self.connection().await?;
+            op(ConnectionHandle(conn)).await
+        };
+        let failure = match tokio::time::timeout(self.timeout, attempt).await {
+            Ok(Ok(value)) => {
+                // Read first: a write on every call would bounce the cache line between cores.
+                if self.down_until_ms.load(Ordering::Relaxed) != 0 && self.down_until_ms.swap(0, Ordering::Relaxed) != 0
+                {
+                    tracing::info!("redis answers again; idempotency claims resume");
+                    crate::metrics::redis_recovered();
+                }
+                return Ok(value);
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {:?}", self.timeout),
+        };
+        let until = clock::monotonic_ms() + millis(BACKOFF);
+        if self.down_until_ms.swap(until, Ordering::Relaxed) == 0 {
+            tracing::warn!(error = %failure, "redis unavailable; idempotency continues on the database alone");
+            crate::metrics::redis_degraded();
+        }
+        Err(Missed::Failed)
+    }
+
+    async fn connection(&self) -> redis::RedisResult<Connection> {
+        let conn = self
+            .connection
+            .get_or_try_init(|| async {
+                match &self.target {
+                    Target::Single(client) => {
+                        // Lazy: connects on first use and reconnects by itself.
+                        // No response timeout of its own: `guarded` bounds each
+                        // operation already, and a second timer per operation
+                        // is not free (registering one wakes tokio's driver
+                        // through a syscall). Its timeout would not reconnect
+                        // either: redis-rs reconnects on a dropped connection,
+                        // not on a slow answer.
+                        let config = ConnectionManagerConfig::new()
+                            .set_connection_timeout(Some(self.timeout))
+                            .set_response_timeout(None)
+                            .set_number_of_retries(1);
+                        ConnectionManager::new_lazy_with_config(client.clone(), config).map(Connection::Single)
+                    }
+                    Target::Cluster(client) => client.get_async_connection().await.map(Connection::Cluster),
+                }
+            })
+            .await?;
+        Ok(conn.clone())
+    }
+
+    /// Sends `cmd` for the engine's other Redis users (issued tokens). Tried
+    /// even while claims back off: they have no database to fall back on,
+    /// so a try costs at most a timeout.
+    pub(crate) async fn send<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> Reply<T> {
+        self.lent(|mut c| async move { cmd.query_async(&mut c).await }).await
+    }
+
+    /// Runs `call` for the engine's other Redis users, as [`Link::send`].
+    pub(crate) async fn send_script<T: FromRedisValue>(&self, call: &ScriptInvocation<'_>) -> Reply<T> {
+        self.lent(|mut c| async move { call.invoke_async(&mut c).await }).await
+    }
+
+    async fn lent<T, F, Fut>(&self, op: F) -> Reply<T>
+    where
+        F: FnOnce(ConnectionHandle) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        // A refusal is an answer: Redis is up, and claims need not back off.
+        let answered = self.guarded(Backoff::Ignore, |c| refusal_is_an_answer(op(c))).await;
+        match answered {
+            Ok(Ok(value)) => Reply::Value(value),
+            Ok(Err(refused)) => Reply::Refused(refused),
+            Err(_) => Reply::Unreachable,
+        }
+    }
+}
+
+/// `op`'s result, with the server's own refusal (`ERR ...`, such as an
+/// unknown command or option) as an answer: Redis is up, the operation did
+/// not run, and claims need not back off.
+async fn refusal_is_an_answer<T>(
+    op: impl std::future::Future<Output = redis::RedisResult<T>>,
+) -> redis::RedisResult<Result<T, redis::RedisError>> {
+    match op.await {
+        Ok(value) => Ok(Ok(value)),
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) => Ok(Err(e)),
+        Err(e) => Err(e),
+    }
+}
+
+/// A cloned connection, usable as `redis::aio::ConnectionLike`.
+struct ConnectionHandle(Connection);
+
+impl redis::aio::ConnectionLike for ConnectionHandle {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
+        match &mut self.0 {
+            Connection::Single(c) => c.req_packed_command(cmd),
+            Connection::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match &mut self.0 {
+            Connection::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Connection::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match &self.0 {
+            Connection::Single(c) => c.get_db(),
+            Connection::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+pub(crate) fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}

@@ -1,0 +1,212 @@
+//! Where the Redis gate keeps what, and in which bytes.
+//!
+//! - A **claim**, while a call runs: the string `idem:{<ns>.<shard>}:<biz>:<key>`
+//!   holding `p:<owner token>:<fingerprint>`, with the lease as its Redis TTL.
+//!   Claims live as long as calls run: few, short-lived, and readable by eye.
+//! - A **finished result**, for fast replays during the hot window: one
+//!   field in a hash per shard and per window of time,
+//!   `idem:{<ns>.<shard>}:r<window>`. The field is 16 bytes of a digest of
+//!   `(biz, key)`; the value is `d`, the record's expiry (6 bytes, big
+//!   endian, epoch ms on the database's clock), the first 16 bytes of the
+//!   fingerprint, then the response. A window's hash expires one hot window
+//!   after the window ends, so a result stays between one and two hot
+//!   windows, and Redis holds about `rate × 1.5 × hot window` results at a
+//!   time, whatever the records' ttl.
+//!
+//! A hash per window spends no per-key overhead (a key's own entry, object
+//! and expiry cost Redis about 110 bytes) on each result: a 150-byte
+//! response costs about 250 bytes instead of 440. Every key of one
+//! `(biz, key)` carries the same hash tag, `{<ns>.<shard>}`, so a script
+//! touching the claim and the result hashes stays in one Redis Cluster
+//! slot; 64 shards spread the results over the cluster.
+
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+
+use crate::fingerprint::push_lower_hex;
+use crate::namespace::Namespace;
+use crate::random::push_token;
+
+/// How many result hashes each window is spread over (and so how many
+/// Redis Cluster slots one namespace's results use).
+pub(crate) const SHARDS: u16 = 64;
+/// Bytes of the fingerprint kept with a cached result: 128 bits tell two
+/// argument lists apart as surely as the full digest does in practice.
+const FINGERPRINT_BYTES: usize = 16;
+/// `d`, then the expiry: the bytes before the fingerprint.
+const EXPIRY_END: usize = 7;
+const FINGERPRINT_END: usize = EXPIRY_END + FINGERPRINT_BYTES;
+
+/// Where one `(biz, key)` lives in Redis.
+#[derive(Debug, Clone)]
+pub(crate) struct Place {
+    /// `idem:{<ns>.<shard>}:`: every key of this call starts so.
+    prefix: String,
+    /// The claim's key.
+    pub claim: String,
+    /// The call's field in the result hashes.
+    pub field: [u8; 16],
+}
+
+impl Place {
+    pub(crate) fn of(namespace: &Namespace, biz: &str, key: &str) -> Place {
+        let digest = Sha256::new().chain_update(biz).chain_update([0]).chain_update(key).finalize();
+        let mut field = [0; 16];
+        field.copy_from_slice(&digest[..16]);
+        let shard = u16::from_be_bytes([digest[0], digest[1]]) % SHARDS;
+        let mut prefix = String::with_capacity(16 + namespace.as_str().len());
+        prefix.push_str("idem:{");
+        prefix.push_str(namespace.as_str());
+        prefix.push('.');
+        prefix.push_str(&shard.to_string());
+        prefix.push_str("}:");
+        let claim = [prefix.as_str(), biz, ":", key].concat();
+        Place { prefix, claim, field }
+    }
+
+    /// The result hash of `window` (see [`window_of`]).
+    pub(crate) fn results(&self, window: i64) -> String {
+        format!("{}r{window}", self.prefix)
+    }
+
+    /// The result hashes a lookup at `now_ms` reads: this window's and the
+    /// one before (a result written then still lives).
+    pub(crate) fn results_at(&self, now_ms: i64, hot: Duration) -> [String; 2] {
+        let window = window_of(now_ms, hot);
+        [self.results(window), self.results(window - 1)]
+    }
+}
+
+/// The window `now_ms` falls in: windows are one hot window long.
+pub(crate) fn window_of(now_ms: i64, hot: Duration) -> i64 {
+    now_ms.div_euclid(hot_ms(hot))
+}
+
+/// How long the hash of the window `now_ms` falls in must live from now:
+/// to one hot window past the window's end.
+pub(crate) fn results_ttl_ms(now_ms: i64, hot: Duration) -> i64 {
+    let hot = hot_ms(hot);
+    ((now_ms.div_euclid(hot) + 2) * hot - now_ms).max(1)
+}
+
+fn hot_ms(hot: Duration) -> i64 {
+    i64::try_from(hot.as_millis()).unwrap_or(i64::MAX).max(1)
+}
+
+/// A claim's value, `p:<owner token>:<fingerprint>`, in one allocation.
+pub(crate) fn claim_value(fingerprint: &str) -> String {
+    let mut value = String::with_capacity(2 + 32 + 1 + fingerprint.len());
+    value.push_str("p:");
+    push_token(&mut value);
+    value.push(':');
+    value.push_str(fingerprint);
+    value
+}
+
+/// A finished result as the result hash keeps it.
+pub(crate) fn result_value(expires_ms: i64, fingerprint: &str, response: &str) -> Vec<u8> {
+    let mut value = Vec::with_capacity(FINGERPRINT_END + response.len());
+    value.push(b'd');
+    let expires = u64::try_from(expires_ms).unwrap_or(0).min((1 << 48) - 1);
+    value.extend_from_slice(&expires.to_be_bytes()[2..]);
+    value.extend_from_slice(&fingerprint_prefix(fingerprint));
+    value.extend_from_slice(response.as_bytes());
+    value
+}
+
+/// The first [`FINGERPRINT_BYTES`] of a hex fingerprint, as bytes (zeros
+/// where it is shorter or not hex: such a fingerprint is never stored).
+fn fingerprint_prefix(fingerprint: &str) -> [u8; FINGERPRINT_BYTES] {
+    let mut out = [0; FINGERPRINT_BYTES];
+    let digit = |c: u8| (c as char).to_digit(16).map_or(0, |d| d as u8);
+    for (byte, pair) in out.iter_mut().zip(fingerprint.as_bytes().chunks_exact(2)) {
+        *byte = digit(pair[0]) << 4 | digit(pair[1]);
+    }
+    out
+}
+
+/// A result read back: its expiry, whether it was stored for the
+/// fingerprint the caller holds, and the response.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct StoredResult {
+    pub expires_ms: i64,
+    /// The stored fingerprint's first 16 bytes, in hex.
+    pub fingerprint_prefix: String,
+    pub response: String,
+}
+
+impl StoredResult {
+    /// Whether it was stored for `fingerprint` (compared on its prefix).
+    pub(crate) fn is_for(&self, fingerprint: &str) -> bool {
+        fingerprint.len() >= self.fingerprint_prefix.len() && fingerprint.starts_with(&self.fingerprint_prefix)
+    }
+}
+
+/// Reads a result hash's value: `None` for bytes the gate did not write.
+pub(crate) fn parse_result(mut value: Vec<u8>) -> Option<StoredResult> {
+    if value.len() < FINGERPRINT_END || value[0] != b'd' {
+        return None;
+    }
+    let mut expires = [0; 8];
+    expires[2..].copy_from_slice(&value[1..EXPIRY_END]);
+    let mut fingerprint_prefix = String::with_capacity(2 * FINGERPRINT_BYTES);
+    push_lower_hex(&mut fingerprint_prefix, &value[EXPIRY_END..FINGERPRINT_END]);
+    // The response is the value's tail: it stays in the reply's buffer.
+    value.drain(..FINGERPRINT_END);
+    let response = String::from_utf8(value).ok()?;
+    Some(StoredResult { expires_ms: i64::try_from(u64::from_be_bytes(expires)).ok()?, fingerprint_prefix, response })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FP: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+    #[test]
+    fn results_read_back_as_written() {
+        let stored = parse_result(result_value(1_796_212_228_629, FP, "{\"x\":\"a:b\"}")).unwrap();
+        assert_eq!(stored.expires_ms, 1_796_212_228_629);
+        assert_eq!(stored.response, "{\"x\":\"a:b\"}");
+        assert!(stored.is_for(FP));
+        assert!(!stored.is_for(&FP.replace('0', "1")));
+        assert!(!stored.is_for("0123"), "a shorter fingerprint never matches");
+        assert_eq!(result_value(5, FP, "").len(), FINGERPRINT_END, "1 + 6 + 16 bytes besides the response");
+        assert_eq!(parse_result(result_value(5, FP, "")).unwrap().response, "");
+    }
+
+    #[test]
+    fn bytes_it_did_not_write_are_not_results() {
+        for theirs in [&b""[..], b"d", b"p:t:f", b"dshort", b"x123456789012345678901234"] {
+            assert_eq!(parse_result(theirs.to_vec()), None, "{theirs:?}");
+        }
+        let mut bad_utf8 = result_value(5, FP, "");
+        bad_utf8.push(0xff);
+        assert_eq!(parse_result(bad_utf8), None);
+    }
+
+    #[test]
+    fn one_call_keeps_one_hash_tag() {
+        let namespace = Namespace::new("3f9a0c21d4e5b6a7").unwrap();
+        let place = Place::of(&namespace, "pay", "order_1");
+        let tag = &place.claim[..place.claim.find('}').unwrap() + 1];
+        assert!(tag.starts_with("idem:{3f9a0c21d4e5b6a7."), "{tag}");
+        assert!(place.claim.ends_with("}:pay:order_1"), "{}", place.claim);
+        assert!(place.results(42).starts_with(tag) && place.results(42).ends_with(":r42"));
+        assert_ne!(Place::of(&namespace, "pay", "order_2").field, place.field);
+        assert_ne!(Place::of(&namespace, "pa", "yorder_1").field, place.field, "biz and key are kept apart");
+    }
+
+    #[test]
+    fn a_result_lives_between_one_and_two_hot_windows() {
+        let hot = Duration::from_secs(600);
+        for now in [0, 1, 599_999, 600_000, 1_796_212_228_629] {
+            let ttl = results_ttl_ms(now, hot);
+            assert!((600_000..=1_200_000).contains(&ttl), "{now}: {ttl}");
+            // Until its hash expires, a lookup reads the window it was written in.
+            let written = window_of(now, hot);
+            assert!(window_of(now + ttl - 1, hot) - written <= 1);
+        }
+    }
+}

@@ -1,0 +1,495 @@
+//! The gate with a Redis claim, shared by every instance: fast rejection of
+//! concurrent duplicates and fast replay of finished calls; never the final
+//! truth (Redis can lose keys).
+//!
+//! A call's claim and its finished result live where [`layout`] says: the
+//! claim in a key of its own for the call's lease, the result in a hash of
+//! the current window for the hot window ([`Builder::redis_hot_window`](crate::Builder::redis_hot_window)),
+//! so Redis holds `rate × hot window` results whatever the records' ttl;
+//! older duplicates find their answer in the record. A claim is one script
+//! ([`scripts`]): the result if one is cached and live, else what holds the
+//! claim, else the claim is ours. Every script touches the keys of one call,
+//! which share a hash tag, so Redis Cluster routes it.
+//!
+//! Redis failing in any way degrades to the database alone ([`connection`]);
+//! releases and result writes whose answer was lost are left to background
+//! tasks ([`later`]).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use sqlx::Pool;
+
+use super::{Answer, Entry, Pass};
+use crate::clock::{self, Clock};
+use crate::namespace::Namespace;
+use crate::store::Backend;
+
+mod connection;
+mod later;
+pub(crate) mod layout;
+mod scripts;
+
+pub use connection::BACKOFF;
+use connection::{Backoff, Link, Missed, millis};
+pub(crate) use connection::{Reply, Target};
+#[cfg(test)]
+use later::MAX_BACKGROUND;
+use later::Unanswered;
+use layout::{Place, claim_value, parse_result, result_value};
+use scripts::Scripts;
+
+/// How long a finished result stays in Redis for fast replays unless set
+/// otherwise: between one and two of these ([`layout`]).
+pub const DEFAULT_HOT_WINDOW: Duration = Duration::from_secs(10 * 60);
+
+/// What the claim found.
+#[derive(Debug)]
+enum Found {
+    /// We hold the key until the lease runs out.
+    Ours(HeldClaim),
+    /// A finished call left its result.
+    Finished(Answer),
+    /// Another call holds the key.
+    Running,
+    /// Redis is absent or failing: carry on with the database alone.
+    Unavailable,
+}
+
+/// A claim we own: where the call lives, and the exact value we set.
+#[derive(Debug, Clone)]
+pub(crate) struct HeldClaim {
+    place: Place,
+    value: String,
+}
+
+/// The Redis side of an engine: one node or a cluster.
+pub(crate) struct RedisGate {
+    link: Link,
+    namespace: NamespaceSlot,
+    /// How long a finished result is kept for fast replays.
+    hot_window: Duration,
+    /// Background tasks running now; at most [`MAX_BACKGROUND`].
+    background: AtomicUsize,
+    scripts: Scripts,
+    /// The database's clock, which a cached result's expiry is judged by.
+    clock: Arc<Clock>,
+}
+
+impl std::fmt::Debug for RedisGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisGate")
+            .field("target", &self.link.kind())
+            .field("timeout", &self.link.timeout)
+            .field("hot_window", &self.hot_window)
+            .finish()
+    }
+}
+
+impl RedisGate {
+    pub(crate) fn new(
+        target: Target,
+        timeout: Duration,
+        namespace: Option<Namespace>,
+        hot_window: Duration,
+        clock: Arc<Clock>,
+    ) -> Self {
+        Self {
+            link: Link::new(target, timeout),
+            namespace: NamespaceSlot::new(namespace),
+            hot_window: hot_window.max(Duration::from_secs(1)),
+            background: AtomicUsize::new(0),
+            scripts: Scripts::new(),
+            clock,
+        }
+    }
+
+    /// The gate's answer for `(biz, key)`: our claim, a finished result, or
+    /// busy (someone holds the claim; it may have committed since). `None`
+    /// when Redis cannot tell: no namespace yet, or Redis failing.
+    pub(crate) async fn enter<DB: Backend>(
+        self: &Arc<Self>,
+        pool: &Pool<DB>,
+        biz: &str,
+        key: &str,
+        fingerprint: &str,
+        lease: Duration,
+    ) -> Option<Entry<'static>> {
+        // Without a namespace (the database was never migrated) Redis could
+        // mix this store's keys with another's: the database alone decides.
+        let namespace = self.namespace.get(pool).await?;
+        match self.claim(&namespace, biz, key, fingerprint, lease).await {
+            Found::Ours(held) => {
+                Some(Entry::GoAhead(Pass::Claim(ClaimGuard { gate: Arc::clone(self), held: Some(held) })))
+            }
+            Found::Finished(answer) => Some(Entry::Replay(Arc::new(answer), crate::metrics::Source::Redis)),
+            Found::Running => Some(Entry::Busy { may_have_committed: true }),
+            Found::Unavailable => None,
+        }
+    }
+
+    /// Whether a call holds the claim of `(biz, key)` right now.
+    pub(crate) async fn is_running<DB: Backend>(&self, pool: &Pool<DB>, biz: &str, key: &str) -> bool {
+        let Some(namespace) = self.namespace.get(pool).await else { return false };
+        let mut get = redis::cmd("GET");
+        get.arg(Place::of(&namespace, biz, key).claim);
+        let held: Result<Option<Vec<u8>>, Missed> = self.link.query(&get, Backoff::Respect).await;
+        matches!(held, Ok(Some(value)) if value.starts_with(b"p:"))
+    }
+
+    /// The namespace set on the builder, if any.
+    pub(crate) fn fixed_namespace(&self) -> Option<Namespace> {
+        self.namespace.fixed.clone()
+    }
+
+    /// Reads the namespace from the database again on the next call.
+    pub(crate) fn forget_namespace(&self) {
+        self.namespace.forget();
+    }
+
+    /// The namespace this engine's Redis keys carry, if known yet (for the
+    /// engine's other Redis users: issued tokens).
+    pub(crate) async fn namespace<DB: Backend>(&self, pool: &Pool<DB>) -> Option<Namespace> {
+        self.namespace.get(pool).await
+    }
+
+    /// Sends `cmd` for the engine's other Redis users (see [`Link::send`]).
+    pub(crate) async fn send<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Reply<T> {
+        self.link.send(cmd).await
+    }
+
+    /// Runs `call` for the engine's other Redis users (see [`Link::send`]).
+    pub(crate) async fn send_script<T: redis::FromRedisValue>(&self, call: &redis::ScriptInvocation<'_>) -> Reply<T> {
+        self.link.send_script(call).await
+    }
+
+    /// Claims `(biz, key)` for `lease`, or reports what holds it.
+    async fn claim(
+        self: &Arc<Self>,
+        namespace: &Namespace,
+        biz: &str,
+        key: &str,
+        fingerprint: &str,
+        lease: Duration,
+    ) -> Found {
+        let held = HeldClaim { place: Place::of(namespace, biz, key), value: claim_value(fingerprint) };
+        let mut unanswered = Unanswered { claims: self, held: Some(held) };
+        let answer = match &unanswered.held {
+            Some(held) => self.send_claim(held, lease, fingerprint).await,
+            None => Err(Missed::Skipped),
+        };
+        if matches!(answer, Err(Missed::Failed)) {
+            return Found::Unavailable; // `unanswered` releases what may have landed
+        }
+        match (answer, unanswered.held.take()) {
+            (Ok(None), Some(held)) => Found::Ours(held),
+            (Ok(Some(holder)), _) => holder,
+            _ => Found::Unavailable, // skipped while Redis backs off: never sent
+        }
+    }
+
+    /// Sends the claim `held`: `None` when the key is ours, else what holds
+    /// it (read for a caller with `fingerprint`).
+    async fn send_claim(&self, held: &HeldClaim, lease: Duration, fingerprint: &str) -> Result<Option<Found>, Missed> {
+        let now = self.clock.now_ms();
+        let [current, previous] = held.place.results_at(now, self.hot_window);
+        let mut call = self.scripts.claim.key(&held.place.claim);
+        call.key(current).key(previous);
+        call.arg(&held.value).arg(millis(lease)).arg(&held.place.field[..]).arg(now);
+        let found: Option<Vec<u8>> = self.link.run(&call, Backoff::Respect).await?;
+        Ok(found.map(|value| read(value, fingerprint)))
+    }
+}
+
+/// What the claim script answered, for a caller with `fingerprint`: a
+/// finished result (under the caller's fingerprint if it was stored for the
+/// same arguments, else under the stored one's prefix, so that the caller
+/// answers `KeyReused`), or someone else's claim.
+fn read(value: Vec<u8>, fingerprint: &str) -> Found {
+    if value.first() != Some(&b'd') {
+        return Found::Running;
+    }
+    match parse_result(value) {
+        Some(stored) => {
+            let fingerprint =
+                if stored.is_for(fingerprint) { fingerprint.to_owned() } else { stored.fingerprint_prefix.clone() };
+            Found::Finished(Answer { fingerprint, response: stored.response, expires_ms: stored.expires_ms })
+        }
+        // Bytes we did not write: someone else's.
+        None => Found::Running,
+    }
+}
+
+/// Our claim while the call runs. Dropped without being settled (a panic
+/// in the body, or the call's future dropped), it releases the claim from a
+/// background task so a retry need not wait out the lease.
+pub(crate) struct ClaimGuard {
+    gate: Arc<RedisGate>,
+    held: Option<HeldClaim>,
+}
+
+impl ClaimGuard {
+    /// Caches the result in place of our claim, off the caller's path: the
+    /// record already holds it, and a duplicate arriving before the write
+    /// lands reads it from there. The cached copy carries the record's
+    /// expiry, so it never answers past it, however late it lands.
+    pub(crate) fn finish(mut self, answer: &Answer) {
+        let Some(held) = self.held.take() else { return };
+        let done = result_value(answer.expires_ms, &answer.fingerprint, &answer.response);
+        let field = held.place.field;
+        self.gate.finish_later(held, field, done);
+    }
+
+    /// Releases the claim so the next call may execute.
+    pub(crate) async fn release(&mut self) {
+        // Settled only once released: dropped meanwhile, `Drop` releases.
+        if let Some(held) = &self.held {
+            self.gate.release(held).await;
+            self.held = None;
+        }
+    }
+}
+
+impl Drop for ClaimGuard {
+    fn drop(&mut self) {
+        if let Some(held) = self.held.take() {
+            self.gate.release_in_background(held);
+        }
+    }
+}
+
+/// Where the gate finds its namespace: set on the builder, or read once
+/// from the database (again after `migrate`). While the database has none,
+/// or cannot be read, Redis is left alone, and the read is tried again after
+/// the Redis back-off.
+struct NamespaceSlot {
+    fixed: Option<Namespace>,
+    read: std::sync::RwLock<Option<Namespace>>,
+    /// `clock::monotonic_ms()` before which the database is not asked again.
+    unreadable_until_ms: AtomicU64,
+}
+
+impl NamespaceSlot {
+    fn new(fixed: Option<Namespace>) -> Self {
+        Self { fixed, read: Default::default(), unreadable_until_ms: AtomicU64::new(0) }
+    }
+
+    fn forget(&self) {
+        *self.read.write().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        self.unreadable_until_ms.store(0, Ordering::Relaxed);
+    }
+
+    async fn get<DB: Backend>(&self, pool: &Pool<DB>) -> Option<Namespace> {
+        if let Some(fixed) = &self.fixed {
+            return Some(fixed.clone());
+        }
+        if let Some(read) = &*self.read.read().unwrap_or_else(std::sync::PoisonError::into_inner) {
+            return Some(read.clone());
+        }
+        if clock::monotonic_ms() < self.unreadable_until_ms.load(Ordering::Relaxed) {
+            return None;
+        }
+        let why = match DB::namespace(pool).await {
+            Ok(Some(text)) => match Namespace::new(&text) {
+                Ok(namespace) => {
+                    *self.read.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(namespace.clone());
+                    return Some(namespace);
+                }
+                Err(e) => e.to_string(),
+            },
+            Ok(None) => "none recorded: run Idem::migrate, or set Builder::redis_namespace".into(),
+            Err(e) => e.to_string(),
+        };
+        if self.unreadable_until_ms.swap(clock::monotonic_ms() + millis(BACKOFF), Ordering::Relaxed) == 0 {
+            tracing::warn!(reason = %why, "no namespace for redis keys; idempotency continues on the database alone");
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::random::token;
+
+    const FP: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    const OTHER_FP: &str = "fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210";
+
+    /// The host's clock: these tests stamp and judge on one host.
+    fn local_clock() -> Arc<Clock> {
+        Arc::new(Clock::new(false))
+    }
+
+    fn redis_url() -> String {
+        std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+    }
+
+    /// A connection to the test Redis, or `None` (skipped) when none
+    /// answers, unless `IDEM_REQUIRE_SERVICES` is set.
+    async fn test_redis() -> Option<redis::aio::MultiplexedConnection> {
+        let client = redis::Client::open(redis_url()).expect("redis url");
+        match client.get_multiplexed_async_connection().await {
+            Ok(conn) => Some(conn),
+            Err(e) => {
+                assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "redis unreachable: {e}");
+                eprintln!("skipped: redis unreachable ({e})");
+                None
+            }
+        }
+    }
+
+    fn gate(hot_window: Duration) -> Arc<RedisGate> {
+        let target = Target::Single(redis::Client::open(redis_url()).unwrap());
+        Arc::new(RedisGate::new(target, Duration::from_secs(2), None, hot_window, local_clock()))
+    }
+
+    async fn hset(conn: &mut redis::aio::MultiplexedConnection, hash: &str, field: &[u8], value: &[u8]) {
+        let _: i64 = redis::cmd("HSET").arg(hash).arg(field).arg(value).query_async(conn).await.unwrap();
+        let _: i64 = redis::cmd("PEXPIRE").arg(hash).arg(60_000).query_async(conn).await.unwrap();
+    }
+
+    async fn del(conn: &mut redis::aio::MultiplexedConnection, keys: &[&str]) {
+        let _: i64 = redis::cmd("DEL").arg(keys).query_async(conn).await.unwrap();
+    }
+
+    /// Every answer of the claim script: ours, our own value sent again,
+    /// someone else's claim, a live result in this window's hash and in the
+    /// one before, a result stored for other arguments, and an expired
+    /// result (no answer: the claim is ours).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn claims_and_replays_through_the_script() {
+        let Some(mut conn) = test_redis().await else { return };
+        let hot = Duration::from_secs(60);
+        let gate = gate(hot);
+        let namespace = Namespace::new("t_unit").unwrap();
+        let (biz, key) = ("t_claim", token());
+        let place = Place::of(&namespace, biz, &key);
+        let now = local_clock().now_ms();
+        let [current, previous] = place.results_at(now, hot);
+        let lease = Duration::from_secs(60);
+        let get = |conn: &mut redis::aio::MultiplexedConnection| {
+            let mut conn = conn.clone();
+            let claim = place.claim.clone();
+            async move { redis::cmd("GET").arg(&claim).query_async::<Option<String>>(&mut conn).await.unwrap() }
+        };
+
+        let Found::Ours(held) = gate.claim(&namespace, biz, &key, FP, lease).await else { panic!("not ours") };
+        assert_eq!(get(&mut conn).await.as_deref(), Some(held.value.as_str()));
+        assert!(matches!(gate.send_claim(&held, lease, FP).await, Ok(None)), "our own value sent again is ours");
+        assert!(matches!(gate.claim(&namespace, biz, &key, FP, lease).await, Found::Running));
+
+        // A live result answers, from this window's hash or the one before;
+        // the claim is left alone.
+        for hash in [&current, &previous] {
+            hset(&mut conn, hash, &place.field, &result_value(now + 60_000, FP, "{\"a\":1}")).await;
+            match gate.claim(&namespace, biz, &key, FP, lease).await {
+                Found::Finished(answer) => {
+                    assert_eq!((answer.response.as_str(), answer.fingerprint.as_str()), ("{\"a\":1}", FP));
+                    assert_eq!(answer.expires_ms, now + 60_000);
+                }
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(get(&mut conn).await.as_deref(), Some(held.value.as_str()), "the claim is left alone");
+            // Other arguments get the stored fingerprint's prefix: `KeyReused`.
+            match gate.claim(&namespace, biz, &key, OTHER_FP, lease).await {
+                Found::Finished(answer) => assert_eq!(answer.fingerprint, FP[..32]),
+                other => panic!("{other:?}"),
+            }
+            del(&mut conn, &[hash]).await;
+        }
+
+        // Expired by the database's clock, still kept by Redis: no answer.
+        del(&mut conn, &[&place.claim]).await;
+        hset(&mut conn, &current, &place.field, &result_value(now - 1, FP, "1")).await;
+        let Found::Ours(held) = gate.claim(&namespace, biz, &key, FP, lease).await else { panic!("expired, not ours") };
+        assert_eq!(get(&mut conn).await.as_deref(), Some(held.value.as_str()));
+        del(&mut conn, &[&place.claim, &current]).await;
+    }
+
+    /// A finished call's claim turns into its result in this window's hash,
+    /// which expires one hot window after the window ends; the claim key is
+    /// gone, and the next claim replays it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_finished_claim_becomes_a_result_in_the_windows_hash() {
+        let Some(mut conn) = test_redis().await else { return };
+        let hot = Duration::from_secs(60);
+        let gate = gate(hot);
+        let namespace = Namespace::new("t_unit").unwrap();
+        let (biz, key) = ("t_finish", token());
+        let lease = Duration::from_secs(60);
+        let Found::Ours(held) = gate.claim(&namespace, biz, &key, FP, lease).await else { panic!("not ours") };
+        let place = held.place.clone();
+        let guard = ClaimGuard { gate: Arc::clone(&gate), held: Some(held) };
+        let now = local_clock().now_ms();
+        guard.finish(&Answer { fingerprint: FP.into(), response: "{\"b\":2}".into(), expires_ms: now + 3_600_000 });
+        let hash = place.results(layout::window_of(now, hot));
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let value: Option<Vec<u8>> =
+                redis::cmd("HGET").arg(&hash).arg(&place.field[..]).query_async(&mut conn).await.unwrap();
+            if let Some(value) = value {
+                assert_eq!(parse_result(value).unwrap().response, "{\"b\":2}");
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "the result never landed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let exists: i64 = redis::cmd("EXISTS").arg(&place.claim).query_async(&mut conn).await.unwrap();
+        assert_eq!(exists, 0, "the claim key is gone");
+        let ttl: i64 = redis::cmd("PTTL").arg(&hash).query_async(&mut conn).await.unwrap();
+        assert!((60_000 - 1_000..=120_000).contains(&ttl), "{ttl}");
+        assert!(matches!(gate.claim(&namespace, biz, &key, FP, lease).await, Found::Finished(_)));
+        let _: i64 = redis::cmd("HDEL").arg(&hash).arg(&place.field[..]).query_async(&mut conn).await.unwrap();
+    }
+
+    /// Regression: with Redis black-holed (it accepts connections and never
+    /// answers), every claim sent before the first timeout leaves a release
+    /// for later; at most `MAX_BACKGROUND` of them run at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn background_work_is_bounded_when_redis_never_answers() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let hole = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket); // read nothing, answer nothing
+            }
+        });
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("client");
+        let claims = Arc::new(RedisGate::new(
+            Target::Single(client),
+            Duration::from_millis(300),
+            None,
+            DEFAULT_HOT_WINDOW,
+            local_clock(),
+        ));
+        let namespace = Namespace::new("t_unit").unwrap();
+        let tasks_before = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+
+        let calls = 4 * MAX_BACKGROUND;
+        let barrier = Arc::new(tokio::sync::Barrier::new(calls));
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..calls {
+            let (claims, namespace, barrier) = (Arc::clone(&claims), namespace.clone(), Arc::clone(&barrier));
+            set.spawn(async move {
+                barrier.wait().await;
+                claims.claim(&namespace, "t_hole", &format!("k{i}"), "f", Duration::from_secs(30)).await
+            });
+        }
+        let mut unavailable = 0;
+        while let Some(claim) = set.join_next().await {
+            unavailable += usize::from(matches!(claim.expect("claim task"), Found::Unavailable));
+        }
+        assert_eq!(unavailable, calls, "no claim was answered");
+        assert!(claims.link.backing_off());
+        let left = claims.background();
+        let tasks_after = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+        assert_eq!(left, MAX_BACKGROUND, "the releases left for later hit the bound, and stop there");
+        assert!(
+            tasks_after <= tasks_before + MAX_BACKGROUND + 4,
+            "{tasks_after} tasks alive after {calls} unanswered claims ({tasks_before} before)"
+        );
+        hole.abort();
+    }
+}

@@ -1,0 +1,57 @@
+//! The gate's Lua scripts. Each touches the keys of one call only (one hash
+//! tag: one Redis Cluster slot), so it runs atomically wherever the call's
+//! keys live. `EVALSHA`, with `EVAL` when the server has not loaded it yet.
+
+use redis::Script;
+
+// The claim: a finished result of this call in the result hash of this
+// window or the one before (KEYS[2], KEYS[3]), unless it expired by the
+// database's clock (ARGV[4]: the record's expiry is the value's bytes 2 to
+// 7, big endian); otherwise what holds the claim key (KEYS[1]); otherwise
+// the claim is ours: set with the lease (ARGV[2], ms) and nil is answered.
+// Our own value counts as ours: a client that resends after a lost reply
+// (the cluster client does) finds it.
+const CLAIM: &str = r"
+local now = tonumber(ARGV[4])
+for i = 2, 3 do
+  local v = redis.call('HGET', KEYS[i], ARGV[3])
+  if v then
+    local expires = 0
+    for j = 2, 7 do expires = expires * 256 + string.byte(v, j) end
+    if expires > now then return v end
+  end
+end
+local held = redis.call('GET', KEYS[1])
+if held == ARGV[1] then return false end
+if held then return held end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return false";
+
+// Compare-and-delete: only the owner of the claim may drop it.
+const RELEASE: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0";
+
+// Compare-and-swap: our own claim (KEYS[1], ARGV[1]) turns into the
+// finished result (ARGV[3]) in this window's result hash (KEYS[2], field
+// ARGV[2]), which expires one hot window after the window ends (ARGV[4],
+// ms from now; set once, when the hash is new).
+const FINISH: &str = r"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+if redis.call('PTTL', KEYS[2]) < 0 then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
+return 1";
+
+/// The three scripts, hashed once per engine.
+pub(crate) struct Scripts {
+    pub claim: Script,
+    pub release: Script,
+    pub finish: Script,
+}
+
+impl Scripts {
+    pub(crate) fn new() -> Self {
+        Scripts { claim: Script::new(CLAIM), release: Script::new(RELEASE), finish: Script::new(FINISH) }
+    }
+}
