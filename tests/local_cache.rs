@@ -92,9 +92,8 @@ async fn redis() -> Option<redis::Client> {
 
 /// Deletes every Redis key of `(biz, key)` on `idem`'s namespace.
 async fn forget_in_redis(client: &redis::Client, namespace: &str, biz: &str, key: &str) {
-    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
-    let _: i64 =
-        redis::cmd("DEL").arg(format!("idem:{namespace}:{biz}:{key}")).query_async(&mut conn).await.expect("DEL");
+    let at = idem::redis_layout::locate(namespace, biz, key).expect("namespace");
+    idem_testkit::redis_forget(client, &at).await;
 }
 
 macro_rules! local_cache_suite {
