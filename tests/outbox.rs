@@ -598,3 +598,7 @@ async fn a_steps_mode_body_queues_under_its_calls_ids() {
     assert_eq!(ids, vec![MessageId::derive("t_charge", "order_11_charge", 0).unwrap().to_string()]);
     fresh.drop_db().await;
 }
+
+/// One aggregate's order under overlapping writers and two relays.
+#[path = "outbox/order.rs"]
+mod order;
