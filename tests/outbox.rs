@@ -54,7 +54,7 @@ async fn fresh_sqlite() -> Option<Fresh<Sqlite>> {
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
         .busy_timeout(Duration::from_secs(10));
-    let pool = SqlitePoolOptions::new().max_connections(4).connect_with(options).await.expect("sqlite");
+    let pool = SqlitePoolOptions::new().max_connections(8).connect_with(options).await.expect("sqlite");
     let idem = Idem::new(pool);
     idem.migrate().await.expect("migrate");
     let cleanup = move || -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {

@@ -400,6 +400,16 @@ impl<DB: Backend> Outbox<'_, DB> {
         Ok(DB::outbox_purge_sent(self.engine.pool(), before, i64::from(limit)).await?)
     }
 
+    /// Deletes up to `limit` aggregate rows (the locks that keep one
+    /// aggregate's writers in commit order) created at least `retention`
+    /// ago; returns how many. Safe at any time: a writer holding a row
+    /// keeps it until it ends, and the next writer creates it again. The
+    /// relays call it with their sent-row purge.
+    pub(crate) async fn purge_aggregates(&self, retention: Duration, limit: u32) -> Result<u64, Error> {
+        let before = now_ms().saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
+        Ok(DB::outbox_purge_aggregates(self.engine.pool(), before, i64::from(limit)).await?)
+    }
+
     /// How many events are pending, sent (and not purged), and dead.
     pub async fn counts(&self) -> Result<Counts, Error> {
         let (pending, sent, dead) = DB::outbox_count(self.engine.pool()).await?;
