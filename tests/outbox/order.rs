@@ -116,7 +116,8 @@ async fn overlapping_writers<DB: Backend>(
             tx.commit().await.unwrap();
         }
     });
-    first_queued.wait().await;
+    let first_queued = tokio::time::timeout(Duration::from_secs(10), first_queued.wait()).await;
+    first_queued.expect("the first writer queued");
 
     // Each waiter notes its payload as soon as its `queue` returns: that
     // is after the writer before it committed, so before its own commit.
@@ -135,7 +136,7 @@ async fn overlapping_writers<DB: Backend>(
             })
         })
         .collect();
-    begun.wait().await;
+    tokio::time::timeout(Duration::from_secs(10), begun.wait()).await.expect("the waiters began");
     tokio::time::sleep(HELD).await;
     let this_round = |recorder: &Recorder| -> Vec<String> {
         let prefix = format!("r{round}-");

@@ -276,14 +276,17 @@ impl<DB: Backend, P: Publisher> Relay<DB, P> {
         self
     }
 
-    /// How long sent rows are kept before the relay purges them. Default 7 days.
+    /// How long sent rows are kept before the relay purges them; aggregate
+    /// rows (the locks that keep an aggregate's writers in commit order)
+    /// are purged this long after they were created. Default 7 days.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
         self
     }
 
-    /// How often the relay purges sent rows past the retention, and how
-    /// many rows one purge statement deletes. Defaults 60 s and 1000.
+    /// How often the relay purges sent rows and aggregate rows past the
+    /// retention, and how many rows one purge statement deletes. Defaults
+    /// 60 s and 1000.
     pub fn purge(mut self, every: Duration, batch: u32) -> Self {
         self.purge_interval = every;
         self.purge_batch = batch.max(1);
