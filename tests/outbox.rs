@@ -54,7 +54,7 @@ async fn fresh_sqlite() -> Option<Fresh<Sqlite>> {
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
         .busy_timeout(Duration::from_secs(10));
-    let pool = SqlitePoolOptions::new().max_connections(4).connect_with(options).await.expect("sqlite");
+    let pool = SqlitePoolOptions::new().max_connections(8).connect_with(options).await.expect("sqlite");
     let idem = Idem::new(pool);
     idem.migrate().await.expect("migrate");
     let cleanup = move || -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
@@ -598,3 +598,7 @@ async fn a_steps_mode_body_queues_under_its_calls_ids() {
     assert_eq!(ids, vec![MessageId::derive("t_charge", "order_11_charge", 0).unwrap().to_string()]);
     fresh.drop_db().await;
 }
+
+/// One aggregate's order under overlapping writers and two relays.
+#[path = "outbox/order.rs"]
+mod order;

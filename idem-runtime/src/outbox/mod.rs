@@ -32,13 +32,20 @@
 //! duplicate anyway). Outside a call, give the id yourself ([`Event::id`]).
 //!
 //! **Order.** Events of one [aggregate](Event::aggregate) are published in
-//! `id` order, the order they were queued: a row is taken only when no
-//! earlier row of its aggregate is pending (even one another relay holds,
-//! or one waiting out its back-off) or dead. So one aggregate's events go
-//! out one per batch, and a dead row holds back the rest of its aggregate
-//! until an operator retries or discards it. Events without an aggregate
-//! have no order among themselves. See the README's "Events" section for
-//! what holds across relays and retries.
+//! the order their transactions committed, even when writers overlap.
+//! Queueing an event with an aggregate first locks that aggregate's row
+//! (table `idem_outbox_aggregate` on MySQL/MariaDB and PostgreSQL) until
+//! the transaction ends: a second transaction queueing for the aggregate
+//! waits in `queue` until the first commits or rolls back, so one
+//! aggregate's `id`s rise in commit order (SQLite has one writer at a time
+//! and needs no row). A relay takes a row only when no earlier row of its
+//! aggregate is pending (even one another relay holds, or one waiting out
+//! its back-off) or dead. So one aggregate's events go out one per batch,
+//! and a dead row holds back the rest of its aggregate until an operator
+//! retries or discards it. Events without an aggregate have no order among
+//! themselves and take no lock. The messaging guide (`docs/messaging.md`,
+//! "The outbox") gives the cost and what to mind: how long the lock is
+//! held, several aggregates in one transaction.
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
@@ -161,8 +168,10 @@ impl Event {
     }
 
     /// The aggregate the event belongs to (say `order-42`): events of one
-    /// aggregate are published in the order they were queued. At most 255
-    /// bytes.
+    /// aggregate are published in the order their transactions committed,
+    /// and a transaction queueing for an aggregate waits for any other
+    /// that queued for it and has not ended yet (see the
+    /// [module docs](self)). At most 255 bytes.
     pub fn aggregate(mut self, aggregate: impl Into<String>) -> Self {
         self.aggregate = Some(aggregate.into());
         self
@@ -186,8 +195,15 @@ const MAX_NAME_LEN: usize = 255;
 /// [module docs](self)); elsewhere the event must carry one ([`Event::id`]),
 /// else `Err(Error::InvalidKey(KeyError::Missing))`: there is no key to
 /// derive it from. A destination or aggregate longer than 255 bytes, or
-/// empty, is `Err(Error::InvalidKey(..))` too. The database's failure is
-/// `Err(Error::Storage)`.
+/// empty, is `Err(Error::InvalidKey(..))` too, with nothing written. The
+/// database's failure is `Err(Error::Storage)`.
+///
+/// An event with an aggregate first locks the aggregate's row until `tx`
+/// ends (one more statement): while another open transaction holds it,
+/// this call waits, bounded by the database's lock wait. Two transactions
+/// that lock two aggregates in opposite orders deadlock, and the database
+/// fails one (`Error::Storage`): queue one transaction's aggregates in a
+/// fixed order.
 pub async fn queue<DB: Backend>(tx: &mut Transaction<'_, DB>, event: Event) -> Result<MessageId, Error> {
     use crate::error::KeyError;
     let too_long = |s: &str| (s.is_empty() || s.len() > MAX_NAME_LEN).then_some(s.len());
@@ -404,6 +420,16 @@ impl<DB: Backend> Outbox<'_, DB> {
         let before =
             self.engine.now_ms().await.saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
         Ok(DB::outbox_purge_sent(self.engine.pool(), before, i64::from(limit)).await?)
+    }
+
+    /// Deletes up to `limit` aggregate rows (the locks that keep one
+    /// aggregate's writers in commit order) created at least `retention`
+    /// ago; returns how many. Safe at any time: a writer holding a row
+    /// keeps it until it ends, and the next writer creates it again. The
+    /// relays call it with their sent-row purge.
+    pub(crate) async fn purge_aggregates(&self, retention: Duration, limit: u32) -> Result<u64, Error> {
+        let before = now_ms().saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
+        Ok(DB::outbox_purge_aggregates(self.engine.pool(), before, i64::from(limit)).await?)
     }
 
     /// How many events are pending, sent (and not purged), and dead.

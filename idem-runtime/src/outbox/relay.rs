@@ -275,14 +275,17 @@ impl<DB: Backend, P: Publisher> Relay<DB, P> {
         self
     }
 
-    /// How long sent rows are kept before the relay purges them. Default 7 days.
+    /// How long sent rows are kept before the relay purges them; aggregate
+    /// rows (the locks that keep an aggregate's writers in commit order)
+    /// are purged this long after they were created. Default 7 days.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
         self
     }
 
-    /// How often the relay purges sent rows past the retention, and how
-    /// many rows one purge statement deletes. Defaults 60 s and 1000.
+    /// How often the relay purges sent rows and aggregate rows past the
+    /// retention, and how many rows one purge statement deletes. Defaults
+    /// 60 s and 1000.
     pub fn purge(mut self, every: Duration, batch: u32) -> Self {
         self.purge_interval = every;
         self.purge_batch = batch.max(1);
@@ -442,24 +445,38 @@ impl<DB: Backend, P: Publisher> Relay<DB, P> {
     }
 }
 
-/// Deletes sent rows past the retention, a batch at a time, while full
-/// batches come back (bounded: a backlog is finished by later purges).
+/// Deletes sent rows past the retention, then aggregate rows created
+/// before it, a batch at a time while full batches come back (bounded: a
+/// backlog is finished by later purges).
 async fn purge_sent<DB: Backend>(engine: &Idem<DB>, retention: Duration, batch: u32, stats: &RelayStats) {
     let outbox = engine.outbox();
+    let sent = in_batches("sent events", batch, || outbox.purge_sent(retention, batch)).await;
+    stats.purged.fetch_add(sent, Ordering::Relaxed);
+    in_batches("aggregate rows", batch, || outbox.purge_aggregates(retention, batch)).await;
+}
+
+/// Runs `purge` up to ten times while it deletes full batches; the total.
+async fn in_batches<F: Future<Output = Result<u64, crate::error::Error>>>(
+    what: &str,
+    batch: u32,
+    mut purge: impl FnMut() -> F,
+) -> u64 {
+    let mut total = 0;
     for _ in 0..10 {
-        match outbox.purge_sent(retention, batch).await {
+        match purge().await {
             Ok(n) => {
-                stats.purged.fetch_add(n, Ordering::Relaxed);
+                total += n;
                 if n < u64::from(batch) {
-                    return;
+                    break;
                 }
             }
             Err(e) => {
-                tracing::warn!(error = %e, "idem outbox relay: purge failed");
-                return;
+                tracing::warn!(error = %e, what, "idem outbox relay: purge failed");
+                break;
             }
         }
     }
+    total
 }
 
 /// `base × 2^(attempt − 1)`, at most `max`, drawn between half and all of it.

@@ -164,10 +164,26 @@ const OUTBOX_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_outbox (
     KEY idx_idem_outbox_sent_at (status, sent_at)
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4";
 
+// One row per aggregate, locked by each event's insert (`store::outbox`).
+// The key is the primary key: the upsert's lock is on that record only,
+// no gap, so writers of other aggregates never wait for it.
+const OUTBOX_AGGREGATE_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_outbox_aggregate (
+    aggregate_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL PRIMARY KEY,
+    queued BIGINT NOT NULL,
+    created_at BIGINT NOT NULL,
+    KEY idx_idem_outbox_aggregate_created_at (created_at)
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4";
+
 // `pick` locks its rows only (`outbox_begin` reads committed: no gap locks);
 // its `NOT EXISTS` is a plain read, so a row another relay holds still
 // counts as pending and holds back the later rows of its aggregate.
+// `lock_aggregate` changes the row each time (`queued + 1`): Galera
+// certifies written rows only, so two nodes queueing for one aggregate at
+// once conflict at commit instead of interleaving their ids.
 const OQ: OutboxQueries = OutboxQueries {
+    lock_aggregate: Some(
+        "INSERT INTO idem_outbox_aggregate (aggregate_key, queued, created_at) VALUES (?, 1, ?) ON DUPLICATE KEY UPDATE queued = queued + 1",
+    ),
     insert: "INSERT INTO idem_outbox (message_id, destination, aggregate_key, payload, headers, biz_type, idem_key, status, attempts, next_attempt_at, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, 0, 0, ?, ?) ON DUPLICATE KEY UPDATE message_id = message_id",
     pick: "SELECT id, message_id, destination, aggregate_key, payload, headers, attempts, created_at FROM idem_outbox o WHERE status = 0 AND next_attempt_at <= ? AND NOT EXISTS (SELECT 1 FROM idem_outbox p WHERE p.aggregate_key = o.aggregate_key AND p.status IN (0, 2) AND p.id < o.id) ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED",
     mark_failed: "UPDATE idem_outbox SET status = ?, attempts = ?, next_attempt_at = ?, last_error = ? WHERE id = ?",
@@ -180,12 +196,40 @@ const OQ: OutboxQueries = OutboxQueries {
 
 impl OutboxSql for MySql {
     async fn outbox_migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(OUTBOX_DDL).execute(pool).await.map(drop)
+        sqlx::raw_sql(OUTBOX_DDL).execute(pool).await?;
+        sqlx::raw_sql(OUTBOX_AGGREGATE_DDL).execute(pool).await.map(drop)
     }
 
     async fn outbox_begin(pool: &Pool<Self>) -> Result<sqlx::Transaction<'static, Self>, sqlx::Error> {
         // Applies to the next transaction only.
         pool.begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; BEGIN").await
+    }
+
+    /// Picks the rows with `SKIP LOCKED`, then deletes them by key, reading
+    /// committed: a range `DELETE` would wait for any writer holding a row
+    /// in its range, or the row just past it (repeatable read's next-key
+    /// lock), and a writer creating an aggregate's row holds just that one.
+    async fn outbox_purge_aggregates(pool: &Pool<Self>, before_ms: i64, limit: i64) -> Result<u64, sqlx::Error> {
+        let mut tx = Self::outbox_begin(pool).await?;
+        let keys: Vec<String> = sqlx::query_scalar("SELECT aggregate_key FROM idem_outbox_aggregate WHERE created_at <= ? ORDER BY created_at LIMIT ? FOR UPDATE SKIP LOCKED")
+            .bind(before_ms)
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await?;
+        if keys.is_empty() {
+            tx.commit().await?;
+            return Ok(0);
+        }
+        // Built from placeholders only.
+        let list = vec!["?"; keys.len()].join(", ");
+        let sql = format!("DELETE FROM idem_outbox_aggregate WHERE aggregate_key IN ({list})");
+        let mut delete = sqlx::query(AssertSqlSafe(sql));
+        for key in &keys {
+            delete = delete.bind(key);
+        }
+        let done = delete.execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(done.rows_affected())
     }
 
     outbox_queries!(OQ);

@@ -8,6 +8,16 @@
 //! (`FOR UPDATE SKIP LOCKED` where the database has it); the transaction
 //! stays open while the broker confirms, so a relay that dies mid-batch
 //! leaves its rows to the next one, unmarked.
+//!
+//! `id` order is commit order within an aggregate: ids are handed out at
+//! insert, so before its insert an event of an aggregate locks that
+//! aggregate's row in `idem_outbox_aggregate` (created on first use) until
+//! its transaction ends. A second writer of the aggregate waits there, and
+//! takes its id after the first committed (or rolled back). SQLite needs
+//! no such row: it has one writer at a time, and an insert takes the write
+//! lock, whatever the transaction's begin mode. The rows hold no state the
+//! order depends on: a row deleted (purged) is created again by the next
+//! writer, and a row a writer holds cannot be deleted until it ends.
 
 use std::future::Future;
 
@@ -55,6 +65,10 @@ pub type DeadRow = (
 
 /// SQL of the outbox statements; the same in shape on every backend.
 pub(crate) struct OutboxQueries {
+    /// Locks an aggregate's row until the transaction ends, creating it if
+    /// absent (binds: aggregate, now); `None` where writers already take
+    /// turns (SQLite).
+    pub lock_aggregate: Option<&'static str>,
     /// Queues an event; a `message_id` already queued is left as it is.
     pub insert: &'static str,
     /// The relay's batch (binds: now, limit).
@@ -85,8 +99,9 @@ pub trait OutboxSql: sqlx::Database + Sized {
     /// makes it one relay at a time).
     fn outbox_begin(pool: &Pool<Self>) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
 
-    /// Queues `event` on the body's connection. `Ok(false)`: its
-    /// `message_id` was queued already.
+    /// Queues `event` on the body's connection, after locking its
+    /// aggregate (if any) until the body's transaction ends. `Ok(false)`:
+    /// its `message_id` was queued already.
     fn outbox_insert(
         conn: &mut Self::Connection,
         event: &NewEvent<'_>,
@@ -119,6 +134,15 @@ pub trait OutboxSql: sqlx::Database + Sized {
 
     /// Deletes up to `limit` rows sent at or before `before_ms`.
     fn outbox_purge_sent(
+        pool: &Pool<Self>,
+        before_ms: i64,
+        limit: i64,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// Deletes up to `limit` aggregate rows created at or before
+    /// `before_ms`, skipping those a writer holds: it never waits for a
+    /// body.
+    fn outbox_purge_aggregates(
         pool: &Pool<Self>,
         before_ms: i64,
         limit: i64,
@@ -168,6 +192,9 @@ macro_rules! outbox_queries {
             conn: &mut Self::Connection,
             event: &$crate::store::outbox::NewEvent<'_>,
         ) -> Result<bool, ::sqlx::Error> {
+            if let (Some(lock), Some(aggregate)) = ($q.lock_aggregate, event.aggregate) {
+                ::sqlx::query(lock).bind(aggregate).bind(event.now_ms).execute(&mut *conn).await?;
+            }
             let done = ::sqlx::query($q.insert)
                 .bind(event.message_id)
                 .bind(event.destination)

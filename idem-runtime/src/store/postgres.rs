@@ -146,7 +146,7 @@ impl RecordSql for Postgres {
 }
 
 // The transactional outbox (`crate::outbox`), created under the migration lock.
-const OUTBOX_DDL: [&str; 4] = [
+const OUTBOX_DDL: [&str; 6] = [
     "CREATE TABLE IF NOT EXISTS idem_outbox (
         id BIGSERIAL PRIMARY KEY,
         message_id CHAR(32) NOT NULL,
@@ -167,12 +167,26 @@ const OUTBOX_DDL: [&str; 4] = [
     "CREATE INDEX IF NOT EXISTS idx_idem_outbox_pending ON idem_outbox (status, id)",
     "CREATE INDEX IF NOT EXISTS idx_idem_outbox_aggregate ON idem_outbox (aggregate_key, status, id)",
     "CREATE INDEX IF NOT EXISTS idx_idem_outbox_sent_at ON idem_outbox (status, sent_at)",
+    // One row per aggregate, locked by each event's insert (`store::outbox`).
+    "CREATE TABLE IF NOT EXISTS idem_outbox_aggregate (
+        aggregate_key VARCHAR(255) PRIMARY KEY,
+        queued BIGINT NOT NULL,
+        created_at BIGINT NOT NULL
+    )",
+    "CREATE INDEX IF NOT EXISTS idx_idem_outbox_aggregate_created_at ON idem_outbox_aggregate (created_at)",
 ];
 
 // `FOR UPDATE OF o`: only the batch's rows are locked; the `NOT EXISTS`
 // is a plain read, so a row another relay holds still counts as pending
 // and holds back the later rows of its aggregate.
+//
+// `lock_aggregate` waits, on a row another writer holds or has just
+// inserted, until that writer ends (READ COMMITTED; under REPEATABLE READ
+// the second writer fails with a serialization error instead).
 const OQ: OutboxQueries = OutboxQueries {
+    lock_aggregate: Some(
+        "INSERT INTO idem_outbox_aggregate AS a (aggregate_key, queued, created_at) VALUES ($1, 1, $2) ON CONFLICT (aggregate_key) DO UPDATE SET queued = a.queued + 1",
+    ),
     insert: "INSERT INTO idem_outbox (message_id, destination, aggregate_key, payload, headers, biz_type, idem_key, status, attempts, next_attempt_at, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, 0, 0, $8, $9) ON CONFLICT (message_id) DO NOTHING",
     pick: "SELECT id, message_id, destination, aggregate_key, payload, headers, attempts, created_at FROM idem_outbox o WHERE status = 0 AND next_attempt_at <= $1 AND NOT EXISTS (SELECT 1 FROM idem_outbox p WHERE p.aggregate_key = o.aggregate_key AND p.status IN (0, 2) AND p.id < o.id) ORDER BY id LIMIT $2 FOR UPDATE OF o SKIP LOCKED",
     mark_failed: "UPDATE idem_outbox SET status = $1, attempts = $2, next_attempt_at = $3, last_error = $4 WHERE id = $5",
@@ -195,6 +209,16 @@ impl OutboxSql for Postgres {
 
     async fn outbox_begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
         pool.begin().await
+    }
+
+    async fn outbox_purge_aggregates(pool: &Pool<Self>, before_ms: i64, limit: i64) -> Result<u64, sqlx::Error> {
+        // `SKIP LOCKED`: a row a writer holds is left for a later purge.
+        let done = sqlx::query("DELETE FROM idem_outbox_aggregate WHERE aggregate_key IN (SELECT aggregate_key FROM idem_outbox_aggregate WHERE created_at <= $1 ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED)")
+            .bind(before_ms)
+            .bind(limit)
+            .execute(pool)
+            .await?;
+        Ok(done.rows_affected())
     }
 
     outbox_queries!(OQ);

@@ -140,8 +140,11 @@ const OUTBOX_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_outbox (
     CREATE INDEX IF NOT EXISTS idx_idem_outbox_sent_at ON idem_outbox (status, sent_at);";
 
 // No row locks: the relay's `BEGIN IMMEDIATE` holds the database's write
-// lock for the batch, so one relay works at a time.
+// lock for the batch, so one relay works at a time. No aggregate rows
+// either: a body's insert takes the write lock until its transaction
+// ends, so the next writer's ids come after its commit.
 const OQ: OutboxQueries = OutboxQueries {
+    lock_aggregate: None,
     insert: "INSERT INTO idem_outbox (message_id, destination, aggregate_key, payload, headers, biz_type, idem_key, status, attempts, next_attempt_at, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, 0, 0, ?, ?) ON CONFLICT (message_id) DO NOTHING",
     pick: "SELECT id, message_id, destination, aggregate_key, payload, headers, attempts, created_at FROM idem_outbox o WHERE status = 0 AND next_attempt_at <= ? AND NOT EXISTS (SELECT 1 FROM idem_outbox p WHERE p.aggregate_key = o.aggregate_key AND p.status IN (0, 2) AND p.id < o.id) ORDER BY id LIMIT ?",
     mark_failed: "UPDATE idem_outbox SET status = ?, attempts = ?, next_attempt_at = ?, last_error = ? WHERE id = ?",
@@ -159,6 +162,10 @@ impl OutboxSql for Sqlite {
 
     async fn outbox_begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
         pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    async fn outbox_purge_aggregates(_pool: &Pool<Self>, _before_ms: i64, _limit: i64) -> Result<u64, sqlx::Error> {
+        Ok(0)
     }
 
     outbox_queries!(OQ);
