@@ -188,12 +188,13 @@ async fn sleep_until(at: std::time::SystemTime) {
 macro_rules! runner_suite {
     (
         $module:ident, $db:ident, $redis:expr, $open:expr,
-        $ddl:literal, $insert:literal, $per_slot:literal, $record_life:literal
+        $ddl:literal, $insert:literal, $per_slot:literal, $record_life:literal, $call_life:literal
     ) => {
         mod $module {
             use std::sync::Mutex;
             use std::time::{SystemTime, UNIX_EPOCH};
 
+            use idem::Steps;
             use idem::cron::{Runner, SlotOutcome, Stopped};
             use sqlx::{Transaction, $db};
 
@@ -249,6 +250,20 @@ macro_rules! runner_suite {
             ) -> Result<(), JobError> {
                 sqlx::query($insert).bind(&run).bind(slot).bind(instance as i64).execute(&mut **tx).await?;
                 tokio::time::sleep(Duration::from_millis(20)).await;
+                Ok(())
+            }
+
+            /// The same in the two-phase mode: its record is `idem_call`'s.
+            #[idempotent(key = "steps_<run>_<slot>", ttl = "2s", biz = "cron_steps", steps)]
+            async fn short_lived_steps(
+                idem: &Idem<$db>,
+                steps: &mut Steps<$db>,
+                run: String,
+                slot: i64,
+                #[idem(skip)] instance: u32,
+            ) -> Result<(), JobError> {
+                let tx = steps.transaction().await?;
+                sqlx::query($insert).bind(&run).bind(slot).bind(instance as i64).execute(&mut **tx).await?;
                 Ok(())
             }
 
@@ -477,6 +492,59 @@ macro_rules! runner_suite {
                 tokio::time::timeout(Duration::from_secs(30), test).await.expect("the catch-up test hung");
             }
 
+            /// Regression (issue 23), two-phase mode: a steps job with a
+            /// 2 s ttl runs S0 on instance 0; instance 1 starts 3 s after
+            /// with a 3.5 s window (back to S-0.5) and replays S0 instead of
+            /// running it again.
+            async fn steps_catch_up_past_a_short_ttl(redis: bool) {
+                let Some(engines) = engines(redis).await else { return };
+                let run = idem_testkit::unique("steps");
+                let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64;
+                let t0 = now + 2;
+                let at = |slot: i64, ms: u64| {
+                    UNIX_EPOCH + Duration::from_secs((t0 + slot) as u64) + Duration::from_millis(ms)
+                };
+                let seen = Arc::new(Mutex::new(Vec::new()));
+                let start = |i: usize, catch_up: Duration| {
+                    let (idem, run) = (engines[i].clone(), run.clone());
+                    let runner = Runner::new("steps", "* * * * * *").unwrap().catch_up(catch_up).jitter(JITTER);
+                    // Each stops once it has settled S0 (1 after the slot it
+                    // went on to, S1, a catch-up run within the grace).
+                    tokio::spawn(instance(runner, i as u32, t0, seen.clone(), move |slot| {
+                        let (idem, run) = (idem.clone(), run.clone());
+                        async move { short_lived_steps(&idem, run, slot, i as u32).await }
+                    }))
+                };
+                sleep_until(at(-1, 300)).await;
+                assert_eq!(start(0, Duration::ZERO).await.unwrap().last_slot, Some(at(0, 0)));
+                sleep_until(at(3, 0)).await;
+                assert_eq!(start(1, Duration::from_millis(3_500)).await.unwrap().last_slot, Some(at(1, 0)));
+
+                let seen: Vec<(u32, i64, SlotOutcome, bool)> =
+                    seen.lock().unwrap().iter().map(|s| (s.instance, s.slot - t0, s.outcome, s.catch_up)).collect();
+                use SlotOutcome::{DoneElsewhere, Executed};
+                assert_eq!(seen, [(0, 0, Executed, false), (1, 0, DoneElsewhere, true), (1, 1, Executed, true)]);
+                let pool = engines[0].pool();
+                let rows: Vec<(i64, i64)> = sqlx::query_as($per_slot).bind(&run).fetch_all(pool).await.unwrap();
+                assert_eq!(rows, [(t0, 1), (t0 + 1, 1)], "S0 ran once");
+                let key = format!("steps_{run}_{t0}");
+                let life: i64 =
+                    sqlx::query_scalar($call_life).bind("cron_steps").bind(&key).fetch_one(pool).await.unwrap();
+                assert_eq!(life, JITTER.as_millis() as i64 + 60_000, "window 0 + jitter + a minute");
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_catch_up_never_runs_a_finished_steps_slot_again() {
+                let test = steps_catch_up_past_a_short_ttl(false);
+                tokio::time::timeout(Duration::from_secs(30), test).await.expect("the catch-up test hung");
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_catch_up_never_runs_a_finished_steps_slot_again_with_redis() {
+                let test = steps_catch_up_past_a_short_ttl(true);
+                tokio::time::timeout(Duration::from_secs(30), test).await.expect("the catch-up test hung");
+            }
+
             /// A job still running at shutdown, past the grace, is dropped:
             /// its transaction rolls back, the slot is reported cancelled and
             /// is not the last settled; the next start runs it, once.
@@ -548,7 +616,8 @@ runner_suite!(
     "CREATE TABLE IF NOT EXISTS cron_ticks (id BIGINT AUTO_INCREMENT PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL, KEY (run))",
     "INSERT INTO cron_ticks (run, slot, instance) VALUES (?, ?, ?)",
     "SELECT slot, COUNT(*) FROM cron_ticks WHERE run = ? GROUP BY slot ORDER BY slot",
-    "SELECT expires_at - updated_at FROM idem_record WHERE biz_type = ? AND idem_key = ?"
+    "SELECT expires_at - updated_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
+    "SELECT expires_at - updated_at FROM idem_call WHERE biz_type = ? AND idem_key = ?"
 );
 
 runner_suite!(
@@ -561,5 +630,6 @@ runner_suite!(
     "SELECT pg_advisory_xact_lock(7306232718293615); CREATE TABLE IF NOT EXISTS cron_ticks (id BIGSERIAL PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL)",
     "INSERT INTO cron_ticks (run, slot, instance) VALUES ($1, $2, $3)",
     "SELECT slot, COUNT(*) FROM cron_ticks WHERE run = $1 GROUP BY slot ORDER BY slot",
-    "SELECT expires_at - updated_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2"
+    "SELECT expires_at - updated_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
+    "SELECT expires_at - updated_at FROM idem_call WHERE biz_type = $1 AND idem_key = $2"
 );
