@@ -263,9 +263,9 @@ impl Runner {
     ///
     /// Within the window a slot runs once whatever the job's ttl: the
     /// records the job's calls write (in the future the runner awaits, not
-    /// in tasks it spawns) live at least `window` + [`jitter`](Runner::jitter)
-    /// + one minute, so a catch-up finds a finished slot's record rather
-    /// than an expired one.
+    /// in tasks it spawns) live at least the window plus the
+    /// [`jitter`](Runner::jitter) plus one minute, so a catch-up finds a
+    /// finished slot's record rather than an expired one.
     pub fn catch_up(mut self, window: Duration) -> Self {
         self.catch_up = window;
         self
