@@ -4,7 +4,8 @@
 //! it again. With `idem::cron::Runner`: three instances on a one-second
 //! schedule for 30 slots, one of them stopped for 10 slots; every slot runs
 //! once, missed slots within the window are caught up once, older ones are
-//! skipped; a job cancelled at shutdown runs on the next start, once.
+//! skipped; a job cancelled at shutdown runs on the next start, once; and
+//! a catch-up never runs a finished slot again, whatever the job's ttl.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -185,11 +186,15 @@ async fn sleep_until(at: std::time::SystemTime) {
 }
 
 macro_rules! runner_suite {
-    ($module:ident, $db:ident, $redis:expr, $open:expr, $ddl:literal, $insert:literal, $per_slot:literal) => {
+    (
+        $module:ident, $db:ident, $redis:expr, $open:expr,
+        $ddl:literal, $insert:literal, $per_slot:literal, $record_life:literal, $call_life:literal
+    ) => {
         mod $module {
             use std::sync::Mutex;
             use std::time::{SystemTime, UNIX_EPOCH};
 
+            use idem::Steps;
             use idem::cron::{Runner, SlotOutcome, Stopped};
             use sqlx::{Transaction, $db};
 
@@ -233,35 +238,78 @@ macro_rules! runner_suite {
                 Some(engines)
             }
 
-            /// One instance's runner, until it has reported `last` (a slot's
-            /// Unix second): the shutdown follows what it did, not a timer.
-            async fn instance(
+            /// The job with a ttl shorter than the catch-up window: its
+            /// record alone would have expired when a catch-up came to it.
+            #[idempotent(key = "short_<run>_<slot>", ttl = "2s", biz = "cron_short")]
+            async fn short_lived(
+                idem: &Idem<$db>,
+                tx: &mut Transaction<'_, $db>,
+                run: String,
+                slot: i64,
+                #[idem(skip)] instance: u32,
+            ) -> Result<(), JobError> {
+                sqlx::query($insert).bind(&run).bind(slot).bind(instance as i64).execute(&mut **tx).await?;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                Ok(())
+            }
+
+            /// The same in the two-phase mode: its record is `idem_call`'s.
+            #[idempotent(key = "steps_<run>_<slot>", ttl = "2s", biz = "cron_steps", steps)]
+            async fn short_lived_steps(
+                idem: &Idem<$db>,
+                steps: &mut Steps<$db>,
+                run: String,
+                slot: i64,
+                #[idem(skip)] instance: u32,
+            ) -> Result<(), JobError> {
+                let tx = steps.transaction().await?;
+                sqlx::query($insert).bind(&run).bind(slot).bind(instance as i64).execute(&mut **tx).await?;
+                Ok(())
+            }
+
+            /// One instance's `runner`, until it has reported `last` (a
+            /// slot's Unix second): the shutdown follows what it did, not a
+            /// timer.
+            async fn instance<Fut>(
+                runner: Runner,
+                instance: u32,
+                last: i64,
+                seen: Arc<Mutex<Vec<Seen>>>,
+                job: impl Fn(i64) -> Fut + Send + Sync + 'static,
+            ) -> Stopped
+            where
+                Fut: std::future::Future<Output = Result<(), JobError>> + Send + 'static,
+            {
+                let (reported, mut reported_rx) = tokio::sync::watch::channel(i64::MIN);
+                let runner = runner.on_slot(move |r| {
+                    let (slot, outcome, catch_up) = (r.slot.unix_secs(), r.outcome, r.slot.is_catch_up());
+                    seen.lock().unwrap().push(Seen { instance, slot, outcome, catch_up });
+                    reported.send_replace(slot);
+                });
+                let shutdown = async move {
+                    let _ = reported_rx.wait_for(|slot| *slot >= last).await;
+                };
+                runner.run(shutdown, move |slot| job(slot.unix_secs())).await
+            }
+
+            /// `tick` on a one-second schedule with the 2.5 s window.
+            async fn tick_instance(
                 idem: Idem<$db>,
                 run: String,
-                instance: u32,
+                i: u32,
                 resume: Option<SystemTime>,
                 last: i64,
                 seen: Arc<Mutex<Vec<Seen>>>,
             ) -> Stopped {
-                let (reported, mut reported_rx) = tokio::sync::watch::channel(i64::MIN);
-                let mut runner =
-                    Runner::new("tick", "* * * * * *").unwrap().catch_up(WINDOW).jitter(JITTER).on_slot(move |r| {
-                        let (slot, outcome, catch_up) = (r.slot.unix_secs(), r.outcome, r.slot.is_catch_up());
-                        seen.lock().unwrap().push(Seen { instance, slot, outcome, catch_up });
-                        reported.send_replace(slot);
-                    });
+                let mut runner = Runner::new("tick", "* * * * * *").unwrap().catch_up(WINDOW).jitter(JITTER);
                 if let Some(resume) = resume {
                     runner = runner.resume_after(resume);
                 }
-                let shutdown = async move {
-                    let _ = reported_rx.wait_for(|slot| *slot >= last).await;
-                };
-                runner
-                    .run(shutdown, move |slot| {
-                        let (idem, run) = (idem.clone(), run.clone());
-                        async move { tick(&idem, run, slot.unix_secs(), instance, None).await }
-                    })
-                    .await
+                instance(runner, i, last, seen, move |slot| {
+                    let (idem, run) = (idem.clone(), run.clone());
+                    async move { tick(&idem, run, slot, i, None).await }
+                })
+                .await
             }
 
             async fn thirty_slots_one_instance_stopped_for_ten(redis: bool) {
@@ -278,7 +326,8 @@ macro_rules! runner_suite {
                 // anyone ran, inside the 2.5 s window (S-1 is outside it).
                 sleep_until(at(2, 50)).await;
                 let start = |i: usize, resume, last| {
-                    tokio::spawn(instance(engines[i].clone(), run.clone(), i as u32, resume, t0 + last, seen.clone()))
+                    let idem = engines[i].clone();
+                    tokio::spawn(tick_instance(idem, run.clone(), i as u32, resume, t0 + last, seen.clone()))
                 };
                 let a = start(0, None, 9);
                 let b = start(1, None, RUNNER_SLOTS - 1);
@@ -344,6 +393,156 @@ macro_rules! runner_suite {
             async fn runner_thirty_slots_one_instance_stopped_for_ten() {
                 let test = thirty_slots_one_instance_stopped_for_ten(REDIS);
                 tokio::time::timeout(Duration::from_secs(60), test).await.expect("the runner test hung");
+            }
+
+            /// Regression (issue 23): a catch-up never runs a finished slot
+            /// again, whatever the job's ttl. Instances 0 and 1 run S0..S11
+            /// of a one-second schedule with a job whose ttl is 2 s;
+            /// instance 2 starts just after S7 with `catch_up(8s)`, so
+            /// S0..S7 are within its window, and S0..S5 finished more than
+            /// 2 s before. Every slot runs exactly once across the three.
+            async fn catch_up_past_a_short_ttl(redis: bool) {
+                const CATCH_UP: Duration = Duration::from_secs(8);
+                const LAST: i64 = 11;
+                // What each runner keeps its records for: window + jitter + a minute.
+                let life_ms = |window: Duration| (window + JITTER).as_millis() as i64 + 60_000;
+                let Some(engines) = engines(redis).await else { return };
+                let run = idem_testkit::unique("short");
+                let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64;
+                let t0 = now + 2;
+                let at = |slot: i64, ms: u64| {
+                    UNIX_EPOCH + Duration::from_secs((t0 + slot) as u64) + Duration::from_millis(ms)
+                };
+                let seen = Arc::new(Mutex::new(Vec::new()));
+                let start = |i: usize, catch_up: Duration| {
+                    let (idem, run) = (engines[i].clone(), run.clone());
+                    let runner = Runner::new("short", "* * * * * *").unwrap().catch_up(catch_up).jitter(JITTER);
+                    tokio::spawn(instance(runner, i as u32, t0 + LAST, seen.clone(), move |slot| {
+                        let (idem, run) = (idem.clone(), run.clone());
+                        async move { short_lived(&idem, run, slot, i as u32).await }
+                    }))
+                };
+
+                // 0 and 1 start 0.7 s before S0 (no window: S0 is their first slot).
+                sleep_until(at(-1, 300)).await;
+                let (a, b) = (start(0, Duration::ZERO), start(1, Duration::ZERO));
+                // 2 starts just after S7: its window reaches back to S-0.5.
+                sleep_until(at(7, 500)).await;
+                let c = start(2, CATCH_UP);
+                for task in [a, b, c] {
+                    assert_eq!(task.await.unwrap().last_slot, Some(at(LAST, 0)));
+                }
+
+                let pool = engines[0].pool();
+                let rows: Vec<(i64, i64)> = sqlx::query_as($per_slot).bind(&run).fetch_all(pool).await.unwrap();
+                let expected: Vec<(i64, i64)> = (0..=LAST).map(|i| (t0 + i, 1)).collect();
+                assert_eq!(rows, expected, "each slot S0..S11 ran exactly once");
+
+                let seen = seen.lock().unwrap().clone();
+                use SlotOutcome::{DoneElsewhere, Executed, InProgressElsewhere};
+                for instance in 0..INSTANCES {
+                    let slots: Vec<(i64, SlotOutcome, bool)> = seen
+                        .iter()
+                        .filter(|s| s.instance == instance)
+                        .map(|s| (s.slot - t0, s.outcome, s.catch_up))
+                        .collect();
+                    assert_eq!(slots.iter().map(|s| s.0).collect::<Vec<_>>(), (0..=LAST).collect::<Vec<_>>());
+                    for &(slot, outcome, catch_up) in &slots {
+                        // Instance 2 catches up S0..S7, each finished by 0 or 1:
+                        // replayed (S7 may still be running), never executed.
+                        let late = instance == 2 && slot <= 7;
+                        assert_eq!(catch_up, late, "instance {instance} S{slot}");
+                        if late {
+                            let replayed = outcome == DoneElsewhere || (slot == 7 && outcome == InProgressElsewhere);
+                            assert!(replayed, "instance 2 ran S{slot} again: {outcome:?} {slots:?}");
+                        } else {
+                            assert!(matches!(outcome, Executed | DoneElsewhere | InProgressElsewhere), "S{slot}");
+                        }
+                    }
+                }
+                // Each slot's record outlives the window of the runner that wrote it.
+                for slot in 0..=LAST {
+                    let executed: Vec<&Seen> =
+                        seen.iter().filter(|s| s.slot == t0 + slot && s.outcome == Executed).collect();
+                    assert_eq!(executed.len(), 1, "S{slot}: {seen:?}");
+                    let window = if executed[0].instance == 2 { CATCH_UP } else { Duration::ZERO };
+                    let key = format!("short_{run}_{}", t0 + slot);
+                    let life: i64 =
+                        sqlx::query_scalar($record_life).bind("cron_short").bind(&key).fetch_one(pool).await.unwrap();
+                    assert_eq!(life, life_ms(window), "S{slot}");
+                }
+                // Outside a runner the job's record keeps its own ttl.
+                let outside = format!("{run}-outside");
+                short_lived(&engines[0], outside.clone(), t0, 0).await.unwrap();
+                let key = format!("short_{outside}_{t0}");
+                let life: i64 =
+                    sqlx::query_scalar($record_life).bind("cron_short").bind(&key).fetch_one(pool).await.unwrap();
+                assert_eq!(life, 2_000);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_catch_up_never_runs_a_finished_slot_again_whatever_the_ttl() {
+                let test = catch_up_past_a_short_ttl(false);
+                tokio::time::timeout(Duration::from_secs(30), test).await.expect("the catch-up test hung");
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_catch_up_never_runs_a_finished_slot_again_whatever_the_ttl_with_redis() {
+                let test = catch_up_past_a_short_ttl(true);
+                tokio::time::timeout(Duration::from_secs(30), test).await.expect("the catch-up test hung");
+            }
+
+            /// Regression (issue 23), two-phase mode: a steps job with a
+            /// 2 s ttl runs S0 on instance 0; instance 1 starts 3 s after
+            /// with a 3.5 s window (back to S-0.5) and replays S0 instead of
+            /// running it again.
+            async fn steps_catch_up_past_a_short_ttl(redis: bool) {
+                let Some(engines) = engines(redis).await else { return };
+                let run = idem_testkit::unique("steps");
+                let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64;
+                let t0 = now + 2;
+                let at = |slot: i64, ms: u64| {
+                    UNIX_EPOCH + Duration::from_secs((t0 + slot) as u64) + Duration::from_millis(ms)
+                };
+                let seen = Arc::new(Mutex::new(Vec::new()));
+                let start = |i: usize, catch_up: Duration| {
+                    let (idem, run) = (engines[i].clone(), run.clone());
+                    let runner = Runner::new("steps", "* * * * * *").unwrap().catch_up(catch_up).jitter(JITTER);
+                    // Each stops once it has settled S0 (1 after the slot it
+                    // went on to, S1, a catch-up run within the grace).
+                    tokio::spawn(instance(runner, i as u32, t0, seen.clone(), move |slot| {
+                        let (idem, run) = (idem.clone(), run.clone());
+                        async move { short_lived_steps(&idem, run, slot, i as u32).await }
+                    }))
+                };
+                sleep_until(at(-1, 300)).await;
+                assert_eq!(start(0, Duration::ZERO).await.unwrap().last_slot, Some(at(0, 0)));
+                sleep_until(at(3, 0)).await;
+                assert_eq!(start(1, Duration::from_millis(3_500)).await.unwrap().last_slot, Some(at(1, 0)));
+
+                let seen: Vec<(u32, i64, SlotOutcome, bool)> =
+                    seen.lock().unwrap().iter().map(|s| (s.instance, s.slot - t0, s.outcome, s.catch_up)).collect();
+                use SlotOutcome::{DoneElsewhere, Executed};
+                assert_eq!(seen, [(0, 0, Executed, false), (1, 0, DoneElsewhere, true), (1, 1, Executed, true)]);
+                let pool = engines[0].pool();
+                let rows: Vec<(i64, i64)> = sqlx::query_as($per_slot).bind(&run).fetch_all(pool).await.unwrap();
+                assert_eq!(rows, [(t0, 1), (t0 + 1, 1)], "S0 ran once");
+                let key = format!("steps_{run}_{t0}");
+                let life: i64 =
+                    sqlx::query_scalar($call_life).bind("cron_steps").bind(&key).fetch_one(pool).await.unwrap();
+                assert_eq!(life, JITTER.as_millis() as i64 + 60_000, "window 0 + jitter + a minute");
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_catch_up_never_runs_a_finished_steps_slot_again() {
+                let test = steps_catch_up_past_a_short_ttl(false);
+                tokio::time::timeout(Duration::from_secs(30), test).await.expect("the catch-up test hung");
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_catch_up_never_runs_a_finished_steps_slot_again_with_redis() {
+                let test = steps_catch_up_past_a_short_ttl(true);
+                tokio::time::timeout(Duration::from_secs(30), test).await.expect("the catch-up test hung");
             }
 
             /// A job still running at shutdown, past the grace, is dropped:
@@ -416,7 +615,9 @@ runner_suite!(
     }),
     "CREATE TABLE IF NOT EXISTS cron_ticks (id BIGINT AUTO_INCREMENT PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL, KEY (run))",
     "INSERT INTO cron_ticks (run, slot, instance) VALUES (?, ?, ?)",
-    "SELECT slot, COUNT(*) FROM cron_ticks WHERE run = ? GROUP BY slot ORDER BY slot"
+    "SELECT slot, COUNT(*) FROM cron_ticks WHERE run = ? GROUP BY slot ORDER BY slot",
+    "SELECT expires_at - updated_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
+    "SELECT expires_at - updated_at FROM idem_call WHERE biz_type = ? AND idem_key = ?"
 );
 
 runner_suite!(
@@ -428,5 +629,7 @@ runner_suite!(
     }),
     "SELECT pg_advisory_xact_lock(7306232718293615); CREATE TABLE IF NOT EXISTS cron_ticks (id BIGSERIAL PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL)",
     "INSERT INTO cron_ticks (run, slot, instance) VALUES ($1, $2, $3)",
-    "SELECT slot, COUNT(*) FROM cron_ticks WHERE run = $1 GROUP BY slot ORDER BY slot"
+    "SELECT slot, COUNT(*) FROM cron_ticks WHERE run = $1 GROUP BY slot ORDER BY slot",
+    "SELECT expires_at - updated_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
+    "SELECT expires_at - updated_at FROM idem_call WHERE biz_type = $1 AND idem_key = $2"
 );

@@ -19,6 +19,7 @@ use crate::gate::{Answer, Entry};
 use crate::key::{validate_biz_no, validate_key};
 use crate::metrics::{Source, Timer};
 use crate::outcome::{self, Outcome};
+use crate::retention;
 use crate::spec::Spec;
 use crate::store::record::{Committed, Opened, RecordKey, Settled, rollback};
 use crate::store::{Backend, SUCCEEDED, StoredRecord};
@@ -104,7 +105,8 @@ where
         validate_biz_no(no)?;
     }
     let fingerprint = fingerprint.finish()?;
-    let id = RecordKey { biz: spec.biz, key, fingerprint: &fingerprint, biz_no, ttl: spec.ttl };
+    let ttl = retention::record_ttl(spec.ttl);
+    let id = RecordKey { biz: spec.biz, key, fingerprint: &fingerprint, biz_no, ttl };
     // Expiry is stamped and judged on the database's clock: an engine's
     // first call reads it (once); later calls pay one atomic load.
     engine.now_ms().await;

@@ -40,6 +40,13 @@
 //!   slot before it, so a restart that resumes from there runs it (within the
 //!   window) and nothing twice.
 //!
+//! Each slot runs once within the window **whatever the job's ttl**: every
+//! record the job's calls write while the runner awaits it lives at least
+//! the window plus the jitter plus a minute, even when its ttl is shorter
+//! (a ttl of 2 s under an 8 s window would otherwise let the record expire
+//! before the catch-up, which then ran the slot again). Longer ttls are
+//! untouched; work the job spawns into tasks of its own is not covered.
+//!
 //! Each slot is reported in the log, in the tracing span `idem_cron` (fields
 //! `job`, `slot`, `outcome`; the job's own `idem` span is its child), to the
 //! [`on_slot`](Runner::on_slot) hook, and as `idem_cron_slots_total` with
@@ -59,11 +66,19 @@ use jiff::{SignedDuration, Timestamp};
 use tracing::Instrument;
 
 use crate::outcome::{Outcome, observe};
+use crate::retention;
 
 /// How many slots older than the window are reported one by one after a
 /// long stop; past that the runner jumps to the window (a per-second job
 /// stopped for a day would otherwise enumerate 86 400 slots).
 const MAX_SKIPPED_REPORTED: usize = 10_000;
+
+/// What a slot's record must outlive beyond the window and the jitter: the
+/// time from a runner's decision to run a slot to its call's read of the
+/// record (a pool's acquire wait is 30 s by default, a lock wait adds to
+/// it), and the skew between the clock that stamped the record and the one
+/// that reads it. A minute of extra rows per job costs next to nothing.
+const RECORD_MARGIN: Duration = Duration::from_secs(60);
 
 /// A schedule or time zone the runner cannot use.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -245,6 +260,12 @@ impl Runner {
     /// How late a slot may still run when the runner finds it already due
     /// (at start, or after a job that overran). Default zero: such slots are
     /// skipped. Only for jobs that are right to run late.
+    ///
+    /// Within the window a slot runs once whatever the job's ttl: the
+    /// records the job's calls write (in the future the runner awaits, not
+    /// in tasks it spawns) live at least the window plus the
+    /// [`jitter`](Runner::jitter) plus one minute, so a catch-up finds a
+    /// finished slot's record rather than an expired one.
     pub fn catch_up(mut self, window: Duration) -> Self {
         self.catch_up = window;
         self
@@ -295,7 +316,13 @@ impl Runner {
             last_slot: cursor.map(SystemTime::from),
             schedule_ended,
         };
-        tracing::info!(job = %self.job, schedule = self.schedule.as_str(), "idem cron runner started");
+        let record_life = self.record_life();
+        tracing::info!(
+            job = %self.job,
+            schedule = self.schedule.as_str(),
+            records_kept_at_least_ms = record_life.as_millis(),
+            "idem cron runner started"
+        );
 
         if !self.pause(random_below(self.jitter), shutdown.as_mut()).await {
             return stopped(cursor, false);
@@ -335,7 +362,7 @@ impl Runner {
                 self.report(SlotReport { slot, outcome: SlotOutcome::Skipped, call: None, error: None });
             } else {
                 skipped_in_a_row = 0;
-                match self.fire(slot, &job, shutdown.as_mut()).await {
+                match self.fire(slot, &job, record_life, shutdown.as_mut()).await {
                     Fired::Settled => {}
                     Fired::SettledStopping => return stopped(Some(next), false),
                     Fired::Cancelled => return stopped(cursor, false),
@@ -344,6 +371,16 @@ impl Runner {
             cursor = Some(next);
             from = next;
         }
+    }
+
+    /// How long a slot's record must live at least: until no runner can
+    /// still decide to run the slot. A slot runs late only while its fire
+    /// time is within the window, on time at most a jitter after it, and its
+    /// record is written after it: so the window and the jitter, counted
+    /// from the record, plus the margin. (A period of the schedule adds
+    /// nothing: the window is counted from the slot's own fire time.)
+    fn record_life(&self) -> Duration {
+        self.catch_up.saturating_add(self.jitter).saturating_add(RECORD_MARGIN)
     }
 
     /// The first slot after `from` (or at it, when `inclusive`).
@@ -376,8 +413,15 @@ impl Runner {
         }
     }
 
-    /// Runs the job for `slot` in its own task and reports how it ended.
-    async fn fire<F, Fut, R, E, S>(&self, slot: Slot, job: &F, mut shutdown: std::pin::Pin<&mut S>) -> Fired
+    /// Runs the job for `slot` in its own task, its records living at least
+    /// `record_life`, and reports how it ended.
+    async fn fire<F, Fut, R, E, S>(
+        &self,
+        slot: Slot,
+        job: &F,
+        record_life: Duration,
+        mut shutdown: std::pin::Pin<&mut S>,
+    ) -> Fired
     where
         F: Fn(Slot) -> Fut,
         Fut: Future<Output = Result<R, E>> + Send + 'static,
@@ -392,7 +436,7 @@ impl Runner {
             catch_up = slot.late,
             outcome = tracing::field::Empty
         );
-        let run = observe(job(slot.clone())).instrument(span.clone());
+        let run = retention::keep_records_for(record_life, observe(job(slot.clone()))).instrument(span.clone());
         let mut task = tokio::spawn(run);
         let (joined, settled) = tokio::select! {
             joined = &mut task => (Some(joined), Fired::Settled),

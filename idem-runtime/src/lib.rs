@@ -40,6 +40,7 @@ pub mod nats;
 pub mod outbox;
 mod outcome;
 mod random;
+mod retention;
 mod spec;
 pub mod state;
 mod status;

@@ -428,7 +428,8 @@ impl<DB: Backend> Outbox<'_, DB> {
     /// keeps it until it ends, and the next writer creates it again. The
     /// relays call it with their sent-row purge.
     pub(crate) async fn purge_aggregates(&self, retention: Duration, limit: u32) -> Result<u64, Error> {
-        let before = now_ms().saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
+        let before =
+            self.engine.now_ms().await.saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
         Ok(DB::outbox_purge_aggregates(self.engine.pool(), before, i64::from(limit)).await?)
     }
 

@@ -21,6 +21,7 @@ use crate::gate::{Answer, Entry};
 use crate::key::{validate_biz_no, validate_key};
 use crate::metrics::{Source, Timer};
 use crate::outcome::{self, Outcome};
+use crate::retention;
 use crate::spec::Spec;
 use crate::store::calls::{CallRow, FAILED, Owner};
 use crate::store::record::rollback;
@@ -114,7 +115,8 @@ where
         Ok(fingerprint) => fingerprint,
         Err(e) => return Ended::error(e),
     };
-    let id = CallKey { biz: spec.biz, key, fingerprint: &fingerprint, biz_no, ttl: spec.ttl, lease: spec.lease };
+    let ttl = retention::record_ttl(spec.ttl);
+    let id = CallKey { biz: spec.biz, key, fingerprint: &fingerprint, biz_no, ttl, lease: spec.lease };
     // Leases, fences and expiry are stamped and judged on the database's clock.
     engine.now_ms().await;
 
