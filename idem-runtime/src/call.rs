@@ -20,6 +20,7 @@ use crate::key::{validate_biz_no, validate_key};
 use crate::metrics::{Source, Timer};
 use crate::outcome::{self, Outcome};
 use crate::spec::Spec;
+use crate::store::pooling::around_body;
 use crate::store::record::{Committed, Opened, RecordKey, Settled, rollback};
 use crate::store::{Backend, SUCCEEDED, StoredRecord};
 
@@ -106,7 +107,7 @@ where
     let fingerprint = fingerprint.finish()?;
     let id = RecordKey { biz: spec.biz, key, fingerprint: &fingerprint, biz_no, ttl: spec.ttl };
 
-    let entry = engine.gate().enter(engine.pool(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
+    let entry = engine.gate().enter(engine.db(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
     let pass = match entry {
         Entry::GoAhead(pass) => pass,
         Entry::Replay(answer, source) => {
@@ -187,7 +188,7 @@ where
         Opened::Taken(row) => return replay_row(id, row),
     };
 
-    let (tx, result) = body(tx).await;
+    let (tx, result) = around_body(engine.db().pooling, body(tx)).await;
     let value = match result {
         Ok(value) => value,
         Err(e) => {

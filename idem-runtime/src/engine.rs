@@ -15,7 +15,7 @@ use crate::gate::redis::{RedisGate, Target};
 use crate::key::{validate_biz, validate_key};
 use crate::namespace::Namespace;
 use crate::status::Status;
-use crate::store::Backend;
+use crate::store::{Backend, Db, Pooling};
 use crate::store::record::{Records, now_ms};
 use crate::token::{self, Tokens};
 
@@ -26,7 +26,7 @@ pub struct Idem<DB: Backend> {
 }
 
 struct Inner<DB: Backend> {
-    pool: Pool<DB>,
+    db: Db<DB>,
     gate: Gate,
     lock_wait: Duration,
     tokens: token::Settings,
@@ -53,6 +53,7 @@ impl<DB: Backend> std::fmt::Debug for Idem<DB> {
         f.debug_struct("Idem")
             .field("gate", &self.inner.gate)
             .field("lock_wait", &self.inner.lock_wait)
+            .field("pooling", &self.inner.db.pooling)
             .finish_non_exhaustive()
     }
 }
@@ -70,6 +71,7 @@ pub struct Builder<DB: Backend> {
     lock_wait: Duration,
     local_cache: Option<LocalCache>,
     tokens: token::Settings,
+    pooling: Pooling,
 }
 
 impl<DB: Backend> Builder<DB> {
@@ -166,7 +168,7 @@ impl<DB: Backend> Builder<DB> {
         let gate = gate.with_local_cache(self.local_cache);
         Idem {
             inner: Arc::new(Inner {
-                pool: self.pool,
+                db: Db { pool: self.pool, pooling: self.pooling },
                 gate,
                 lock_wait: self.lock_wait,
                 tokens: self.tokens,
@@ -174,6 +176,37 @@ impl<DB: Backend> Builder<DB> {
                 outbox: crate::outbox::Waker::default(),
             }),
         }
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Builder<sqlx::Postgres> {
+    /// Says the pool reaches PostgreSQL through a pooler in transaction
+    /// mode (PgBouncer's `pool_mode = transaction`, RDS Proxy, Supavisor's
+    /// transaction mode), which hands a client connection a server
+    /// connection for one transaction at a time. Off by default: a direct
+    /// connection, or a pooler in session mode.
+    ///
+    /// On, the engine keeps nothing in the server's session: its
+    /// statements go unnamed (sqlx's `persistent(false)`), not as named
+    /// prepared statements that another transaction's server connection
+    /// lacks or holds with another client's SQL; and those outside a
+    /// call's transaction (the plain reads of a busy key and of
+    /// [`Idem::status`], tokens without Redis, the steps mode's phase one
+    /// and steps, purges, `migrate`) run in a transaction of their own,
+    /// which keeps one server connection for both of sqlx's exchanges.
+    /// Each such statement costs a round trip more (Parse and Describe,
+    /// then Bind and Execute), and one outside a call two more again
+    /// (`BEGIN`, `COMMIT`): leave it off without such a pooler.
+    ///
+    /// The body's own statements are the body's: behind such a pooler
+    /// send each with `.persistent(false)` (or as `sqlx::raw_sql`), as
+    /// `statement_cache_capacity(0)` does not do it. `idem`'s
+    /// [`transitions`](crate::state) and [outbox](crate::outbox) rows
+    /// written in a body follow this switch. See `docs/scaling-out.md`.
+    pub fn transaction_pooler(mut self, on: bool) -> Self {
+        self.pooling = if on { Pooling::Transaction } else { Pooling::Session };
+        self
     }
 }
 
@@ -191,6 +224,7 @@ impl<DB: Backend> Idem<DB> {
             lock_wait: Duration::from_secs(5),
             local_cache: None,
             tokens: token::Settings::default(),
+            pooling: Pooling::Session,
         }
     }
 
@@ -201,7 +235,12 @@ impl<DB: Backend> Idem<DB> {
 
     /// The pool the records (and bodies) use.
     pub fn pool(&self) -> &Pool<DB> {
-        &self.inner.pool
+        &self.inner.db.pool
+    }
+
+    /// The pool, and how the engine's statements reach it.
+    pub(crate) fn db(&self) -> &Db<DB> {
+        &self.inner.db
     }
 
     pub(crate) fn gate(&self) -> &Gate {
@@ -228,7 +267,7 @@ impl<DB: Backend> Idem<DB> {
     }
 
     pub(crate) fn records(&self) -> Records<'_, DB> {
-        Records { pool: &self.inner.pool, lock_wait: self.inner.lock_wait }
+        Records { db: &self.inner.db, lock_wait: self.inner.lock_wait }
     }
 
     /// Creates the `idem_record` table and its indexes if absent, and
@@ -236,11 +275,11 @@ impl<DB: Backend> Idem<DB> {
     /// one (see [`Idem::redis_namespace`]). With the feature `outbox`, also
     /// `idem_outbox` (see [`outbox`](crate::outbox)).
     pub async fn migrate(&self) -> Result<(), Error> {
-        DB::migrate(&self.inner.pool, Namespace::generate().as_str()).await?;
+        DB::migrate(&self.inner.db, Namespace::generate().as_str()).await?;
         #[cfg(feature = "outbox")]
-        DB::outbox_migrate(&self.inner.pool).await?;
+        DB::outbox_migrate(&self.inner.db).await?;
         // Calls to outside services (`steps`): `idem_call`, `idem_step`.
-        DB::call_migrate(&self.inner.pool).await?;
+        DB::call_migrate(&self.inner.db).await?;
         // A database dropped and re-created under a running engine has a new one.
         self.inner.gate.forget_namespace();
         Ok(())
@@ -256,14 +295,14 @@ impl<DB: Backend> Idem<DB> {
         if let Some(namespace) = self.inner.gate.fixed_namespace() {
             return Ok(Some(namespace));
         }
-        let recorded = DB::namespace(&self.inner.pool).await?;
+        let recorded = DB::namespace(&self.inner.db).await?;
         Ok(recorded.and_then(|text| Namespace::new(&text).ok()))
     }
 
     /// Deletes up to `limit` expired records; returns how many. Run it
     /// periodically to keep the table bounded.
     pub async fn purge_expired(&self, limit: u32) -> Result<u64, Error> {
-        DB::purge_expired(&self.inner.pool, now_ms(), i64::from(limit)).await.map_err(Error::Storage)
+        DB::purge_expired(&self.inner.db, now_ms(), i64::from(limit)).await.map_err(Error::Storage)
     }
 
     /// Where the call `(biz, key)` stands: the query behind "in progress,
@@ -278,7 +317,7 @@ impl<DB: Backend> Idem<DB> {
             }
             row => row.is_some(),
         };
-        Ok(match (self.inner.gate.is_running(&self.inner.pool, biz, key).await, recorded) {
+        Ok(match (self.inner.gate.is_running(&self.inner.db, biz, key).await, recorded) {
             (true, _) => Status::InProgress,
             (false, true) => Status::Expired,
             (false, false) => Status::Absent,

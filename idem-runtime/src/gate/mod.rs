@@ -9,9 +9,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::Pool;
 
-use crate::store::Backend;
+use crate::store::{Backend, Db};
 
 pub(crate) mod local;
 pub(crate) mod memory;
@@ -123,7 +122,7 @@ impl Gate {
     /// `wait` the wait in memory for a duplicate running here.
     pub(crate) async fn enter<DB: Backend>(
         &self,
-        pool: &Pool<DB>,
+        db: &Db<DB>,
         biz: &str,
         key: &str,
         fingerprint: &str,
@@ -137,14 +136,14 @@ impl Gate {
         }
         #[cfg(feature = "redis")]
         if let Some(redis) = &self.redis
-            && let Some(entry) = redis.enter(pool, biz, key, fingerprint, lease).await
+            && let Some(entry) = redis.enter(db, biz, key, fingerprint, lease).await
         {
             if let Entry::Replay(answer, _) = &entry {
                 self.remember(biz, key, answer);
             }
             return entry;
         }
-        let _ = (pool, fingerprint, lease);
+        let _ = (db, fingerprint, lease);
         self.memory.enter(biz, key, wait).await
     }
 
@@ -157,12 +156,12 @@ impl Gate {
 
     /// Whether a call holds `(biz, key)` right now, as far as Redis knows
     /// (a call running without a claim is invisible until it commits).
-    pub(crate) async fn is_running<DB: Backend>(&self, pool: &Pool<DB>, biz: &str, key: &str) -> bool {
+    pub(crate) async fn is_running<DB: Backend>(&self, db: &Db<DB>, biz: &str, key: &str) -> bool {
         #[cfg(feature = "redis")]
         if let Some(redis) = &self.redis {
-            return redis.is_running(pool, biz, key).await;
+            return redis.is_running(db, biz, key).await;
         }
-        let _ = (pool, biz, key);
+        let _ = (db, biz, key);
         false
     }
 

@@ -35,13 +35,12 @@ use redis::cluster_async::ClusterConnection;
 use redis::{FromRedisValue, Script, ScriptInvocation};
 use tokio::sync::OnceCell;
 
-use sqlx::Pool;
 
 use super::{Answer, Entry, Pass};
 use crate::clock;
 use crate::namespace::Namespace;
 use crate::random::push_token;
-use crate::store::Backend;
+use crate::store::{Backend, Db};
 
 /// How long Redis is skipped after it failed.
 pub const BACKOFF: Duration = Duration::from_secs(1);
@@ -179,7 +178,7 @@ impl RedisGate {
     /// when Redis cannot tell: no namespace yet, or Redis failing.
     pub(crate) async fn enter<DB: Backend>(
         self: &Arc<Self>,
-        pool: &Pool<DB>,
+        db: &Db<DB>,
         biz: &str,
         key: &str,
         fingerprint: &str,
@@ -187,7 +186,7 @@ impl RedisGate {
     ) -> Option<Entry<'static>> {
         // Without a namespace (the database was never migrated) Redis could
         // mix this store's keys with another's: the database alone decides.
-        let namespace = self.namespace.get(pool).await?;
+        let namespace = self.namespace.get(db).await?;
         match self.claim(&namespace, biz, key, fingerprint, lease).await {
             Found::Ours(held) => {
                 Some(Entry::GoAhead(Pass::Claim(ClaimGuard { gate: Arc::clone(self), held: Some(held) })))
@@ -199,8 +198,8 @@ impl RedisGate {
     }
 
     /// Whether a call holds the claim of `(biz, key)` right now.
-    pub(crate) async fn is_running<DB: Backend>(&self, pool: &Pool<DB>, biz: &str, key: &str) -> bool {
-        match self.namespace.get(pool).await {
+    pub(crate) async fn is_running<DB: Backend>(&self, db: &Db<DB>, biz: &str, key: &str) -> bool {
+        match self.namespace.get(db).await {
             Some(namespace) => matches!(self.peek(&namespace, biz, key).await, Found::Running),
             None => false,
         }
@@ -494,8 +493,8 @@ pub(crate) enum Reply<T> {
 /// they have no database to fall back on, so a try costs at most a timeout.
 impl RedisGate {
     /// The namespace this engine's Redis keys carry, if known yet.
-    pub(crate) async fn namespace<DB: Backend>(&self, pool: &Pool<DB>) -> Option<Namespace> {
-        self.namespace.get(pool).await
+    pub(crate) async fn namespace<DB: Backend>(&self, db: &Db<DB>) -> Option<Namespace> {
+        self.namespace.get(db).await
     }
 
     /// Sends `cmd` under the gate's timeout.
@@ -634,7 +633,7 @@ impl NamespaceSlot {
         self.unreadable_until_ms.store(0, Ordering::Relaxed);
     }
 
-    async fn get<DB: Backend>(&self, pool: &Pool<DB>) -> Option<Namespace> {
+    async fn get<DB: Backend>(&self, db: &Db<DB>) -> Option<Namespace> {
         if let Some(fixed) = &self.fixed {
             return Some(fixed.clone());
         }
@@ -644,7 +643,7 @@ impl NamespaceSlot {
         if clock::now_ms() < self.unreadable_until_ms.load(Ordering::Relaxed) {
             return None;
         }
-        let why = match DB::namespace(pool).await {
+        let why = match DB::namespace(db).await {
             Ok(Some(text)) => match Namespace::new(&text) {
                 Ok(namespace) => {
                     *self.read.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(namespace.clone());

@@ -217,7 +217,7 @@ pub async fn queue<DB: Backend>(tx: &mut Transaction<'_, DB>, event: Event) -> R
         key: call.as_ref().map(|c| c.key.as_str()),
         now_ms: now_ms(),
     };
-    DB::outbox_insert(&mut **tx, &row).await?;
+    DB::outbox_insert(crate::store::pooling::in_body(), &mut **tx, &row).await?;
     Ok(id)
 }
 
@@ -368,7 +368,7 @@ impl<DB: Backend> Idem<DB> {
 impl<DB: Backend> Outbox<'_, DB> {
     /// Up to `limit` dead events, oldest first.
     pub async fn dead(&self, limit: u32) -> Result<Vec<DeadEvent>, Error> {
-        let rows = DB::outbox_list_dead(self.engine.pool(), i64::from(limit)).await?;
+        let rows = DB::outbox_list_dead(self.engine.db(), i64::from(limit)).await?;
         Ok(rows.into_iter().map(DeadEvent::from).collect())
     }
 
@@ -376,7 +376,7 @@ impl<DB: Backend> Outbox<'_, DB> {
     /// it at once (and the events of its aggregate queued after it, after
     /// it). `Ok(false)`: no dead event has that id.
     pub async fn retry_dead(&self, message_id: &str) -> Result<bool, Error> {
-        let retried = DB::outbox_retry_dead(self.engine.pool(), message_id, now_ms()).await?;
+        let retried = DB::outbox_retry_dead(self.engine.db(), message_id, now_ms()).await?;
         if retried {
             self.engine.outbox_waker().wake();
         }
@@ -386,7 +386,7 @@ impl<DB: Backend> Outbox<'_, DB> {
     /// Deletes a dead event for good, never published: the events of its
     /// aggregate queued after it go on. `Ok(false)`: no dead event has that id.
     pub async fn discard_dead(&self, message_id: &str) -> Result<bool, Error> {
-        let discarded = DB::outbox_discard_dead(self.engine.pool(), message_id).await?;
+        let discarded = DB::outbox_discard_dead(self.engine.db(), message_id).await?;
         if discarded {
             self.engine.outbox_waker().wake();
         }
@@ -397,12 +397,12 @@ impl<DB: Backend> Outbox<'_, DB> {
     /// how many. Relays do this by themselves ([`Relay::retention`]).
     pub async fn purge_sent(&self, retention: Duration, limit: u32) -> Result<u64, Error> {
         let before = now_ms().saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
-        Ok(DB::outbox_purge_sent(self.engine.pool(), before, i64::from(limit)).await?)
+        Ok(DB::outbox_purge_sent(self.engine.db(), before, i64::from(limit)).await?)
     }
 
     /// How many events are pending, sent (and not purged), and dead.
     pub async fn counts(&self) -> Result<Counts, Error> {
-        let (pending, sent, dead) = DB::outbox_count(self.engine.pool()).await?;
+        let (pending, sent, dead) = DB::outbox_count(self.engine.db()).await?;
         let n = |v: i64| u64::try_from(v).unwrap_or(0);
         Ok(Counts { pending: n(pending), sent: n(sent), dead: n(dead) })
     }

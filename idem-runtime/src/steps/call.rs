@@ -24,7 +24,8 @@ use crate::outcome::{self, Outcome};
 use crate::spec::Spec;
 use crate::store::calls::{CallRow, FAILED, Owner};
 use crate::store::record::rollback;
-use crate::store::{Backend, PROCESSING, SUCCEEDED};
+use crate::store::pooling::around_body;
+use crate::store::{Backend, Db, PROCESSING, SUCCEEDED};
 
 /// Why a call did not return a value: the engine's reason (a recorded
 /// failure included), or the body's.
@@ -116,7 +117,7 @@ where
     };
     let id = CallKey { biz: spec.biz, key, fingerprint: &fingerprint, biz_no, ttl: spec.ttl, lease: spec.lease };
 
-    let entry = engine.gate().enter(engine.pool(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
+    let entry = engine.gate().enter(engine.db(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
     match entry {
         Entry::GoAhead(pass) => {
             // On the heap, as in the single-transaction flow (`crate::call`).
@@ -144,7 +145,7 @@ where
             // A Redis claim outlives its call's commit until the cache write
             // lands (or for good, if the process died): the record knows.
             if may_have_committed {
-                match protocol::read(engine.pool(), &id).await {
+                match protocol::read(engine.db(), &id).await {
                     Ok(Some(row)) if row.status != PROCESSING => {
                         let ended = from_row(&id, row, Outcome::Replayed);
                         if let Some(answer) = &ended.answer {
@@ -169,15 +170,15 @@ where
     F: FnOnce(Steps<DB>) -> Fut,
     Fut: Future<Output = (Steps<DB>, Result<T, E>)>,
 {
-    let pool = engine.pool();
-    let held = match protocol::open(pool, id).await {
+    let db = engine.db();
+    let held = match protocol::open(db, id).await {
         Ok(Opened::Held(held)) => held,
         Ok(Opened::Finished(row)) => return from_row(id, row, Outcome::Replayed),
         Ok(Opened::Busy) => return Ended::error(id.in_progress()),
         Err(e) => return Ended::error(e),
     };
 
-    let (steps, result) = body(Steps::new(engine.clone(), id, held)).await;
+    let (steps, result) = around_body(db.pooling, body(Steps::new(engine.clone(), id, held))).await;
     let parts = steps.into_parts();
     if parts.fenced {
         if let Some(tx) = parts.tx {
@@ -188,26 +189,26 @@ where
     let (status, response, value) = match result {
         Ok(value) => match stored_form(&value) {
             Ok((value, response)) => (SUCCEEDED, response, Some(value)),
-            Err(e) => return give_up(pool, parts, Ended::error(Error::Serialize(e))).await,
+            Err(e) => return give_up(db, parts, Ended::error(Error::Serialize(e))).await,
         },
         Err(error) => match &parts.failure {
             Some(failure) => (FAILED, failure.as_json().to_owned(), None),
-            None => return give_up(pool, parts, Ended::body(error)).await,
+            None => return give_up(db, parts, Ended::body(error)).await,
         },
     };
 
     let Parts { owner, has_steps, tx, .. } = parts;
     let tx = match tx {
         Some(tx) => tx,
-        None => match DB::begin(pool).await {
+        None => match DB::begin(&db.pool).await {
             Ok(tx) => tx,
             Err(e) => {
-                protocol::release(pool, owner).await;
+                protocol::release(db, owner).await;
                 return Ended::error(protocol::db_error::<DB>(id, e));
             }
         },
     };
-    match protocol::finish(tx, owner, status, &response, id.ttl, has_steps).await {
+    match protocol::finish(db.pooling, tx, owner, status, &response, id.ttl, has_steps).await {
         Ok(Finished::Ours { expires_ms }) => match value {
             Some(value) => Ended {
                 result: Ok(value),
@@ -231,14 +232,14 @@ where
 /// transaction rolls back, its recorded steps stay, and the key is handed
 /// on at once. A call that was neither resumed nor reached outside is
 /// deleted, as if it never ran.
-async fn give_up<DB: Backend, T, E>(pool: &sqlx::Pool<DB>, parts: Parts<DB>, ended: Ended<T, E>) -> Ended<T, E> {
+async fn give_up<DB: Backend, T, E>(db: &Db<DB>, parts: Parts<DB>, ended: Ended<T, E>) -> Ended<T, E> {
     if let Some(tx) = parts.tx {
         rollback(tx).await;
     }
     if parts.resumed || parts.started || parts.has_steps {
-        protocol::release(pool, parts.owner).await;
+        protocol::release(db, parts.owner).await;
     } else {
-        protocol::discard(pool, parts.owner).await;
+        protocol::discard(db, parts.owner).await;
     }
     ended
 }
@@ -246,7 +247,7 @@ async fn give_up<DB: Backend, T, E>(pool: &sqlx::Pool<DB>, parts: Parts<DB>, end
 /// Fenced off: the key was taken over. The new owner's outcome answers:
 /// its result or failure once it finished, `InProgress` while it runs.
 async fn new_owners_outcome<DB: Backend, T: DeserializeOwned, E>(engine: &Idem<DB>, id: &CallKey<'_>) -> Ended<T, E> {
-    match protocol::read(engine.pool(), id).await {
+    match protocol::read(engine.db(), id).await {
         Ok(Some(row)) if row.status != PROCESSING => from_row(id, row, Outcome::Replayed),
         Ok(_) => Ended::error(id.in_progress()),
         Err(e) => Ended::error(e),
@@ -262,14 +263,14 @@ async fn after_failed_finish<DB: Backend, T: DeserializeOwned, E>(
     owner: Owner,
     error: sqlx::Error,
 ) -> Ended<T, E> {
-    match protocol::read(engine.pool(), id).await {
+    match protocol::read(engine.db(), id).await {
         Ok(Some(row)) if row.status != PROCESSING => {
             let outcome =
                 if row.id == owner.id && row.fence == owner.fence { Outcome::Executed } else { Outcome::Replayed };
             from_row(id, row, outcome)
         }
         _ => {
-            protocol::release(engine.pool(), owner).await;
+            protocol::release(engine.db(), owner).await;
             Ended::error(protocol::db_error::<DB>(id, error))
         }
     }

@@ -13,12 +13,12 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use sqlx::{Pool, Transaction};
+use sqlx::Transaction;
 
 use crate::error::Error;
 use crate::store::calls::{CallRow, NewCall, Owner, StepWritten};
 use crate::store::record::{now_ms, rollback};
-use crate::store::{Backend, ErrorClass, PROCESSING};
+use crate::store::{Backend, Db, ErrorClass, PROCESSING, Pooling};
 
 /// Rounds of insert / read / take over before phase one gives up on a key
 /// that keeps changing under it (and answers `InProgress`).
@@ -69,7 +69,7 @@ pub(crate) enum Opened {
 
 /// Phase one: a processing call with our fence, committed before anything
 /// else happens; or the call that answers instead.
-pub(crate) async fn open<DB: Backend>(pool: &Pool<DB>, id: &CallKey<'_>) -> Result<Opened, Error> {
+pub(crate) async fn open<DB: Backend>(db: &Db<DB>, id: &CallKey<'_>) -> Result<Opened, Error> {
     for _ in 0..OPEN_ATTEMPTS {
         let now = now_ms();
         let lease_until = now.saturating_add(ms(id.lease));
@@ -82,18 +82,18 @@ pub(crate) async fn open<DB: Backend>(pool: &Pool<DB>, id: &CallKey<'_>) -> Resu
             lease_until_ms: lease_until,
             expires_ms: now.saturating_add(ms(id.ttl)),
         };
-        if let Some(call_id) = DB::call_insert(pool, &new).await.map_err(|e| db_error::<DB>(id, e))? {
+        if let Some(call_id) = DB::call_insert(db, &new).await.map_err(|e| db_error::<DB>(id, e))? {
             let owner = Owner { id: call_id, fence: 1 };
             return Ok(Opened::Held(Held { owner, recorded: HashMap::new(), resumed: false }));
         }
-        let Some(row) = DB::call_read(pool, id.biz, id.key).await.map_err(|e| db_error::<DB>(id, e))? else {
+        let Some(row) = DB::call_read(db, id.biz, id.key).await.map_err(|e| db_error::<DB>(id, e))? else {
             continue; // deleted in between: insert again
         };
         if row.status != PROCESSING {
             if row.expires_ms > now {
                 return Ok(Opened::Finished(row));
             }
-            DB::call_delete_expired(pool, id.biz, id.key, now).await.map_err(|e| db_error::<DB>(id, e))?;
+            DB::call_delete_expired(db, id.biz, id.key, now).await.map_err(|e| db_error::<DB>(id, e))?;
             continue;
         }
         // Never resume a call made with other arguments.
@@ -104,11 +104,11 @@ pub(crate) async fn open<DB: Backend>(pool: &Pool<DB>, id: &CallKey<'_>) -> Resu
             return Ok(Opened::Busy);
         }
         let from = Owner { id: row.id, fence: row.fence };
-        if DB::call_take_over(pool, from, now, lease_until).await.map_err(|e| db_error::<DB>(id, e))? {
+        if DB::call_take_over(db, from, now, lease_until).await.map_err(|e| db_error::<DB>(id, e))? {
             let owner = Owner { id: row.id, fence: row.fence + 1 };
             // Read after the takeover committed: a step the old owner was
             // recording held the takeover back, so it is here.
-            let steps = DB::steps_read(pool, row.id).await.map_err(|e| db_error::<DB>(id, e))?;
+            let steps = DB::steps_read(db, row.id).await.map_err(|e| db_error::<DB>(id, e))?;
             tracing::info!(fence = owner.fence, steps = steps.len(), "idem: call taken over after its lease ran out");
             return Ok(Opened::Held(Held { owner, recorded: steps.into_iter().collect(), resumed: true }));
         }
@@ -130,7 +130,7 @@ pub(crate) enum StepRecord {
 
 /// Records a step's result (JSON) under `owner`, in a statement of its own.
 pub(crate) async fn record_step<DB: Backend>(
-    pool: &Pool<DB>,
+    db: &Db<DB>,
     id: &CallKey<'_>,
     owner: Owner,
     step: &str,
@@ -138,11 +138,11 @@ pub(crate) async fn record_step<DB: Backend>(
     response: &str,
 ) -> Result<StepRecord, Error> {
     let written =
-        DB::step_insert(pool, owner, step, step_key, response, now_ms()).await.map_err(|e| db_error::<DB>(id, e))?;
+        DB::step_insert(db, owner, step, step_key, response, now_ms()).await.map_err(|e| db_error::<DB>(id, e))?;
     Ok(match written {
         StepWritten::Recorded => StepRecord::Recorded,
         StepWritten::Fenced => StepRecord::Fenced,
-        StepWritten::Taken => match DB::step_read(pool, owner.id, step).await.map_err(|e| db_error::<DB>(id, e))? {
+        StepWritten::Taken => match DB::step_read(db, owner.id, step).await.map_err(|e| db_error::<DB>(id, e))? {
             Some(stored) => StepRecord::Taken(stored),
             None => StepRecord::Fenced,
         },
@@ -163,6 +163,7 @@ pub(crate) enum Finished {
 /// and commits. An error leaves it unknown whether the commit happened
 /// (when it was the `COMMIT` that failed).
 pub(crate) async fn finish<DB: Backend>(
+    pooling: Pooling,
     mut tx: Transaction<'static, DB>,
     owner: Owner,
     status: i16,
@@ -174,7 +175,7 @@ pub(crate) async fn finish<DB: Backend>(
     let expires_ms = now.saturating_add(ms(ttl));
     // The fenced update first: it takes the call's row lock, so a takeover
     // waits for this commit (and then finds the call finished).
-    match DB::call_finish(&mut tx, owner, status, response, now, expires_ms).await {
+    match DB::call_finish(pooling, &mut tx, owner, status, response, now, expires_ms).await {
         Ok(true) => {}
         Ok(false) => {
             rollback(tx).await;
@@ -185,7 +186,7 @@ pub(crate) async fn finish<DB: Backend>(
             return Err(e);
         }
     }
-    if has_steps && let Err(e) = DB::steps_delete(&mut tx, owner.id).await {
+    if has_steps && let Err(e) = DB::steps_delete(pooling, &mut tx, owner.id).await {
         rollback(tx).await;
         return Err(e);
     }
@@ -195,23 +196,23 @@ pub(crate) async fn finish<DB: Backend>(
 
 /// Ends our lease now, so the next call takes over at once and resumes
 /// from the recorded steps. Best effort: otherwise the lease ends by itself.
-pub(crate) async fn release<DB: Backend>(pool: &Pool<DB>, owner: Owner) {
-    if let Err(e) = DB::call_release(pool, owner, now_ms()).await {
+pub(crate) async fn release<DB: Backend>(db: &Db<DB>, owner: Owner) {
+    if let Err(e) = DB::call_release(db, owner, now_ms()).await {
         tracing::debug!(error = %e, "idem: releasing the call's lease failed; it ends by itself");
     }
 }
 
 /// Deletes our processing call: nothing of it reached outside, so the next
 /// call starts afresh and recovery has nothing to list. Best effort.
-pub(crate) async fn discard<DB: Backend>(pool: &Pool<DB>, owner: Owner) {
-    if let Err(e) = DB::call_discard(pool, owner).await {
+pub(crate) async fn discard<DB: Backend>(db: &Db<DB>, owner: Owner) {
+    if let Err(e) = DB::call_discard(db, owner).await {
         tracing::debug!(error = %e, "idem: discarding the call failed; its lease ends by itself");
     }
 }
 
 /// The call of the key as it stands, read without locks.
-pub(crate) async fn read<DB: Backend>(pool: &Pool<DB>, id: &CallKey<'_>) -> Result<Option<CallRow>, Error> {
-    DB::call_read(pool, id.biz, id.key).await.map_err(|e| db_error::<DB>(id, e))
+pub(crate) async fn read<DB: Backend>(db: &Db<DB>, id: &CallKey<'_>) -> Result<Option<CallRow>, Error> {
+    DB::call_read(db, id.biz, id.key).await.map_err(|e| db_error::<DB>(id, e))
 }
 
 /// A database error as the caller sees it: a lock wait past its bound, or

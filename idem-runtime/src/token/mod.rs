@@ -303,9 +303,9 @@ impl<'e, DB: Backend> Tokens<'e, DB> {
         let now = clock::now_ms();
         #[cfg(feature = "redis")]
         if let Some(gate) = self.idem.gate().redis_gate() {
-            return redis::give_back(gate, self.idem.pool(), &spent, now).await;
+            return redis::give_back(gate, self.idem.db(), &spent, now).await;
         }
-        database::give_back(self.idem.pool(), &spent, now).await
+        database::give_back(self.idem.db(), &spent, now).await
     }
 
     /// Runs `call` under `token`: consumes it (or finds it already used by
@@ -345,16 +345,16 @@ impl<'e, DB: Backend> Tokens<'e, DB> {
     /// returns how many. Tokens in Redis expire by themselves.
     pub async fn purge_expired(&self, limit: u32) -> Result<u64, TokenError> {
         let now = i64::try_from(clock::now_ms()).unwrap_or(i64::MAX);
-        Ok(DB::token_purge_expired(self.idem.pool(), now, i64::from(limit)).await?)
+        Ok(DB::token_purge_expired(self.idem.db(), now, i64::from(limit)).await?)
     }
 
     /// Stores a token just drawn where this engine keeps tokens.
     async fn insert(&self, id: TokenId<'_>, now: u64, expires_at_ms: u64) -> Result<bool, TokenError> {
         #[cfg(feature = "redis")]
         if let Some(gate) = self.idem.gate().redis_gate() {
-            return redis::issue(gate, self.idem.pool(), id, now, expires_at_ms).await;
+            return redis::issue(gate, self.idem.db(), id, now, expires_at_ms).await;
         }
-        database::issue(self.idem.pool(), id, now, expires_at_ms).await
+        database::issue(self.idem.db(), id, now, expires_at_ms).await
     }
 
     /// Consumes a well-formed token where this engine keeps tokens.
@@ -362,9 +362,9 @@ impl<'e, DB: Backend> Tokens<'e, DB> {
         let settings = self.idem.token_settings();
         #[cfg(feature = "redis")]
         if let Some(gate) = self.idem.gate().redis_gate() {
-            return redis::consume(gate, self.idem.pool(), settings, id, now).await;
+            return redis::consume(gate, self.idem.db(), settings, id, now).await;
         }
-        database::consume(self.idem.pool(), id, now, settings.used_for).await
+        database::consume(self.idem.db(), id, now, settings.used_for).await
     }
 }
 
