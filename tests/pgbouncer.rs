@@ -151,10 +151,9 @@ impl Behind {
         sqlx::query_scalar(sql).fetch_one(&self.direct).await.expect(sql)
     }
 
-    /// The response stored for `(biz, key)`.
-    async fn stored(&self, biz: &str, key: &str) -> String {
-        sqlx::query_scalar("SELECT response FROM idem_record WHERE biz_type = $1 AND idem_key = $2")
-            .bind(biz)
+    /// The response stored for `key` of `pay`.
+    async fn stored(&self, key: &str) -> String {
+        sqlx::query_scalar("SELECT response FROM idem_record WHERE biz_type = 'pgb_pay' AND idem_key = $1")
             .bind(key)
             .fetch_one(&self.direct)
             .await
@@ -229,21 +228,38 @@ async fn migrate_twice(redis: bool) {
 
 with_and_without_redis!(migrate_runs_twice_behind_pgbouncer, migrate_runs_twice_behind_pgbouncer_with_redis => migrate_twice);
 
-/// 50 callers on one key behind a barrier, over two engines (two
+/// 50 callers on one key behind a barrier, over five engines (five
 /// instances: without Redis they meet at the unique index, not in one
-/// engine's memory): the body runs once, one call executes, 49 replay,
-/// and all 50 answers are byte for byte the stored response.
+/// engine's memory), each of whose pool connections has run calls before:
+/// the body runs once, one call executes, 49 replay, and all 50 answers are
+/// byte for byte the stored response.
 async fn storm(redis: bool) {
     const CALLERS: usize = 50;
+    const ENGINES: usize = 5;
     let Some(behind) = Behind::start().await else { return };
-    let (Some(a), Some(b)) = (behind.engine(redis, true).await, behind.engine(redis, true).await) else { return };
-    a.migrate().await.expect("migrate");
+    let mut engines = Vec::new();
+    for _ in 0..ENGINES {
+        let Some(idem) = behind.engine(redis, true).await else { return };
+        engines.push(idem);
+    }
+    engines[0].migrate().await.expect("migrate");
     let runs = Arc::new(AtomicUsize::new(0));
+    // Every connection of every pool in use at once, on keys of its own.
+    let warm: Vec<_> = (0..ENGINES * POOL as usize)
+        .map(|i| {
+            let (idem, runs, k) = (engines[i % ENGINES].clone(), runs.clone(), unique("warm"));
+            tokio::spawn(async move { pay_answered(&idem, &runs, &k, i as i64 + 1).await.1 })
+        })
+        .collect();
+    for task in warm {
+        assert_eq!(task.await.expect("no task panics"), Outcome::Executed);
+    }
+    let warmed = runs.swap(0, SeqCst);
     let barrier = Arc::new(Barrier::new(CALLERS));
     let k = unique("storm");
     let tasks: Vec<_> = (0..CALLERS)
         .map(|i| {
-            let (idem, runs, barrier, k) = (if i % 2 == 0 { &a } else { &b }.clone(), runs.clone(), barrier.clone(), k.clone());
+            let (idem, runs, barrier, k) = (engines[i % ENGINES].clone(), runs.clone(), barrier.clone(), k.clone());
             tokio::spawn(async move {
                 barrier.wait().await;
                 pay_answered(&idem, &runs, &k, 0).await
@@ -258,13 +274,15 @@ async fn storm(redis: bool) {
     let executed = answers.iter().filter(|(_, outcome)| *outcome == Outcome::Executed).count();
     assert_eq!(executed, 1);
     assert!(answers.iter().all(|(_, outcome)| matches!(outcome, Outcome::Executed | Outcome::Replayed)));
-    let stored = behind.stored("pgb_pay", &k).await;
+    let stored = behind.stored(&k).await;
     for (receipt, _) in &answers {
         assert_eq!(serde_json::to_string(receipt).unwrap(), stored);
     }
     assert!(answers[0].0.moved);
-    assert_eq!(behind.scalar("SELECT COUNT(*) FROM pgb_ledger").await, 1);
-    assert_eq!(behind.scalar("SELECT COUNT(*) FROM pgb_orders WHERE status = 'PAID'").await, 1);
+    let ledger = sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM pgb_ledger WHERE k = $1").bind(&k);
+    assert_eq!(ledger.fetch_one(&behind.direct).await.unwrap(), 1);
+    assert_eq!(behind.scalar("SELECT COUNT(*) FROM pgb_ledger").await, warmed as i64 + 1);
+    assert_eq!(behind.scalar("SELECT COUNT(*) FROM pgb_orders WHERE id = 0 AND status = 'PAID'").await, 1);
     behind.finish().await;
 }
 
@@ -305,7 +323,7 @@ async fn keys_twice(redis: bool) {
     assert_eq!(runs.load(SeqCst), ORDERS as usize);
     for (one, two) in first.iter().zip(&again) {
         assert!(one.moved, "{one:?}");
-        let stored = behind.stored("pgb_pay", &one.key).await;
+        let stored = behind.stored(&one.key).await;
         assert_eq!(serde_json::to_string(one).unwrap(), stored);
         assert_eq!(serde_json::to_string(two).unwrap(), stored);
     }
