@@ -19,7 +19,7 @@ use idem_testkit::{pg_url, reach, redis_client, unique};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, Postgres};
 use sqlx::{AssertSqlSafe, Transaction};
-use tokio::sync::Barrier;
+use tokio::sync::{Barrier, Notify};
 
 /// The engine's pool through PgBouncer: twice its server connections.
 const POOL: u32 = 16;
@@ -111,6 +111,19 @@ async fn charge(
     Ok(charge)
 }
 
+#[idempotent(key = "<k>", ttl = "1h", biz = "pgb_held")]
+async fn held(
+    idem: &Idem<Postgres>,
+    tx: &mut Transaction<'_, Postgres>,
+    #[idem(skip)] started: &Notify,
+    #[idem(skip)] release: &Notify,
+    k: String,
+) -> Result<i64, TestError> {
+    started.notify_one();
+    release.notified().await;
+    Ok(sqlx::query_scalar("SELECT 1::BIGINT").persistent(false).fetch_one(&mut **tx).await?)
+}
+
 /// A database of its own, reached straight (`direct`, to read what was
 /// committed) and through a private PgBouncer.
 struct Behind {
@@ -134,16 +147,20 @@ impl Behind {
         Some(Self { bouncer, name, direct })
     }
 
-    /// An engine behind PgBouncer; `None` (skipped) when Redis is wanted
-    /// and does not answer.
-    async fn engine(&self, redis: bool, pooler: bool) -> Option<Idem<Postgres>> {
-        let pool = PgPoolOptions::new()
+    /// A pool of [`POOL`] connections through PgBouncer.
+    async fn pool(&self) -> PgPool {
+        PgPoolOptions::new()
             .max_connections(POOL)
             .acquire_timeout(Duration::from_secs(60))
             .connect_with(self.bouncer.options(&self.name))
             .await
-            .expect("pool through pgbouncer");
-        let builder = Idem::builder(pool).transaction_pooler(pooler);
+            .expect("pool through pgbouncer")
+    }
+
+    /// An engine behind PgBouncer; `None` (skipped) when Redis is wanted
+    /// and does not answer.
+    async fn engine(&self, redis: bool, pooler: bool) -> Option<Idem<Postgres>> {
+        let builder = Idem::builder(self.pool().await).transaction_pooler(pooler);
         Some(if redis { builder.redis(redis_client().await?).build() } else { builder.build() })
     }
 
@@ -401,6 +418,55 @@ async fn outside_a_call(redis: bool) {
 }
 
 with_and_without_redis!(outside_a_call_behind_pgbouncer, outside_a_call_behind_pgbouncer_with_redis => outside_a_call);
+
+/// Regression: the record's lock-wait bound (`SET LOCAL lock_timeout`)
+/// holds in its transaction behind PgBouncer and leaves no server
+/// connection with it. Without Redis, a duplicate on another engine waits
+/// on the unique index for at most its `lock_wait`, then answers
+/// `InProgress`; afterwards every one of the 8 server connections shows
+/// the server's own `lock_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_lock_wait_bound_stays_in_its_transaction_behind_pgbouncer() {
+    const WAIT: Duration = Duration::from_millis(300);
+    let Some(behind) = Behind::start().await else { return };
+    let own: String = sqlx::query_scalar("SHOW lock_timeout").fetch_one(&behind.direct).await.expect("show");
+    let engine = |pool| Idem::builder(pool).transaction_pooler(true).lock_wait(WAIT).build();
+    let (a, b) = (engine(behind.pool().await), engine(behind.pool().await));
+    a.migrate().await.expect("migrate");
+    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let k = unique("held");
+    let first = {
+        let (a, started, release, k) = (a.clone(), started.clone(), release.clone(), k.clone());
+        tokio::spawn(async move { held(&a, &started, &release, k).await })
+    };
+    started.notified().await;
+    let start = Instant::now();
+    let duplicate = held(&b, &Notify::new(), &Notify::new(), k.clone()).await;
+    let waited = start.elapsed();
+    assert!(matches!(duplicate, Err(TestError::Idem(idem::Error::InProgress { .. }))), "{duplicate:?}");
+    assert!(waited >= WAIT && waited < WAIT * 10, "waited {waited:?}");
+    release.notify_one();
+    assert_eq!(first.await.unwrap().expect("first call"), 1);
+
+    let barrier = Arc::new(Barrier::new(SERVER_CONNECTIONS as usize));
+    let shows: Vec<_> = (0..SERVER_CONNECTIONS)
+        .map(|_| {
+            let (pool, barrier) = (a.pool().clone(), barrier.clone());
+            tokio::spawn(async move {
+                let mut tx = pool.begin().await.expect("begin");
+                let shown: String =
+                    sqlx::query_scalar("SHOW lock_timeout").persistent(false).fetch_one(&mut *tx).await.expect("show");
+                // All at once: each holds a server connection of its own.
+                barrier.wait().await;
+                shown
+            })
+        })
+        .collect();
+    for show in shows {
+        assert_eq!(show.await.unwrap(), own);
+    }
+    behind.finish().await;
+}
 
 /// PgBouncer holds the server connections it was given, however many
 /// clients: the cases above really share 8 of them among 16.
