@@ -191,19 +191,21 @@ impl Builder<sqlx::Postgres> {
     /// statements go unnamed (sqlx's `persistent(false)`), not as named
     /// prepared statements that another transaction's server connection
     /// lacks or holds with another client's SQL; and those outside a
-    /// call's transaction (the plain reads of a busy key and of
-    /// [`Idem::status`], tokens without Redis, the steps mode's phase one
-    /// and steps, purges, `migrate`) run in a transaction of their own,
-    /// which keeps one server connection for both of sqlx's exchanges.
+    /// call's transaction (the plain reads of a busy key, of
+    /// [`Idem::status`] and of the namespace, tokens without Redis, the
+    /// steps mode's phase one and steps, purges) run in a transaction of
+    /// their own, which keeps one server connection for both of sqlx's
+    /// exchanges.
     /// Each such statement costs a round trip more (Parse and Describe,
     /// then Bind and Execute), and one outside a call two more again
     /// (`BEGIN`, `COMMIT`): leave it off without such a pooler.
     ///
     /// The body's own statements are the body's: behind such a pooler
     /// send each with `.persistent(false)` (or as `sqlx::raw_sql`), as
-    /// `statement_cache_capacity(0)` does not do it. `idem`'s
-    /// [`transitions`](crate::state) and [outbox](crate::outbox) rows
-    /// written in a body follow this switch. See `docs/scaling-out.md`.
+    /// `statement_cache_capacity(0)` does not do it. State transitions
+    /// (`state::advance`) and outbox rows (`outbox::queue`) written in a
+    /// body follow this switch. PostgreSQL only: MySQL and SQLite have no
+    /// such pooler here. See `docs/scaling-out.md`.
     pub fn transaction_pooler(mut self, on: bool) -> Self {
         self.pooling = if on { Pooling::Transaction } else { Pooling::Session };
         self
