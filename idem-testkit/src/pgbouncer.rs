@@ -22,18 +22,21 @@ use std::time::{Duration, Instant};
 /// connections take turns on them.
 pub const SERVER_CONNECTIONS: u32 = 8;
 
-/// Whether `pgbouncer` can be run. When not, prints `skipped: pgbouncer not
-/// installed` (or panics under `IDEM_REQUIRE_SERVICES=1`) and returns `false`.
-fn installed() -> bool {
-    let runs = Command::new("pgbouncer").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status();
-    if runs.is_ok_and(|s| s.success()) {
-        return true;
+/// The `pgbouncer` that runs: on the `PATH`, or where Debian puts it
+/// (`/usr/sbin`, off a plain user's `PATH`). When none, prints `skipped:
+/// pgbouncer not installed` (or panics under `IDEM_REQUIRE_SERVICES=1`).
+fn installed() -> Option<&'static str> {
+    let runs = |bin: &str| {
+        Command::new(bin).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    };
+    if let Some(bin) = ["pgbouncer", "/usr/sbin/pgbouncer"].into_iter().find(|bin| runs(bin)) {
+        return Some(bin);
     }
     if crate::services_required() {
         panic!("pgbouncer not installed and IDEM_REQUIRE_SERVICES=1");
     }
     println!("skipped: pgbouncer not installed");
-    false
+    None
 }
 
 /// One `pgbouncer` child process, `pool_mode = transaction`.
@@ -48,9 +51,7 @@ impl PgBouncer {
     /// accepts connections; `None` (after printing why) when `pgbouncer` is
     /// not installed.
     pub fn start() -> Option<Self> {
-        if !installed() {
-            return None;
-        }
+        let bin = installed()?;
         let server = sqlx::postgres::PgConnectOptions::from_str(&crate::pg_url()).expect("postgres url");
         let dir = std::env::temp_dir().join(crate::unique("idem-pgbouncer"));
         std::fs::create_dir_all(&dir).expect("pgbouncer dir");
@@ -80,7 +81,7 @@ impl PgBouncer {
         );
         std::fs::write(dir.join("pgbouncer.ini"), ini).expect("pgbouncer.ini");
         std::fs::write(dir.join("userlist.txt"), format!("\"{user}\" \"\"\n")).expect("userlist.txt");
-        let mut cmd = Command::new("pgbouncer");
+        let mut cmd = Command::new(bin);
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } == 0 {
             cmd.args(["-u", "postgres"]);
@@ -113,14 +114,15 @@ impl PgBouncer {
         std::fs::read_to_string(self.dir.join("pgbouncer.log")).unwrap_or_default()
     }
 
-    /// Connect options for `database` through this PgBouncer, as
-    /// `IDEM_PG_URL`'s user.
+    /// The URL of `database` through this PgBouncer, as `IDEM_PG_URL`'s user.
+    pub fn url(&self, database: &str) -> String {
+        let server = sqlx::postgres::PgConnectOptions::from_str(&crate::pg_url()).expect("postgres url");
+        format!("postgres://{}@127.0.0.1:{}/{database}", server.get_username(), self.port)
+    }
+
+    /// Connect options for `database` through this PgBouncer.
     pub fn options(&self, database: &str) -> sqlx::postgres::PgConnectOptions {
-        sqlx::postgres::PgConnectOptions::from_str(&crate::pg_url())
-            .expect("postgres url")
-            .host("127.0.0.1")
-            .port(self.port)
-            .database(database)
+        sqlx::postgres::PgConnectOptions::from_str(&self.url(database)).expect("pgbouncer url")
     }
 }
 
