@@ -25,7 +25,8 @@ use tokio::sync::{Barrier, Notify};
 const POOL: u32 = 16;
 /// Orders the bodies pay: ids `0..=ORDERS`, all `PENDING` at first.
 const ORDERS: i64 = 200;
-const SCHEMA: &str = "CREATE TABLE pgb_ledger (id BIGSERIAL PRIMARY KEY, k VARCHAR(300) NOT NULL, amount BIGINT NOT NULL);
+const SCHEMA: &str =
+    "CREATE TABLE pgb_ledger (id BIGSERIAL PRIMARY KEY, k VARCHAR(300) NOT NULL, amount BIGINT NOT NULL);
     CREATE TABLE pgb_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL);
     INSERT INTO pgb_orders SELECT i, 'PENDING' FROM generate_series(0, 200) AS i";
 
@@ -107,7 +108,11 @@ async fn charge(
         })
         .await?;
     let tx = steps.transaction().await?;
-    sqlx::query("INSERT INTO pgb_ledger (k, amount) VALUES ($1, 1)").persistent(false).bind(&k).execute(&mut **tx).await?;
+    sqlx::query("INSERT INTO pgb_ledger (k, amount) VALUES ($1, 1)")
+        .persistent(false)
+        .bind(&k)
+        .execute(&mut **tx)
+        .await?;
     Ok(charge)
 }
 
@@ -135,8 +140,9 @@ struct Behind {
 impl Behind {
     /// `None` (the test skips) when PostgreSQL or `pgbouncer` is missing.
     async fn start() -> Option<Self> {
-        let admin = reach("postgres", || async { PgPoolOptions::new().max_connections(1).connect(&pg_url()).await.ok() })
-            .await?;
+        let admin =
+            reach("postgres", || async { PgPoolOptions::new().max_connections(1).connect(&pg_url()).await.ok() })
+                .await?;
         let bouncer = PgBouncer::start()?;
         let name = unique("pgb").replace('-', "_");
         sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&admin).await.expect("create database");
@@ -318,7 +324,8 @@ async fn keys_twice(redis: bool) {
         let barrier = Arc::new(Barrier::new(ORDERS as usize));
         let tasks: Vec<_> = (1..=ORDERS)
             .map(|order| {
-                let (idem, runs, barrier, k) = (idem.clone(), runs.clone(), barrier.clone(), format!("{prefix}-{order}"));
+                let (idem, runs, barrier, k) =
+                    (idem.clone(), runs.clone(), barrier.clone(), format!("{prefix}-{order}"));
                 tokio::spawn(async move {
                     barrier.wait().await;
                     let (receipt, outcome) = pay_answered(&idem, &runs, &k, order).await;

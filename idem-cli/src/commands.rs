@@ -24,7 +24,8 @@ pub async fn run(cli: Cli) -> Result<Done, Failure> {
     if global.transaction_pooler && Dialect::of(url)? != Dialect::Postgres {
         return Ok(Done::Usage("--transaction-pooler: for PostgreSQL only (a postgres: URL)".into()));
     }
-    let store = Store::open(url, global.redis_url.as_deref(), global.namespace.clone(), global.transaction_pooler).await?;
+    let store =
+        Store::open(url, global.redis_url.as_deref(), global.namespace.clone(), global.transaction_pooler).await?;
     match cli.command {
         Command::Status { id, json } => status(&store, &id, json).await,
         Command::Show { id, json } => show(&store, &id, json).await,

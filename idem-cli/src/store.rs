@@ -219,8 +219,10 @@ impl Store {
         let d = self.dialect;
         let (t, c) = (table.quoted(d), column.quoted(d));
         let sql = format!("SELECT DISTINCT {} FROM {t} WHERE {c} IS NOT NULL", d.as_text(&c));
-        let rows =
-            on_pool!(self, |on, persistent| sqlx::query(AssertSqlSafe(sql)).persistent(persistent).fetch_all(on).await)?;
+        let rows = on_pool!(self, |on, persistent| sqlx::query(AssertSqlSafe(sql))
+            .persistent(persistent)
+            .fetch_all(on)
+            .await)?;
         Ok(rows.iter().map(|r| r.try_get::<String, _>(0)).collect::<Result<_, _>>()?)
     }
 

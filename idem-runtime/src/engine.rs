@@ -15,8 +15,8 @@ use crate::gate::redis::{RedisGate, Target};
 use crate::key::{validate_biz, validate_key};
 use crate::namespace::Namespace;
 use crate::status::Status;
-use crate::store::{Backend, Db, Pooling};
 use crate::store::record::{Records, now_ms};
+use crate::store::{Backend, Db, Pooling};
 use crate::token::{self, Tokens};
 
 /// The idempotency engine for one database (and optionally one Redis).

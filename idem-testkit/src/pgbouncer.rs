@@ -27,7 +27,12 @@ pub const SERVER_CONNECTIONS: u32 = 8;
 /// pgbouncer not installed` (or panics under `IDEM_REQUIRE_SERVICES=1`).
 fn installed() -> Option<&'static str> {
     let runs = |bin: &str| {
-        Command::new(bin).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+        Command::new(bin)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
     };
     if let Some(bin) = ["pgbouncer", "/usr/sbin/pgbouncer"].into_iter().find(|bin| runs(bin)) {
         return Some(bin);

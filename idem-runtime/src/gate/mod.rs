@@ -9,7 +9,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-
 use crate::store::{Backend, Db};
 
 pub(crate) mod local;

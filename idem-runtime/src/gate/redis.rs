@@ -35,7 +35,6 @@ use redis::cluster_async::ClusterConnection;
 use redis::{FromRedisValue, Script, ScriptInvocation};
 use tokio::sync::OnceCell;
 
-
 use super::{Answer, Entry, Pass};
 use crate::clock;
 use crate::namespace::Namespace;

@@ -23,8 +23,8 @@ use crate::metrics::{Source, Timer};
 use crate::outcome::{self, Outcome};
 use crate::spec::Spec;
 use crate::store::calls::{CallRow, FAILED, Owner};
-use crate::store::record::rollback;
 use crate::store::pooling::around_body;
+use crate::store::record::rollback;
 use crate::store::{Backend, Db, PROCESSING, SUCCEEDED};
 
 /// Why a call did not return a value: the engine's reason (a recorded

@@ -103,10 +103,7 @@ pub trait CallSql: sqlx::Database + Sized {
 
     /// Phase one: inserts a processing call, fence 1. `Ok(Some(id))`:
     /// inserted (and committed, one statement); `Ok(None)`: the key is taken.
-    fn call_insert(
-        db: &Db<Self>,
-        call: &NewCall<'_>,
-    ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send;
+    fn call_insert(db: &Db<Self>, call: &NewCall<'_>) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send;
 
     /// The call of `(biz, key)`, read without locks.
     fn call_read(
@@ -146,11 +143,8 @@ pub trait CallSql: sqlx::Database + Sized {
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Ends `owner`'s lease now, so a retry takes over at once.
-    fn call_release(
-        db: &Db<Self>,
-        owner: Owner,
-        now_ms: i64,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+    fn call_release(db: &Db<Self>, owner: Owner, now_ms: i64)
+    -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Deletes `owner`'s processing call (one that never reached outside).
     fn call_discard(db: &Db<Self>, owner: Owner) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
@@ -242,8 +236,12 @@ macro_rules! call_queries {
             now_ms: i64,
         ) -> Result<u64, ::sqlx::Error> {
             $crate::store::on_pool!(db, |on, persistent| {
-                let done =
-                    ::sqlx::query($q.delete_expired).persistent(persistent).bind(biz).bind(key).bind(now_ms).execute(on);
+                let done = ::sqlx::query($q.delete_expired)
+                    .persistent(persistent)
+                    .bind(biz)
+                    .bind(key)
+                    .bind(now_ms)
+                    .execute(on);
                 done.await.map(|d| d.rows_affected())
             })
         }
@@ -312,7 +310,8 @@ macro_rules! call_queries {
             owner: $crate::store::calls::Owner,
         ) -> Result<bool, ::sqlx::Error> {
             $crate::store::on_pool!(db, |on, persistent| {
-                let done = ::sqlx::query($q.discard).persistent(persistent).bind(owner.id).bind(owner.fence).execute(on);
+                let done =
+                    ::sqlx::query($q.discard).persistent(persistent).bind(owner.id).bind(owner.fence).execute(on);
                 done.await.map(|d| d.rows_affected() == 1)
             })
         }
@@ -352,7 +351,12 @@ macro_rules! call_queries {
             step: &str,
         ) -> Result<Option<String>, ::sqlx::Error> {
             $crate::store::on_pool!(db, |on, persistent| {
-                ::sqlx::query_scalar($q.step_read).persistent(persistent).bind(call_id).bind(step).fetch_optional(on).await
+                ::sqlx::query_scalar($q.step_read)
+                    .persistent(persistent)
+                    .bind(call_id)
+                    .bind(step)
+                    .fetch_optional(on)
+                    .await
             })
         }
 
@@ -370,8 +374,11 @@ macro_rules! call_queries {
             tx: &mut ::sqlx::Transaction<'static, Self>,
             call_id: i64,
         ) -> Result<u64, ::sqlx::Error> {
-            let done =
-                ::sqlx::query($q.steps_delete).persistent(pooling.persistent()).bind(call_id).execute(&mut **tx).await?;
+            let done = ::sqlx::query($q.steps_delete)
+                .persistent(pooling.persistent())
+                .bind(call_id)
+                .execute(&mut **tx)
+                .await?;
             Ok(done.rows_affected())
         }
 

@@ -89,7 +89,8 @@ pub enum ErrorClass {
 /// A database `idem` can keep its records in: SQLite, MySQL/MariaDB or
 /// PostgreSQL (`sqlx::Sqlite`, `sqlx::MySql`, `sqlx::Postgres`), each behind
 /// its cargo feature. Sealed: implemented by `idem` for those three only.
-/// (`HasStatementCache`: statements can be sent unnamed, see [`Pooling`].)
+/// (`HasStatementCache`: statements can be sent unnamed, behind a pooler in
+/// transaction mode; see [`Builder::transaction_pooler`](crate::Builder).)
 pub trait Backend:
     sqlx::Database + Sized + RecordSql + outbox::OutboxSql + calls::CallSql + sqlx::database::HasStatementCache
 {
@@ -240,11 +241,7 @@ pub trait RecordSql: sqlx::Database + Sized {
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// Deletes up to `limit` expired rows (any key).
-    fn purge_expired(
-        db: &Db<Self>,
-        now_ms: i64,
-        limit: i64,
-    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+    fn purge_expired(db: &Db<Self>, now_ms: i64, limit: i64) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// How an error of this backend matters to the engine.
     fn classify(error: &sqlx::Error) -> ErrorClass;

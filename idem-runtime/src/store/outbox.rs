@@ -131,10 +131,7 @@ pub trait OutboxSql: sqlx::Database + Sized {
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// Up to `limit` dead rows, oldest first.
-    fn outbox_list_dead(
-        db: &Db<Self>,
-        limit: i64,
-    ) -> impl Future<Output = Result<Vec<DeadRow>, sqlx::Error>> + Send;
+    fn outbox_list_dead(db: &Db<Self>, limit: i64) -> impl Future<Output = Result<Vec<DeadRow>, sqlx::Error>> + Send;
 
     /// Puts the dead row `message_id` back to pending, attempts reset.
     /// `Ok(false)`: no dead row has that id.
@@ -145,10 +142,7 @@ pub trait OutboxSql: sqlx::Database + Sized {
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Deletes the dead row `message_id`. `Ok(false)`: no dead row has that id.
-    fn outbox_discard_dead(
-        db: &Db<Self>,
-        message_id: &str,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+    fn outbox_discard_dead(db: &Db<Self>, message_id: &str) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// How many rows are pending, sent and dead.
     fn outbox_count(db: &Db<Self>) -> impl Future<Output = Result<(i64, i64, i64), sqlx::Error>> + Send;

@@ -180,7 +180,8 @@ impl<DB: Backend> Records<'_, DB> {
         let probe = async {
             for attempt in 1..=2 {
                 let mut tx = DB::begin_bounded(&self.db.pool, self.lock_wait).await?;
-                let taken = insert(self.db.pooling, &mut tx, id, &id.record(PROCESSING, None), Some(self.lock_wait)).await;
+                let taken =
+                    insert(self.db.pooling, &mut tx, id, &id.record(PROCESSING, None), Some(self.lock_wait)).await;
                 rollback(tx).await;
                 match taken? {
                     Taken::No if attempt == 1 => continue,

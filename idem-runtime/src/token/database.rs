@@ -17,7 +17,6 @@
 
 use std::time::Duration;
 
-
 use super::{Found, SpentToken, TokenError};
 use crate::store::{Backend, Db, TokenId};
 
@@ -64,11 +63,7 @@ pub(super) async fn consume<DB: Backend>(
 
 /// Makes `spent` unused again. Its expiry never changed, so a token given
 /// back after it expired stays unknown.
-pub(super) async fn give_back<DB: Backend>(
-    db: &Db<DB>,
-    spent: &SpentToken,
-    now_ms: u64,
-) -> Result<bool, TokenError> {
+pub(super) async fn give_back<DB: Backend>(db: &Db<DB>, spent: &SpentToken, now_ms: u64) -> Result<bool, TokenError> {
     let back = DB::token_give_back(db, spent.id(), ms(spent.used_at_ms)).await?;
     Ok(back && spent.expires_at_ms > now_ms)
 }
