@@ -67,8 +67,8 @@ async fn four_instances<B: SoakBackend>() {
     let (_run, stored) = soak::distinct_keys::<B>(&engines, n).await;
     let namespace = engines[0].redis_namespace().await.expect("namespace").expect("migrated");
     let places: Vec<Location> = stored
-        .iter()
-        .map(|(k, _)| idem::redis_layout::locate(namespace.as_str(), soak::BIZ, k).expect("namespace"))
+        .keys()
+        .map(|k| idem::redis_layout::locate(namespace.as_str(), soak::BIZ, k).expect("namespace"))
         .collect();
     // A claim becomes its result after the commit, off the
     // caller's path: poll until every key holds one.
@@ -88,7 +88,7 @@ async fn four_instances<B: SoakBackend>() {
     // Each holds its key's stored response: what a replay returns.
     let cached: HashMap<String, String> = per_node.into_iter().flatten().collect();
     let expected: HashMap<String, String> =
-        places.iter().zip(&stored).map(|(at, (_, response))| (at.claim.clone(), response.clone())).collect();
+        places.iter().zip(stored.values()).map(|(at, response)| (at.claim.clone(), response.clone())).collect();
     assert_eq!(cached, expected, "every key caches its stored response");
     drop(engines);
 

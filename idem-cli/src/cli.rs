@@ -40,6 +40,11 @@ pub struct Global {
     /// the application sets one; by default the one in table `idem_meta`.
     #[arg(long, env = "IDEM_REDIS_NAMESPACE", global = true)]
     pub namespace: Option<String>,
+    /// PostgreSQL only: the database is reached through a pooler in
+    /// transaction mode (PgBouncer, RDS Proxy, Supavisor). Statements then
+    /// go unnamed, each in a transaction of its own.
+    #[arg(long, env = "IDEM_TRANSACTION_POOLER", global = true, value_parser = clap::builder::BoolishValueParser::new())]
+    pub transaction_pooler: bool,
 }
 
 #[derive(Debug, Subcommand)]

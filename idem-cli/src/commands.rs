@@ -9,10 +9,9 @@ use serde_json::{Value, json};
 use crate::Done;
 use crate::cli::{CallId, Cli, Command, RecordField, State};
 use crate::ident::Ident;
-use idem_runtime::redis_layout::Location;
-
-use crate::store::{Failure, ListFilter, Record, Store};
+use crate::store::{Dialect, Failure, ListFilter, Record, Store};
 use crate::time::{parse_duration, rfc3339};
+use idem_runtime::redis_layout::Location;
 
 pub async fn run(cli: Cli) -> Result<Done, Failure> {
     let Some(url) = cli.global.database_url.as_deref() else {
@@ -22,7 +21,12 @@ pub async fn run(cli: Cli) -> Result<Done, Failure> {
     if let Some(refused) = check(&cli.command) {
         return Ok(Done::Usage(refused));
     }
-    let store = Store::open(url, cli.global.redis_url.as_deref(), cli.global.namespace.clone()).await?;
+    let global = &cli.global;
+    if global.transaction_pooler && Dialect::of(url)? != Dialect::Postgres {
+        return Ok(Done::Usage("--transaction-pooler: for PostgreSQL only (a postgres: URL)".into()));
+    }
+    let store =
+        Store::open(url, global.redis_url.as_deref(), global.namespace.clone(), global.transaction_pooler).await?;
     match cli.command {
         Command::Status { id, json } => status(&store, &id, json).await,
         Command::Show { id, json } => show(&store, &id, json).await,

@@ -1,12 +1,14 @@
 //! Where the records are: the database named by `IDEM_DATABASE_URL` (and
 //! Redis, by `IDEM_REDIS_URL`). Reads, lists and deletes go straight to
 //! `idem_record` through sqlx's `Any` driver, with this file's SQL; `status`
-//! and `purge` ask the engine itself.
+//! and `purge` ask the engine itself. Behind a pooler in transaction mode
+//! (`--transaction-pooler`), each statement goes unnamed in a transaction of
+//! its own, and the engine is told (`Builder::transaction_pooler`).
 
 use std::time::{Duration, Instant};
 
 use idem_runtime::redis_layout::Location;
-use idem_runtime::{Backend, Idem, Namespace, Status};
+use idem_runtime::{Backend, Builder, Idem, Namespace, Status};
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, AssertSqlSafe, Row};
 
@@ -62,6 +64,34 @@ pub struct Store {
     /// The database's clock when the store opened, and this process's
     /// monotonic clock then: "expired" means what the engines mean by it.
     clock: (i64, Instant),
+    /// PostgreSQL behind a pooler in transaction mode.
+    pooler: bool,
+}
+
+/// Runs one statement of `$store`: straight on the pool; behind a pooler in
+/// transaction mode unnamed (`.persistent($persistent)`) and in a
+/// transaction of its own, so both of sqlx's exchanges (Parse and Describe,
+/// then Bind and Execute) meet one server connection. `$statement` is
+/// written once, on the executor `$on`.
+macro_rules! on_pool {
+    ($store:expr, |$on:ident, $persistent:ident| $statement:expr) => {{
+        let store: &Store = $store;
+        if store.pooler {
+            let mut tx = store.pool.begin().await?;
+            let done = {
+                let ($on, $persistent) = (&mut *tx, false);
+                $statement
+            };
+            // A failed statement's transaction rolls back as it drops.
+            if done.is_ok() {
+                tx.commit().await?;
+            }
+            done
+        } else {
+            let ($on, $persistent) = (&store.pool, true);
+            $statement
+        }
+    }};
 }
 
 /// One row of `idem_record`.
@@ -126,7 +156,12 @@ pub struct ListFilter<'a> {
 }
 
 impl Store {
-    pub async fn open(url: &str, redis_url: Option<&str>, namespace: Option<String>) -> Result<Store, Failure> {
+    pub async fn open(
+        url: &str,
+        redis_url: Option<&str>,
+        namespace: Option<String>,
+        pooler: bool,
+    ) -> Result<Store, Failure> {
         let dialect = Dialect::of(url)?;
         sqlx::any::install_default_drivers();
         let pool = AnyPoolOptions::new()
@@ -140,7 +175,7 @@ impl Store {
             Namespace::new(ns).map_err(|e| format!("--namespace: {e}"))?;
         }
         let clock = (database_ms(&pool, dialect).await?, Instant::now());
-        Ok(Store { url: url.to_owned(), dialect, pool, redis, namespace, clock })
+        Ok(Store { url: url.to_owned(), dialect, pool, redis, namespace, pooler, clock })
     }
 
     /// Now on the database's clock, in Unix epoch milliseconds: the clock
@@ -155,7 +190,9 @@ impl Store {
         let d = self.dialect;
         let sql =
             format!("SELECT {} FROM idem_record WHERE biz_type = {} AND idem_key = {}", columns(d), d.arg(1), d.arg(2));
-        let row = sqlx::query(AssertSqlSafe(sql)).bind(biz).bind(key).fetch_optional(&self.pool).await?;
+        let row = on_pool!(self, |on, persistent| {
+            sqlx::query(AssertSqlSafe(sql)).persistent(persistent).bind(biz).bind(key).fetch_optional(on).await
+        })?;
         Ok(row.as_ref().map(Record::from_row).transpose()?)
     }
 
@@ -173,14 +210,16 @@ impl Store {
             sql += &format!(" AND created_at <= {}", d.arg(n));
         }
         sql += &format!(" ORDER BY created_at, id LIMIT {}", d.arg(n + 1));
-        let mut query = sqlx::query(AssertSqlSafe(sql)).bind(filter.biz);
-        if let Some(processing) = filter.processing {
-            query = query.bind(if processing { 0_i16 } else { 1_i16 });
-        }
-        if let Some(before) = filter.created_before {
-            query = query.bind(before);
-        }
-        let rows = query.bind(filter.limit).fetch_all(&self.pool).await?;
+        let rows = on_pool!(self, |on, persistent| {
+            let mut query = sqlx::query(AssertSqlSafe(sql)).persistent(persistent).bind(filter.biz);
+            if let Some(processing) = filter.processing {
+                query = query.bind(if processing { 0_i16 } else { 1_i16 });
+            }
+            if let Some(before) = filter.created_before {
+                query = query.bind(before);
+            }
+            query.bind(filter.limit).fetch_all(on).await
+        })?;
         Ok(rows.iter().map(Record::from_row).collect::<Result<_, _>>()?)
     }
 
@@ -188,7 +227,9 @@ impl Store {
     pub async fn all_of(&self, biz: &str) -> Result<Vec<Record>, Failure> {
         let d = self.dialect;
         let sql = format!("SELECT {} FROM idem_record WHERE biz_type = {} ORDER BY id", columns(d), d.arg(1));
-        let rows = sqlx::query(AssertSqlSafe(sql)).bind(biz).fetch_all(&self.pool).await?;
+        let rows = on_pool!(self, |on, persistent| {
+            sqlx::query(AssertSqlSafe(sql)).persistent(persistent).bind(biz).fetch_all(on).await
+        })?;
         Ok(rows.iter().map(Record::from_row).collect::<Result<_, _>>()?)
     }
 
@@ -202,7 +243,10 @@ impl Store {
         let d = self.dialect;
         let (t, c) = (table.quoted(d), column.quoted(d));
         let sql = format!("SELECT DISTINCT {} FROM {t} WHERE {c} IS NOT NULL", d.as_text(&c));
-        let rows = sqlx::query(AssertSqlSafe(sql)).fetch_all(&self.pool).await?;
+        let rows = on_pool!(self, |on, persistent| sqlx::query(AssertSqlSafe(sql))
+            .persistent(persistent)
+            .fetch_all(on)
+            .await)?;
         Ok(rows.iter().map(|r| r.try_get::<String, _>(0)).collect::<Result<_, _>>()?)
     }
 
@@ -210,7 +254,9 @@ impl Store {
     pub async fn delete(&self, biz: &str, key: &str) -> Result<bool, Failure> {
         let d = self.dialect;
         let sql = format!("DELETE FROM idem_record WHERE biz_type = {} AND idem_key = {}", d.arg(1), d.arg(2));
-        let done = sqlx::query(AssertSqlSafe(sql)).bind(biz).bind(key).execute(&self.pool).await?;
+        let done = on_pool!(self, |on, persistent| {
+            sqlx::query(AssertSqlSafe(sql)).persistent(persistent).bind(biz).bind(key).execute(on).await
+        })?;
         Ok(done.rows_affected() > 0)
     }
 
@@ -221,7 +267,9 @@ impl Store {
             return Ok(Some(ns.clone()));
         }
         let sql = "SELECT value FROM idem_meta WHERE name = 'namespace'";
-        Ok(sqlx::query_scalar::<_, String>(sql).fetch_optional(&self.pool).await?)
+        Ok(on_pool!(self, |on, persistent| {
+            sqlx::query_scalar::<_, String>(sql).persistent(persistent).fetch_optional(on).await
+        })?)
     }
 
     /// Where `(biz, key)` lives in Redis, when there is a Redis and a namespace.
@@ -298,18 +346,23 @@ impl Store {
         let status = match self.dialect {
             Dialect::MySql => {
                 let pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(1).connect(&self.url).await?;
-                engine(pool, redis, namespace)?.status(biz, key).await
+                engine_builder(pool, redis, namespace)?.build().status(biz, key).await
             }
             Dialect::Postgres => {
                 let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&self.url).await?;
-                engine(pool, redis, namespace)?.status(biz, key).await
+                self.postgres(engine_builder(pool, redis, namespace)?).build().status(biz, key).await
             }
             Dialect::Sqlite => {
                 let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect(&self.url).await?;
-                engine(pool, redis, namespace)?.status(biz, key).await
+                engine_builder(pool, redis, namespace)?.build().status(biz, key).await
             }
         };
         Ok(status?)
+    }
+
+    /// A PostgreSQL engine's builder, told about the pooler.
+    fn postgres(&self, builder: Builder<sqlx::Postgres>) -> Builder<sqlx::Postgres> {
+        builder.transaction_pooler(self.pooler)
     }
 
     /// Deletes expired records, `batch` at a time, until none is left; how many.
@@ -317,25 +370,25 @@ impl Store {
         match self.dialect {
             Dialect::MySql => {
                 let pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(1).connect(&self.url).await?;
-                purge(engine(pool, None, None)?, batch).await
+                purge(engine_builder(pool, None, None)?.build(), batch).await
             }
             Dialect::Postgres => {
                 let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&self.url).await?;
-                purge(engine(pool, None, None)?, batch).await
+                purge(self.postgres(engine_builder(pool, None, None)?).build(), batch).await
             }
             Dialect::Sqlite => {
                 let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect(&self.url).await?;
-                purge(engine(pool, None, None)?, batch).await
+                purge(engine_builder(pool, None, None)?.build(), batch).await
             }
         }
     }
 }
 
-fn engine<DB: Backend>(
+fn engine_builder<DB: Backend>(
     pool: sqlx::Pool<DB>,
     redis: Option<redis::Client>,
     namespace: Option<String>,
-) -> Result<Idem<DB>, Failure> {
+) -> Result<Builder<DB>, Failure> {
     let mut builder = Idem::builder(pool).lock_wait(Duration::from_secs(1));
     if let Some(client) = redis {
         builder = builder.redis(client);
@@ -343,7 +396,7 @@ fn engine<DB: Backend>(
     if let Some(ns) = namespace {
         builder = builder.redis_namespace(Namespace::new(&ns)?);
     }
-    Ok(builder.build())
+    Ok(builder)
 }
 
 async fn purge<DB: Backend>(idem: Idem<DB>, batch: u32) -> Result<u64, Failure> {

@@ -184,9 +184,14 @@ impl Fixture {
 
     /// Runs `idem` with this fixture's database, Redis and namespace.
     fn idem(&self, args: &[&str], stdin: &str) -> Output {
+        self.idem_at(&self.url, args, stdin)
+    }
+
+    /// Runs `idem` with the database at `url`.
+    fn idem_at(&self, url: &str, args: &[&str], stdin: &str) -> Output {
         let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
             .args(args)
-            .env("IDEM_DATABASE_URL", &self.url)
+            .env("IDEM_DATABASE_URL", url)
             .env("IDEM_REDIS_URL", std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into()))
             .env("IDEM_REDIS_NAMESPACE", &self.namespace)
             .stdin(Stdio::piped())
@@ -417,6 +422,44 @@ async fn every_command_on_postgres() {
 #[tokio::test]
 async fn every_command_on_sqlite() {
     every_command(Db::Sqlite).await;
+}
+
+/// Regression: behind PgBouncer in transaction mode, with
+/// `--transaction-pooler`, command after command (each a new process whose
+/// statements meet server connections earlier ones prepared on) answers
+/// as straight; the flag on another database is a usage error.
+#[tokio::test]
+async fn commands_work_behind_pgbouncer_with_the_flag() {
+    let Some(f) = Fixture::new(Db::Postgres).await else { return };
+    let Some(bouncer) = idem_testkit::pgbouncer::PgBouncer::start() else { return };
+    let url = bouncer.url("test");
+    let idem = |args: &[&str], stdin: &str| {
+        let mut args = args.to_vec();
+        args.push("--transaction-pooler");
+        f.idem_at(&url, &args, stdin)
+    };
+    let b = f.biz.clone();
+    let id1 = f.record("k1", Some("1"), 1, CREATED, LIVE).await;
+    let id2 = f.record("k2", Some("2"), 1, CREATED + 1, LIVE).await;
+    f.record("k3", Some("3"), 1, CREATED + 2, EXPIRED).await;
+    for _ in 0..3 {
+        assert_eq!(out(&idem(&["status", &b, "k1"], "")), (0, "completed {\"key\":\"k1\"}\n".into()));
+        assert_eq!(out(&idem(&["status", &b, "k3"], "")), (0, "expired\n".into()));
+        let (code, shown) = out_json(&idem(&["show", &b, "k1", "--json"], ""));
+        assert_eq!((code, &shown["record"]["id"]), (0, &json!(id1)));
+        let (code, listed) = out_json(&idem(&["list", "--biz", &b, "--json"], ""));
+        let keys: Vec<&str> = listed.as_array().unwrap().iter().map(|r| r["key"].as_str().unwrap()).collect();
+        assert_eq!((code, keys), (0, vec!["k1", "k2", "k3"]));
+    }
+    let removed = format!("removed record {b} k2 (id {id2}, succeeded)\n");
+    assert_eq!(out(&idem(&["forget", &b, "k2", "--yes"], "")), (0, removed));
+    assert_eq!(out(&idem(&["purge", "--expired"], "")).0, 0);
+    assert_eq!(out(&idem(&["status", &b, "k3"], "")), (0, "absent\n".into()));
+    assert_eq!(f.count(&format!("idem_record WHERE biz_type = '{b}'")).await, 1);
+
+    let sqlite = f.idem_at("sqlite::memory:", &["status", &b, "k1", "--transaction-pooler"], "");
+    assert_eq!(sqlite.status.code(), Some(2));
+    assert!(err(&sqlite).contains("--transaction-pooler: for PostgreSQL only"), "{}", err(&sqlite));
 }
 
 #[test]

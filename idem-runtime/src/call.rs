@@ -21,6 +21,7 @@ use crate::metrics::{Source, Timer};
 use crate::outcome::{self, Outcome};
 use crate::retention;
 use crate::spec::Spec;
+use crate::store::pooling::around_body;
 use crate::store::record::{Committed, Opened, RecordKey, Settled, rollback};
 use crate::store::{Backend, SUCCEEDED, StoredRecord};
 
@@ -111,7 +112,7 @@ where
     // first call reads it (once); later calls pay one atomic load.
     engine.now_ms().await;
 
-    let entry = engine.gate().enter(engine.pool(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
+    let entry = engine.gate().enter(engine.db(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
     let pass = match entry {
         Entry::GoAhead(pass) => pass,
         Entry::Replay(answer, source) => {
@@ -192,7 +193,7 @@ where
         Opened::Taken(row) => return replay_row(id, row),
     };
 
-    let (tx, result) = body(tx).await;
+    let (tx, result) = around_body(engine.db().pooling, body(tx)).await;
     let value = match result {
         Ok(value) => value,
         Err(e) => {

@@ -16,8 +16,8 @@ use crate::gate::redis::{RedisGate, Target};
 use crate::key::{validate_biz, validate_key};
 use crate::namespace::Namespace;
 use crate::status::Status;
-use crate::store::Backend;
 use crate::store::record::Records;
+use crate::store::{Backend, Db, Pooling};
 use crate::token::{self, Tokens};
 
 /// The idempotency engine for one database (and optionally one Redis).
@@ -27,7 +27,7 @@ pub struct Idem<DB: Backend> {
 }
 
 struct Inner<DB: Backend> {
-    pool: Pool<DB>,
+    db: Db<DB>,
     /// The database's clock, shared with the gate.
     clock: Arc<Clock>,
     gate: Gate,
@@ -56,6 +56,7 @@ impl<DB: Backend> std::fmt::Debug for Idem<DB> {
         f.debug_struct("Idem")
             .field("gate", &self.inner.gate)
             .field("lock_wait", &self.inner.lock_wait)
+            .field("pooling", &self.inner.db.pooling)
             .finish_non_exhaustive()
     }
 }
@@ -75,6 +76,7 @@ pub struct Builder<DB: Backend> {
     lock_wait: Duration,
     local_cache: Option<LocalCache>,
     tokens: token::Settings,
+    pooling: Pooling,
 }
 
 impl<DB: Backend> Builder<DB> {
@@ -192,7 +194,7 @@ impl<DB: Backend> Builder<DB> {
         let gate = gate.with_local_cache(self.local_cache, &clock);
         Idem {
             inner: Arc::new(Inner {
-                pool: self.pool,
+                db: Db { pool: self.pool, pooling: self.pooling },
                 clock,
                 gate,
                 lock_wait: self.lock_wait,
@@ -201,6 +203,39 @@ impl<DB: Backend> Builder<DB> {
                 outbox: crate::outbox::Waker::default(),
             }),
         }
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Builder<sqlx::Postgres> {
+    /// Says the pool reaches PostgreSQL through a pooler in transaction
+    /// mode (PgBouncer's `pool_mode = transaction`, RDS Proxy, Supavisor's
+    /// transaction mode), which hands a client connection a server
+    /// connection for one transaction at a time. Off by default: a direct
+    /// connection, or a pooler in session mode.
+    ///
+    /// On, the engine keeps nothing in the server's session: its
+    /// statements go unnamed (sqlx's `persistent(false)`), not as named
+    /// prepared statements that another transaction's server connection
+    /// lacks or holds with another client's SQL; and those outside a
+    /// call's transaction (the plain reads of a busy key, of
+    /// [`Idem::status`] and of the namespace, tokens without Redis, the
+    /// steps mode's phase one and steps, purges) run in a transaction of
+    /// their own, which keeps one server connection for both of sqlx's
+    /// exchanges.
+    /// Each such statement costs a round trip more (Parse and Describe,
+    /// then Bind and Execute), and one outside a call two more again
+    /// (`BEGIN`, `COMMIT`): leave it off without such a pooler.
+    ///
+    /// The body's own statements are the body's: behind such a pooler
+    /// send each with `.persistent(false)` (or as `sqlx::raw_sql`), as
+    /// `statement_cache_capacity(0)` does not do it. State transitions
+    /// (`state::advance`) and outbox rows (`outbox::queue`) written in a
+    /// body follow this switch. PostgreSQL only: MySQL and SQLite have no
+    /// such pooler here. See `docs/scaling-out.md`.
+    pub fn transaction_pooler(mut self, on: bool) -> Self {
+        self.pooling = if on { Pooling::Transaction } else { Pooling::Session };
+        self
     }
 }
 
@@ -220,6 +255,7 @@ impl<DB: Backend> Idem<DB> {
             lock_wait: Duration::from_secs(5),
             local_cache: None,
             tokens: token::Settings::default(),
+            pooling: Pooling::Session,
         }
     }
 
@@ -230,7 +266,12 @@ impl<DB: Backend> Idem<DB> {
 
     /// The pool the records (and bodies) use.
     pub fn pool(&self) -> &Pool<DB> {
-        &self.inner.pool
+        &self.inner.db.pool
+    }
+
+    /// The pool, and how the engine's statements reach it.
+    pub(crate) fn db(&self) -> &Db<DB> {
+        &self.inner.db
     }
 
     pub(crate) fn gate(&self) -> &Gate {
@@ -257,7 +298,7 @@ impl<DB: Backend> Idem<DB> {
     }
 
     pub(crate) fn records(&self) -> Records<'_, DB> {
-        Records { pool: &self.inner.pool, lock_wait: self.inner.lock_wait, clock: &self.inner.clock }
+        Records { db: &self.inner.db, lock_wait: self.inner.lock_wait, clock: &self.inner.clock }
     }
 
     /// The database's clock, as this engine reads it (see [`crate::clock`]).
@@ -271,7 +312,7 @@ impl<DB: Backend> Idem<DB> {
     /// the engine's first reading of it, and starts a fresh reading in the
     /// background when one is due; otherwise no round trip.
     pub(crate) async fn now_ms(&self) -> i64 {
-        self.inner.clock.ready(&self.inner.pool).await;
+        self.inner.clock.ready(&self.inner.db.pool).await;
         self.inner.clock.now_ms()
     }
 
@@ -280,12 +321,12 @@ impl<DB: Backend> Idem<DB> {
     /// one (see [`Idem::redis_namespace`]). With the feature `outbox`, also
     /// `idem_outbox` (see [`outbox`](crate::outbox)).
     pub async fn migrate(&self) -> Result<(), Error> {
-        DB::migrate(&self.inner.pool, Namespace::generate().as_str()).await?;
-        self.inner.clock.measure(&self.inner.pool).await;
+        DB::migrate(&self.inner.db, Namespace::generate().as_str()).await?;
+        self.inner.clock.measure(&self.inner.db.pool).await;
         #[cfg(feature = "outbox")]
-        DB::outbox_migrate(&self.inner.pool).await?;
+        DB::outbox_migrate(&self.inner.db).await?;
         // Calls to outside services (`steps`): `idem_call`, `idem_step`.
-        DB::call_migrate(&self.inner.pool).await?;
+        DB::call_migrate(&self.inner.db).await?;
         // A database dropped and re-created under a running engine has a new one.
         self.inner.gate.forget_namespace();
         Ok(())
@@ -301,7 +342,7 @@ impl<DB: Backend> Idem<DB> {
         if let Some(namespace) = self.inner.gate.fixed_namespace() {
             return Ok(Some(namespace));
         }
-        let recorded = DB::namespace(&self.inner.pool).await?;
+        let recorded = DB::namespace(&self.inner.db).await?;
         Ok(recorded.and_then(|text| Namespace::new(&text).ok()))
     }
 
@@ -309,7 +350,7 @@ impl<DB: Backend> Idem<DB> {
     /// periodically to keep the table bounded.
     pub async fn purge_expired(&self, limit: u32) -> Result<u64, Error> {
         let now = self.now_ms().await;
-        DB::purge_expired(&self.inner.pool, now, i64::from(limit)).await.map_err(Error::Storage)
+        DB::purge_expired(&self.inner.db, now, i64::from(limit)).await.map_err(Error::Storage)
     }
 
     /// Where the call `(biz, key)` stands: the query behind "in progress,
@@ -325,7 +366,7 @@ impl<DB: Backend> Idem<DB> {
             }
             row => row.is_some(),
         };
-        Ok(match (self.inner.gate.is_running(&self.inner.pool, biz, key).await, recorded) {
+        Ok(match (self.inner.gate.is_running(&self.inner.db, biz, key).await, recorded) {
             (true, _) => Status::InProgress,
             (false, true) => Status::Expired,
             (false, false) => Status::Absent,

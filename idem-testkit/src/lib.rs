@@ -12,6 +12,7 @@
 //! - [`backend`]: the contract the behaviour suite (`tests/suite/`) runs on,
 //!   [`TestBackend`], implemented once per database.
 //! - [`galera`]: a private three-node MariaDB Galera cluster.
+//! - [`pgbouncer`]: a private PgBouncer in transaction pooling mode.
 //! - [`soak`]: the fault-injection soak with reconciliation, and the storm
 //!   (`tests/soak.rs`, `tests/cluster.rs`).
 //!
@@ -20,6 +21,8 @@
 
 pub mod backend;
 pub mod galera;
+#[cfg(feature = "postgres")]
+pub mod pgbouncer;
 mod redis_entries;
 pub mod servers;
 mod services;

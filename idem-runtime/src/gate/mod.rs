@@ -9,10 +9,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::Pool;
-
 use crate::clock::Clock;
-use crate::store::Backend;
+use crate::store::{Backend, Db};
 
 pub(crate) mod local;
 pub(crate) mod memory;
@@ -124,7 +122,7 @@ impl Gate {
     /// `wait` the wait in memory for a duplicate running here.
     pub(crate) async fn enter<DB: Backend>(
         &self,
-        pool: &Pool<DB>,
+        db: &Db<DB>,
         biz: &str,
         key: &str,
         fingerprint: &str,
@@ -138,7 +136,7 @@ impl Gate {
         }
         #[cfg(feature = "redis")]
         if let Some(redis) = &self.redis
-            && let Some(entry) = redis.enter(pool, biz, key, fingerprint, lease).await
+            && let Some(entry) = redis.enter(db, biz, key, fingerprint, lease).await
         {
             // Kept here only when it answers these arguments: one stored for
             // others carries just its fingerprint's prefix.
@@ -149,7 +147,7 @@ impl Gate {
             }
             return entry;
         }
-        let _ = (pool, fingerprint, lease);
+        let _ = (db, fingerprint, lease);
         self.memory.enter(biz, key, wait).await
     }
 
@@ -162,12 +160,12 @@ impl Gate {
 
     /// Whether a call holds `(biz, key)` right now, as far as Redis knows
     /// (a call running without a claim is invisible until it commits).
-    pub(crate) async fn is_running<DB: Backend>(&self, pool: &Pool<DB>, biz: &str, key: &str) -> bool {
+    pub(crate) async fn is_running<DB: Backend>(&self, db: &Db<DB>, biz: &str, key: &str) -> bool {
         #[cfg(feature = "redis")]
         if let Some(redis) = &self.redis {
-            return redis.is_running(pool, biz, key).await;
+            return redis.is_running(db, biz, key).await;
         }
-        let _ = (pool, biz, key);
+        let _ = (db, biz, key);
         false
     }
 

@@ -236,7 +236,7 @@ pub async fn queue<DB: Backend>(tx: &mut Transaction<'_, DB>, event: Event) -> R
         // engine to read it through, and this host's stands in.
         now_ms: call.as_ref().map_or_else(host_ms, |c| c.clock.now_ms()),
     };
-    DB::outbox_insert(&mut **tx, &row).await?;
+    DB::outbox_insert(crate::store::pooling::in_body(), &mut **tx, &row).await?;
     Ok(id)
 }
 
@@ -389,7 +389,7 @@ impl<DB: Backend> Idem<DB> {
 impl<DB: Backend> Outbox<'_, DB> {
     /// Up to `limit` dead events, oldest first.
     pub async fn dead(&self, limit: u32) -> Result<Vec<DeadEvent>, Error> {
-        let rows = DB::outbox_list_dead(self.engine.pool(), i64::from(limit)).await?;
+        let rows = DB::outbox_list_dead(self.engine.db(), i64::from(limit)).await?;
         Ok(rows.into_iter().map(DeadEvent::from).collect())
     }
 
@@ -397,7 +397,7 @@ impl<DB: Backend> Outbox<'_, DB> {
     /// it at once (and the events of its aggregate queued after it, after
     /// it). `Ok(false)`: no dead event has that id.
     pub async fn retry_dead(&self, message_id: &str) -> Result<bool, Error> {
-        let retried = DB::outbox_retry_dead(self.engine.pool(), message_id, self.engine.now_ms().await).await?;
+        let retried = DB::outbox_retry_dead(self.engine.db(), message_id, self.engine.now_ms().await).await?;
         if retried {
             self.engine.outbox_waker().wake();
         }
@@ -407,7 +407,7 @@ impl<DB: Backend> Outbox<'_, DB> {
     /// Deletes a dead event for good, never published: the events of its
     /// aggregate queued after it go on. `Ok(false)`: no dead event has that id.
     pub async fn discard_dead(&self, message_id: &str) -> Result<bool, Error> {
-        let discarded = DB::outbox_discard_dead(self.engine.pool(), message_id).await?;
+        let discarded = DB::outbox_discard_dead(self.engine.db(), message_id).await?;
         if discarded {
             self.engine.outbox_waker().wake();
         }
@@ -419,7 +419,7 @@ impl<DB: Backend> Outbox<'_, DB> {
     pub async fn purge_sent(&self, retention: Duration, limit: u32) -> Result<u64, Error> {
         let before =
             self.engine.now_ms().await.saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
-        Ok(DB::outbox_purge_sent(self.engine.pool(), before, i64::from(limit)).await?)
+        Ok(DB::outbox_purge_sent(self.engine.db(), before, i64::from(limit)).await?)
     }
 
     /// Deletes up to `limit` aggregate rows (the locks that keep one
@@ -435,7 +435,7 @@ impl<DB: Backend> Outbox<'_, DB> {
 
     /// How many events are pending, sent (and not purged), and dead.
     pub async fn counts(&self) -> Result<Counts, Error> {
-        let (pending, sent, dead) = DB::outbox_count(self.engine.pool()).await?;
+        let (pending, sent, dead) = DB::outbox_count(self.engine.db()).await?;
         let n = |v: i64| u64::try_from(v).unwrap_or(0);
         Ok(Counts { pending: n(pending), sent: n(sent), dead: n(dead) })
     }

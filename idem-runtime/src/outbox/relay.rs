@@ -354,10 +354,10 @@ impl<DB: Backend, P: Publisher> Relay<DB, P> {
 
     /// One batch: take, publish, mark, commit.
     async fn batch(&mut self) -> Result<BatchReport, sqlx::Error> {
-        let pool = self.engine.pool();
+        let db = self.engine.db();
         let now = self.engine.now_ms().await;
-        let mut tx = DB::outbox_begin(pool).await?;
-        let rows = DB::outbox_pick(&mut tx, now, i64::from(self.batch_size)).await?;
+        let mut tx = DB::outbox_begin(&db.pool).await?;
+        let rows = DB::outbox_pick(db.pooling, &mut tx, now, i64::from(self.batch_size)).await?;
         if rows.is_empty() {
             tx.commit().await?;
             return Ok(BatchReport { committed: true, ..BatchReport::default() });
@@ -393,9 +393,9 @@ impl<DB: Backend, P: Publisher> Relay<DB, P> {
         }
         report.sent = sent.len();
         let marked = async {
-            DB::outbox_mark_sent(&mut tx, &sent, now).await?;
+            DB::outbox_mark_sent(db.pooling, &mut tx, &sent, now).await?;
             for (id, status, attempts, next, reason, _) in &failures {
-                DB::outbox_mark_failed(&mut tx, *id, *status, *attempts, *next, reason).await?;
+                DB::outbox_mark_failed(db.pooling, &mut tx, *id, *status, *attempts, *next, reason).await?;
             }
             tx.commit().await
         }

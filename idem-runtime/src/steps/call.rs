@@ -24,6 +24,7 @@ use crate::outcome::{self, Outcome};
 use crate::retention;
 use crate::spec::Spec;
 use crate::store::calls::{CallRow, FAILED, Owner};
+use crate::store::pooling::around_body;
 use crate::store::record::rollback;
 use crate::store::{Backend, PROCESSING, SUCCEEDED};
 
@@ -120,7 +121,7 @@ where
     // Leases, fences and expiry are stamped and judged on the database's clock.
     engine.now_ms().await;
 
-    let entry = engine.gate().enter(engine.pool(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
+    let entry = engine.gate().enter(engine.db(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
     match entry {
         Entry::GoAhead(pass) => {
             // On the heap, as in the single-transaction flow (`crate::call`).
@@ -148,7 +149,7 @@ where
             // A Redis claim outlives its call's commit until the cache write
             // lands (or for good, if the process died): the record knows.
             if may_have_committed {
-                match protocol::read(engine.pool(), &id).await {
+                match protocol::read(engine.db(), &id).await {
                     Ok(Some(row)) if row.status != PROCESSING => {
                         let ended = from_row(&id, row, Outcome::Replayed);
                         if let Some(answer) = &ended.answer {
@@ -173,15 +174,15 @@ where
     F: FnOnce(Steps<DB>) -> Fut,
     Fut: Future<Output = (Steps<DB>, Result<T, E>)>,
 {
-    let pool = engine.pool();
-    let held = match protocol::open(pool, engine.clock(), id).await {
+    let db = engine.db();
+    let held = match protocol::open(db, engine.clock(), id).await {
         Ok(Opened::Held(held)) => held,
         Ok(Opened::Finished(row)) => return from_row(id, row, Outcome::Replayed),
         Ok(Opened::Busy) => return Ended::error(id.in_progress()),
         Err(e) => return Ended::error(e),
     };
 
-    let (steps, result) = body(Steps::new(engine.clone(), id, held)).await;
+    let (steps, result) = around_body(db.pooling, body(Steps::new(engine.clone(), id, held))).await;
     let parts = steps.into_parts();
     if parts.fenced {
         if let Some(tx) = parts.tx {
@@ -203,15 +204,16 @@ where
     let Parts { owner, has_steps, tx, .. } = parts;
     let tx = match tx {
         Some(tx) => tx,
-        None => match DB::begin(pool).await {
+        None => match DB::begin(&db.pool).await {
             Ok(tx) => tx,
             Err(e) => {
-                protocol::release(pool, engine.clock(), owner).await;
+                protocol::release(db, engine.clock(), owner).await;
                 return Ended::error(protocol::db_error::<DB>(id, e));
             }
         },
     };
-    match protocol::finish(tx, engine.clock(), owner, status, &response, id.ttl, has_steps).await {
+    let last = protocol::Final { status, response: &response, ttl: id.ttl, has_steps };
+    match protocol::finish(db.pooling, tx, engine.clock(), owner, last).await {
         Ok(Finished::Ours { expires_ms }) => match value {
             Some(value) => Ended {
                 result: Ok(value),
@@ -236,14 +238,14 @@ where
 /// on at once. A call that was neither resumed nor reached outside is
 /// deleted, as if it never ran.
 async fn give_up<DB: Backend, T, E>(engine: &Idem<DB>, parts: Parts<DB>, ended: Ended<T, E>) -> Ended<T, E> {
-    let pool = engine.pool();
+    let db = engine.db();
     if let Some(tx) = parts.tx {
         rollback(tx).await;
     }
     if parts.resumed || parts.started || parts.has_steps {
-        protocol::release(pool, engine.clock(), parts.owner).await;
+        protocol::release(db, engine.clock(), parts.owner).await;
     } else {
-        protocol::discard(pool, parts.owner).await;
+        protocol::discard(db, parts.owner).await;
     }
     ended
 }
@@ -251,7 +253,7 @@ async fn give_up<DB: Backend, T, E>(engine: &Idem<DB>, parts: Parts<DB>, ended: 
 /// Fenced off: the key was taken over. The new owner's outcome answers:
 /// its result or failure once it finished, `InProgress` while it runs.
 async fn new_owners_outcome<DB: Backend, T: DeserializeOwned, E>(engine: &Idem<DB>, id: &CallKey<'_>) -> Ended<T, E> {
-    match protocol::read(engine.pool(), id).await {
+    match protocol::read(engine.db(), id).await {
         Ok(Some(row)) if row.status != PROCESSING => from_row(id, row, Outcome::Replayed),
         Ok(_) => Ended::error(id.in_progress()),
         Err(e) => Ended::error(e),
@@ -267,14 +269,14 @@ async fn after_failed_finish<DB: Backend, T: DeserializeOwned, E>(
     owner: Owner,
     error: sqlx::Error,
 ) -> Ended<T, E> {
-    match protocol::read(engine.pool(), id).await {
+    match protocol::read(engine.db(), id).await {
         Ok(Some(row)) if row.status != PROCESSING => {
             let outcome =
                 if row.id == owner.id && row.fence == owner.fence { Outcome::Executed } else { Outcome::Replayed };
             from_row(id, row, outcome)
         }
         _ => {
-            protocol::release(engine.pool(), engine.clock(), owner).await;
+            protocol::release(engine.db(), engine.clock(), owner).await;
             Ended::error(protocol::db_error::<DB>(id, error))
         }
     }

@@ -166,17 +166,10 @@ impl<DB: Backend> Steps<DB> {
         // What a retry would replay, read back, so this run sees the same.
         let response = serde_json::to_string(&value).map_err(Error::Serialize)?;
         let value: R = serde_json::from_str(&response).map_err(Error::Serialize)?;
-        let pool = self.engine.pool();
-        let recorded = protocol::record_step(
-            pool,
-            self.engine.clock(),
-            &self.id(),
-            self.owner,
-            name,
-            step_key.as_str(),
-            &response,
-        )
-        .await?;
+        let db = self.engine.db();
+        let recorded =
+            protocol::record_step(db, self.engine.clock(), &self.id(), self.owner, name, step_key.as_str(), &response)
+                .await?;
         match recorded {
             StepRecord::Recorded => {
                 self.recorded.insert(name.to_owned(), response);

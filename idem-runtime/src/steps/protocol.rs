@@ -13,13 +13,13 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use sqlx::{Pool, Transaction};
+use sqlx::Transaction;
 
 use crate::clock::Clock;
 use crate::error::Error;
 use crate::store::calls::{CallRow, NewCall, Owner, StepWritten};
 use crate::store::record::rollback;
-use crate::store::{Backend, ErrorClass, PROCESSING};
+use crate::store::{Backend, Db, ErrorClass, PROCESSING, Pooling};
 
 /// Rounds of insert / read / take over before phase one gives up on a key
 /// that keeps changing under it (and answers `InProgress`).
@@ -70,7 +70,7 @@ pub(crate) enum Opened {
 
 /// Phase one: a processing call with our fence, committed before anything
 /// else happens; or the call that answers instead.
-pub(crate) async fn open<DB: Backend>(pool: &Pool<DB>, clock: &Clock, id: &CallKey<'_>) -> Result<Opened, Error> {
+pub(crate) async fn open<DB: Backend>(db: &Db<DB>, clock: &Clock, id: &CallKey<'_>) -> Result<Opened, Error> {
     for _ in 0..OPEN_ATTEMPTS {
         let now = clock.now_ms();
         let lease_until = now.saturating_add(ms(id.lease));
@@ -83,18 +83,18 @@ pub(crate) async fn open<DB: Backend>(pool: &Pool<DB>, clock: &Clock, id: &CallK
             lease_until_ms: lease_until,
             expires_ms: now.saturating_add(ms(id.ttl)),
         };
-        if let Some(call_id) = DB::call_insert(pool, &new).await.map_err(|e| db_error::<DB>(id, e))? {
+        if let Some(call_id) = DB::call_insert(db, &new).await.map_err(|e| db_error::<DB>(id, e))? {
             let owner = Owner { id: call_id, fence: 1 };
             return Ok(Opened::Held(Held { owner, recorded: HashMap::new(), resumed: false }));
         }
-        let Some(row) = DB::call_read(pool, id.biz, id.key).await.map_err(|e| db_error::<DB>(id, e))? else {
+        let Some(row) = DB::call_read(db, id.biz, id.key).await.map_err(|e| db_error::<DB>(id, e))? else {
             continue; // deleted in between: insert again
         };
         if row.status != PROCESSING {
             if row.expires_ms > now {
                 return Ok(Opened::Finished(row));
             }
-            DB::call_delete_expired(pool, id.biz, id.key, now).await.map_err(|e| db_error::<DB>(id, e))?;
+            DB::call_delete_expired(db, id.biz, id.key, now).await.map_err(|e| db_error::<DB>(id, e))?;
             continue;
         }
         // Never resume a call made with other arguments.
@@ -105,11 +105,11 @@ pub(crate) async fn open<DB: Backend>(pool: &Pool<DB>, clock: &Clock, id: &CallK
             return Ok(Opened::Busy);
         }
         let from = Owner { id: row.id, fence: row.fence };
-        if DB::call_take_over(pool, from, now, lease_until).await.map_err(|e| db_error::<DB>(id, e))? {
+        if DB::call_take_over(db, from, now, lease_until).await.map_err(|e| db_error::<DB>(id, e))? {
             let owner = Owner { id: row.id, fence: row.fence + 1 };
             // Read after the takeover committed: a step the old owner was
             // recording held the takeover back, so it is here.
-            let steps = DB::steps_read(pool, row.id).await.map_err(|e| db_error::<DB>(id, e))?;
+            let steps = DB::steps_read(db, row.id).await.map_err(|e| db_error::<DB>(id, e))?;
             tracing::info!(fence = owner.fence, steps = steps.len(), "idem: call taken over after its lease ran out");
             return Ok(Opened::Held(Held { owner, recorded: steps.into_iter().collect(), resumed: true }));
         }
@@ -131,7 +131,7 @@ pub(crate) enum StepRecord {
 
 /// Records a step's result (JSON) under `owner`, in a statement of its own.
 pub(crate) async fn record_step<DB: Backend>(
-    pool: &Pool<DB>,
+    db: &Db<DB>,
     clock: &Clock,
     id: &CallKey<'_>,
     owner: Owner,
@@ -139,13 +139,13 @@ pub(crate) async fn record_step<DB: Backend>(
     step_key: &str,
     response: &str,
 ) -> Result<StepRecord, Error> {
-    let written = DB::step_insert(pool, owner, step, step_key, response, clock.now_ms())
+    let written = DB::step_insert(db, owner, step, step_key, response, clock.now_ms())
         .await
         .map_err(|e| db_error::<DB>(id, e))?;
     Ok(match written {
         StepWritten::Recorded => StepRecord::Recorded,
         StepWritten::Fenced => StepRecord::Fenced,
-        StepWritten::Taken => match DB::step_read(pool, owner.id, step).await.map_err(|e| db_error::<DB>(id, e))? {
+        StepWritten::Taken => match DB::step_read(db, owner.id, step).await.map_err(|e| db_error::<DB>(id, e))? {
             Some(stored) => StepRecord::Taken(stored),
             None => StepRecord::Fenced,
         },
@@ -161,24 +161,32 @@ pub(crate) enum Finished {
     Fenced,
 }
 
-/// The final transaction: marks the call finished with `status` and
-/// `response` if `owner` still holds it, deletes its steps (`has_steps`),
+/// What the final transaction writes: the call's outcome and what to clean.
+pub(crate) struct Final<'a> {
+    pub status: i16,
+    pub response: &'a str,
+    pub ttl: Duration,
+    /// Whether steps were recorded (and are deleted with the finish).
+    pub has_steps: bool,
+}
+
+/// The final transaction: marks the call finished with the outcome's
+/// `status` and `response` if `owner` still holds it, deletes its steps,
 /// and commits. An error leaves it unknown whether the commit happened
 /// (when it was the `COMMIT` that failed).
 pub(crate) async fn finish<DB: Backend>(
+    pooling: Pooling,
     mut tx: Transaction<'static, DB>,
     clock: &Clock,
     owner: Owner,
-    status: i16,
-    response: &str,
-    ttl: Duration,
-    has_steps: bool,
+    last: Final<'_>,
 ) -> Result<Finished, sqlx::Error> {
+    let Final { status, response, ttl, has_steps } = last;
     let now = clock.now_ms();
     let expires_ms = now.saturating_add(ms(ttl));
     // The fenced update first: it takes the call's row lock, so a takeover
     // waits for this commit (and then finds the call finished).
-    match DB::call_finish(&mut tx, owner, status, response, now, expires_ms).await {
+    match DB::call_finish(pooling, &mut tx, owner, status, response, now, expires_ms).await {
         Ok(true) => {}
         Ok(false) => {
             rollback(tx).await;
@@ -189,7 +197,7 @@ pub(crate) async fn finish<DB: Backend>(
             return Err(e);
         }
     }
-    if has_steps && let Err(e) = DB::steps_delete(&mut tx, owner.id).await {
+    if has_steps && let Err(e) = DB::steps_delete(pooling, &mut tx, owner.id).await {
         rollback(tx).await;
         return Err(e);
     }
@@ -199,23 +207,23 @@ pub(crate) async fn finish<DB: Backend>(
 
 /// Ends our lease now, so the next call takes over at once and resumes
 /// from the recorded steps. Best effort: otherwise the lease ends by itself.
-pub(crate) async fn release<DB: Backend>(pool: &Pool<DB>, clock: &Clock, owner: Owner) {
-    if let Err(e) = DB::call_release(pool, owner, clock.now_ms()).await {
+pub(crate) async fn release<DB: Backend>(db: &Db<DB>, clock: &Clock, owner: Owner) {
+    if let Err(e) = DB::call_release(db, owner, clock.now_ms()).await {
         tracing::debug!(error = %e, "idem: releasing the call's lease failed; it ends by itself");
     }
 }
 
 /// Deletes our processing call: nothing of it reached outside, so the next
 /// call starts afresh and recovery has nothing to list. Best effort.
-pub(crate) async fn discard<DB: Backend>(pool: &Pool<DB>, owner: Owner) {
-    if let Err(e) = DB::call_discard(pool, owner).await {
+pub(crate) async fn discard<DB: Backend>(db: &Db<DB>, owner: Owner) {
+    if let Err(e) = DB::call_discard(db, owner).await {
         tracing::debug!(error = %e, "idem: discarding the call failed; its lease ends by itself");
     }
 }
 
 /// The call of the key as it stands, read without locks.
-pub(crate) async fn read<DB: Backend>(pool: &Pool<DB>, id: &CallKey<'_>) -> Result<Option<CallRow>, Error> {
-    DB::call_read(pool, id.biz, id.key).await.map_err(|e| db_error::<DB>(id, e))
+pub(crate) async fn read<DB: Backend>(db: &Db<DB>, id: &CallKey<'_>) -> Result<Option<CallRow>, Error> {
+    DB::call_read(db, id.biz, id.key).await.map_err(|e| db_error::<DB>(id, e))
 }
 
 /// A database error as the caller sees it: a lock wait past its bound, or

@@ -31,7 +31,9 @@
 
 use std::future::Future;
 
-use sqlx::{Pool, Transaction};
+use sqlx::Transaction;
+
+use super::{Db, Pooling};
 
 /// `status` of a call whose failure was declared permanent: recorded and
 /// replayed like a result (`idem_call` only; see also
@@ -97,18 +99,15 @@ pub enum StepWritten {
 /// Sealed like [`RecordSql`](super::RecordSql): public in name only.
 pub trait CallSql: sqlx::Database + Sized {
     /// Creates `idem_call`, `idem_step` and their indexes if absent.
-    fn call_migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    fn call_migrate(db: &Db<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
     /// Phase one: inserts a processing call, fence 1. `Ok(Some(id))`:
     /// inserted (and committed, one statement); `Ok(None)`: the key is taken.
-    fn call_insert(
-        pool: &Pool<Self>,
-        call: &NewCall<'_>,
-    ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send;
+    fn call_insert(db: &Db<Self>, call: &NewCall<'_>) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send;
 
     /// The call of `(biz, key)`, read without locks.
     fn call_read(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         biz: &str,
         key: &str,
     ) -> impl Future<Output = Result<Option<CallRow>, sqlx::Error>> + Send;
@@ -116,7 +115,7 @@ pub trait CallSql: sqlx::Database + Sized {
     /// Deletes the call of `(biz, key)` if it finished and expired at or
     /// before `now_ms` (a processing call never expires: it is resumed).
     fn call_delete_expired(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         biz: &str,
         key: &str,
         now_ms: i64,
@@ -125,7 +124,7 @@ pub trait CallSql: sqlx::Database + Sized {
     /// Takes over a processing call whose lease ran out by `now_ms`: fence
     /// `from.fence + 1`, a new lease. `Ok(false)`: someone else changed it first.
     fn call_take_over(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         from: Owner,
         now_ms: i64,
         lease_until_ms: i64,
@@ -134,6 +133,7 @@ pub trait CallSql: sqlx::Database + Sized {
     /// In the final transaction: marks the call finished (`status`, with
     /// `response`) if `owner` still holds it. `Ok(false)`: fenced off.
     fn call_finish(
+        pooling: Pooling,
         tx: &mut Transaction<'static, Self>,
         owner: Owner,
         status: i16,
@@ -143,18 +143,15 @@ pub trait CallSql: sqlx::Database + Sized {
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Ends `owner`'s lease now, so a retry takes over at once.
-    fn call_release(
-        pool: &Pool<Self>,
-        owner: Owner,
-        now_ms: i64,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+    fn call_release(db: &Db<Self>, owner: Owner, now_ms: i64)
+    -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Deletes `owner`'s processing call (one that never reached outside).
-    fn call_discard(pool: &Pool<Self>, owner: Owner) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+    fn call_discard(db: &Db<Self>, owner: Owner) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Records a step's result under `owner`, if it still holds the call.
     fn step_insert(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         owner: Owner,
         step: &str,
         step_key: &str,
@@ -164,19 +161,20 @@ pub trait CallSql: sqlx::Database + Sized {
 
     /// The recorded result of one step of a call.
     fn step_read(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         call_id: i64,
         step: &str,
     ) -> impl Future<Output = Result<Option<String>, sqlx::Error>> + Send;
 
     /// Every recorded step of a call: `(step, response)`.
     fn steps_read(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         call_id: i64,
     ) -> impl Future<Output = Result<Vec<(String, String)>, sqlx::Error>> + Send;
 
     /// In the final transaction: deletes the steps of a call.
     fn steps_delete(
+        pooling: Pooling,
         tx: &mut Transaction<'static, Self>,
         call_id: i64,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
@@ -184,7 +182,7 @@ pub trait CallSql: sqlx::Database + Sized {
     /// Up to `limit` calls of `biz` in `processing` whose lease ended by
     /// `now_ms`, the longest stuck first.
     fn calls_stuck(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         biz: &str,
         now_ms: i64,
         limit: i64,
@@ -192,7 +190,7 @@ pub trait CallSql: sqlx::Database + Sized {
 
     /// Deletes up to `limit` finished calls expired by `now_ms`.
     fn calls_purge_expired(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         now_ms: i64,
         limit: i64,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
@@ -215,47 +213,61 @@ pub(crate) struct CallQueries {
 }
 
 /// Writes the [`CallSql`] methods that differ only in SQL text (all but
-/// `call_insert`, whose way of returning the new id differs).
+/// `call_insert`, whose way of returning the new id differs), each
+/// statement sent as the engine's pooling allows
+/// ([`on_pool!`](super::on_pool) for those outside the final transaction).
 macro_rules! call_queries {
     ($q:expr) => {
         async fn call_read(
-            pool: &::sqlx::Pool<Self>,
+            db: &$crate::store::Db<Self>,
             biz: &str,
             key: &str,
         ) -> Result<Option<$crate::store::calls::CallRow>, ::sqlx::Error> {
-            let row: Option<$crate::store::calls::CallColumns> =
-                ::sqlx::query_as($q.read).bind(biz).bind(key).fetch_optional(pool).await?;
+            let row: Option<$crate::store::calls::CallColumns> = $crate::store::on_pool!(db, |on, persistent| {
+                ::sqlx::query_as($q.read).persistent(persistent).bind(biz).bind(key).fetch_optional(on).await
+            })?;
             Ok(row.map(Into::into))
         }
 
         async fn call_delete_expired(
-            pool: &::sqlx::Pool<Self>,
+            db: &$crate::store::Db<Self>,
             biz: &str,
             key: &str,
             now_ms: i64,
         ) -> Result<u64, ::sqlx::Error> {
-            let done = ::sqlx::query($q.delete_expired).bind(biz).bind(key).bind(now_ms).execute(pool).await?;
-            Ok(done.rows_affected())
+            $crate::store::on_pool!(db, |on, persistent| {
+                let done = ::sqlx::query($q.delete_expired)
+                    .persistent(persistent)
+                    .bind(biz)
+                    .bind(key)
+                    .bind(now_ms)
+                    .execute(on);
+                done.await.map(|d| d.rows_affected())
+            })
         }
 
         async fn call_take_over(
-            pool: &::sqlx::Pool<Self>,
+            db: &$crate::store::Db<Self>,
             from: $crate::store::calls::Owner,
             now_ms: i64,
             lease_until_ms: i64,
         ) -> Result<bool, ::sqlx::Error> {
-            let done = ::sqlx::query($q.take_over)
-                .bind(lease_until_ms)
-                .bind(now_ms)
-                .bind(from.id)
-                .bind(from.fence)
-                .bind(now_ms)
-                .execute(pool)
-                .await?;
-            Ok(done.rows_affected() == 1)
+            $crate::store::on_pool!(db, |on, persistent| {
+                let done = ::sqlx::query($q.take_over)
+                    .persistent(persistent)
+                    .bind(lease_until_ms)
+                    .bind(now_ms)
+                    .bind(from.id)
+                    .bind(from.fence)
+                    .bind(now_ms)
+                    .execute(on)
+                    .await;
+                done.map(|d| d.rows_affected() == 1)
+            })
         }
 
         async fn call_finish(
+            pooling: $crate::store::Pooling,
             tx: &mut ::sqlx::Transaction<'static, Self>,
             owner: $crate::store::calls::Owner,
             status: i16,
@@ -264,6 +276,7 @@ macro_rules! call_queries {
             expires_ms: i64,
         ) -> Result<bool, ::sqlx::Error> {
             let done = ::sqlx::query($q.finish)
+                .persistent(pooling.persistent())
                 .bind(status)
                 .bind(response)
                 .bind(now_ms)
@@ -276,24 +289,35 @@ macro_rules! call_queries {
         }
 
         async fn call_release(
-            pool: &::sqlx::Pool<Self>,
+            db: &$crate::store::Db<Self>,
             owner: $crate::store::calls::Owner,
             now_ms: i64,
         ) -> Result<bool, ::sqlx::Error> {
-            let done = ::sqlx::query($q.release).bind(now_ms).bind(owner.id).bind(owner.fence).execute(pool).await?;
-            Ok(done.rows_affected() == 1)
+            $crate::store::on_pool!(db, |on, persistent| {
+                let done = ::sqlx::query($q.release)
+                    .persistent(persistent)
+                    .bind(now_ms)
+                    .bind(owner.id)
+                    .bind(owner.fence)
+                    .execute(on)
+                    .await;
+                done.map(|d| d.rows_affected() == 1)
+            })
         }
 
         async fn call_discard(
-            pool: &::sqlx::Pool<Self>,
+            db: &$crate::store::Db<Self>,
             owner: $crate::store::calls::Owner,
         ) -> Result<bool, ::sqlx::Error> {
-            let done = ::sqlx::query($q.discard).bind(owner.id).bind(owner.fence).execute(pool).await?;
-            Ok(done.rows_affected() == 1)
+            $crate::store::on_pool!(db, |on, persistent| {
+                let done =
+                    ::sqlx::query($q.discard).persistent(persistent).bind(owner.id).bind(owner.fence).execute(on);
+                done.await.map(|d| d.rows_affected() == 1)
+            })
         }
 
         async fn step_insert(
-            pool: &::sqlx::Pool<Self>,
+            db: &$crate::store::Db<Self>,
             owner: $crate::store::calls::Owner,
             step: &str,
             step_key: &str,
@@ -301,52 +325,85 @@ macro_rules! call_queries {
             now_ms: i64,
         ) -> Result<$crate::store::calls::StepWritten, ::sqlx::Error> {
             use $crate::store::calls::StepWritten;
-            let done = ::sqlx::query($q.step_insert)
-                .bind(step)
-                .bind(step_key)
-                .bind(response)
-                .bind(now_ms)
-                .bind(owner.id)
-                .bind(owner.fence)
-                .execute(pool)
-                .await;
-            match done {
-                Ok(done) if done.rows_affected() == 1 => Ok(StepWritten::Recorded),
-                Ok(_) => Ok(StepWritten::Fenced),
-                Err(e) if $crate::store::is_unique_violation(&e) => Ok(StepWritten::Taken),
-                Err(e) => Err(e),
-            }
+            $crate::store::on_pool!(db, |on, persistent| {
+                let done = ::sqlx::query($q.step_insert)
+                    .persistent(persistent)
+                    .bind(step)
+                    .bind(step_key)
+                    .bind(response)
+                    .bind(now_ms)
+                    .bind(owner.id)
+                    .bind(owner.fence)
+                    .execute(on)
+                    .await;
+                match done {
+                    Ok(done) if done.rows_affected() == 1 => Ok(StepWritten::Recorded),
+                    Ok(_) => Ok(StepWritten::Fenced),
+                    Err(e) if $crate::store::is_unique_violation(&e) => Ok(StepWritten::Taken),
+                    Err(e) => Err(e),
+                }
+            })
         }
 
         async fn step_read(
-            pool: &::sqlx::Pool<Self>,
+            db: &$crate::store::Db<Self>,
             call_id: i64,
             step: &str,
         ) -> Result<Option<String>, ::sqlx::Error> {
-            ::sqlx::query_scalar($q.step_read).bind(call_id).bind(step).fetch_optional(pool).await
+            $crate::store::on_pool!(db, |on, persistent| {
+                ::sqlx::query_scalar($q.step_read)
+                    .persistent(persistent)
+                    .bind(call_id)
+                    .bind(step)
+                    .fetch_optional(on)
+                    .await
+            })
         }
 
-        async fn steps_read(pool: &::sqlx::Pool<Self>, call_id: i64) -> Result<Vec<(String, String)>, ::sqlx::Error> {
-            ::sqlx::query_as($q.steps_read).bind(call_id).fetch_all(pool).await
+        async fn steps_read(
+            db: &$crate::store::Db<Self>,
+            call_id: i64,
+        ) -> Result<Vec<(String, String)>, ::sqlx::Error> {
+            $crate::store::on_pool!(db, |on, persistent| {
+                ::sqlx::query_as($q.steps_read).persistent(persistent).bind(call_id).fetch_all(on).await
+            })
         }
 
-        async fn steps_delete(tx: &mut ::sqlx::Transaction<'static, Self>, call_id: i64) -> Result<u64, ::sqlx::Error> {
-            let done = ::sqlx::query($q.steps_delete).bind(call_id).execute(&mut **tx).await?;
+        async fn steps_delete(
+            pooling: $crate::store::Pooling,
+            tx: &mut ::sqlx::Transaction<'static, Self>,
+            call_id: i64,
+        ) -> Result<u64, ::sqlx::Error> {
+            let done = ::sqlx::query($q.steps_delete)
+                .persistent(pooling.persistent())
+                .bind(call_id)
+                .execute(&mut **tx)
+                .await?;
             Ok(done.rows_affected())
         }
 
         async fn calls_stuck(
-            pool: &::sqlx::Pool<Self>,
+            db: &$crate::store::Db<Self>,
             biz: &str,
             now_ms: i64,
             limit: i64,
         ) -> Result<Vec<$crate::store::calls::StuckColumns>, ::sqlx::Error> {
-            ::sqlx::query_as($q.stuck).bind(biz).bind(now_ms).bind(limit).fetch_all(pool).await
+            $crate::store::on_pool!(db, |on, persistent| {
+                let rows =
+                    ::sqlx::query_as($q.stuck).persistent(persistent).bind(biz).bind(now_ms).bind(limit).fetch_all(on);
+                rows.await
+            })
         }
 
-        async fn calls_purge_expired(pool: &::sqlx::Pool<Self>, now_ms: i64, limit: i64) -> Result<u64, ::sqlx::Error> {
-            let done = ::sqlx::query($q.purge_expired).bind(now_ms).bind(limit).execute(pool).await?;
-            Ok(done.rows_affected())
+        async fn calls_purge_expired(
+            db: &$crate::store::Db<Self>,
+            now_ms: i64,
+            limit: i64,
+        ) -> Result<u64, ::sqlx::Error> {
+            $crate::store::on_pool!(db, |on, persistent| {
+                let done = ::sqlx::query($q.purge_expired).persistent(persistent).bind(now_ms).bind(limit).execute(on);
+                done.await.map(|d| d.rows_affected())
+            })
         }
     };
 }

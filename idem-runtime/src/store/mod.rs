@@ -5,7 +5,9 @@
 //! written once over [`RecordSql`]; each backend has its own file with only
 //! what differs: its DDL, its SQL text, its lock-wait bounds and the way it
 //! reports conflicts (by code). The statements they share in shape are
-//! written once by `record_queries!`.
+//! written once by `record_queries!`. How those statements are sent (straight,
+//! or behind a pooler in transaction mode) is [`pooling`]'s, applied by the
+//! same macros.
 
 use std::future::Future;
 use std::time::Duration;
@@ -16,11 +18,15 @@ pub(crate) mod calls;
 #[cfg(feature = "mysql")]
 mod mysql;
 pub(crate) mod outbox;
+pub(crate) mod pooling;
 #[cfg(feature = "postgres")]
 mod postgres;
 pub(crate) mod record;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+
+pub(crate) use pooling::on_pool;
+pub use pooling::{Db, Pooling};
 
 /// `status` of a row inserted before the body ran; it turns `SUCCEEDED` in the
 /// same transaction, so a committed row never holds it.
@@ -83,7 +89,12 @@ pub enum ErrorClass {
 /// A database `idem` can keep its records in: SQLite, MySQL/MariaDB or
 /// PostgreSQL (`sqlx::Sqlite`, `sqlx::MySql`, `sqlx::Postgres`), each behind
 /// its cargo feature. Sealed: implemented by `idem` for those three only.
-pub trait Backend: sqlx::Database + Sized + RecordSql + outbox::OutboxSql + calls::CallSql {}
+/// (`HasStatementCache`: statements can be sent unnamed, behind a pooler in
+/// transaction mode; see [`Builder::transaction_pooler`](crate::Builder).)
+pub trait Backend:
+    sqlx::Database + Sized + RecordSql + outbox::OutboxSql + calls::CallSql + sqlx::database::HasStatementCache
+{
+}
 
 /// What each backend writes in its own SQL: the statements the record
 /// protocol ([`record`]) is built from. Public in name only: this module is
@@ -92,10 +103,10 @@ pub trait Backend: sqlx::Database + Sized + RecordSql + outbox::OutboxSql + call
 pub trait RecordSql: sqlx::Database + Sized {
     /// Creates `idem_record`, `idem_meta` and their indexes if absent, and
     /// records `namespace` in `idem_meta` unless the database holds one.
-    fn migrate(pool: &Pool<Self>, namespace: &str) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    fn migrate(db: &Db<Self>, namespace: &str) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
     /// The namespace recorded by [`migrate`](RecordSql::migrate), if any.
-    fn namespace(pool: &Pool<Self>) -> impl Future<Output = Result<Option<String>, sqlx::Error>> + Send;
+    fn namespace(db: &Db<Self>) -> impl Future<Output = Result<Option<String>, sqlx::Error>> + Send;
 
     // Issued tokens without Redis (`crate::token::database`), in `idem_token`,
     // which `migrate` creates beside `idem_record`. Times are epoch ms.
@@ -103,7 +114,7 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// Inserts a token issued now, live (and kept) until `expires_ms`.
     /// `Ok(false)`: the primary key `(biz_type, token)` is taken.
     fn token_insert(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         id: TokenId<'_>,
         now_ms: i64,
         expires_ms: i64,
@@ -114,7 +125,7 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// used") if it is `id.subject`'s, unused and live. `Ok(true)`: this
     /// call consumed it.
     fn token_consume(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         id: TokenId<'_>,
         now_ms: i64,
         used_until_ms: i64,
@@ -122,7 +133,7 @@ pub trait RecordSql: sqlx::Database + Sized {
 
     /// The row of a token, whoever it belongs to, without locking.
     fn token_read(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         biz: &str,
         token: &str,
     ) -> impl Future<Output = Result<Option<TokenRow>, sqlx::Error>> + Send;
@@ -130,7 +141,7 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// Makes the token consumed at `used_at_ms` unused again, until its own
     /// expiry. `Ok(false)`: that consumption is not the row's (any more).
     fn token_give_back(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         id: TokenId<'_>,
         used_at_ms: i64,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
@@ -138,7 +149,7 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// Deletes up to `limit` tokens kept until `now_ms` or before: expired
     /// unused ones, and used ones past the time they answer "already used".
     fn token_purge_expired(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         now_ms: i64,
         limit: i64,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
@@ -167,8 +178,11 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// Ends the bound of [`begin_bounded`](RecordSql::begin_bounded) before
     /// the body runs, putting back the session's own setting, so the body's
     /// own lock waits are left alone. Nothing to end by default.
-    fn end_bound(tx: &mut Transaction<'static, Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send {
-        let _ = tx;
+    fn end_bound(
+        pooling: Pooling,
+        tx: &mut Transaction<'static, Self>,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send {
+        let _ = (pooling, tx);
         async { Ok(()) }
     }
 
@@ -182,6 +196,7 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// Inserts `rec`. `Ok(false)`: a committed row holds the key; the
     /// transaction stays usable.
     fn insert(
+        pooling: Pooling,
         tx: &mut Transaction<'static, Self>,
         rec: &NewRecord<'_>,
         wait: Option<Duration>,
@@ -191,6 +206,7 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// status, `updated_at` and `expires_at` of `rec` (the ttl counts from
     /// the end of the body, as when the record goes in last).
     fn mark_succeeded(
+        pooling: Pooling,
         tx: &mut Transaction<'static, Self>,
         rec: &NewRecord<'_>,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
@@ -199,6 +215,7 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// transaction: a locking read where the isolation level would otherwise
     /// show an older snapshot (MySQL's `LOCK IN SHARE MODE`).
     fn read_locking(
+        pooling: Pooling,
         conn: &mut Self::Connection,
         biz: &str,
         key: &str,
@@ -208,13 +225,14 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// Reads the committed row of a key without taking or waiting on locks
     /// (a plain read, outside any transaction).
     fn read_plain(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         biz: &str,
         key: &str,
     ) -> impl Future<Output = Result<Option<StoredRecord>, sqlx::Error>> + Send;
 
     /// Deletes the row of a key if it expired at or before `now_ms`.
     fn delete_expired(
+        pooling: Pooling,
         conn: &mut Self::Connection,
         biz: &str,
         key: &str,
@@ -223,11 +241,7 @@ pub trait RecordSql: sqlx::Database + Sized {
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// Deletes up to `limit` expired rows (any key).
-    fn purge_expired(
-        pool: &Pool<Self>,
-        now_ms: i64,
-        limit: i64,
-    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+    fn purge_expired(db: &Db<Self>, now_ms: i64, limit: i64) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// How an error of this backend matters to the engine.
     fn classify(error: &sqlx::Error) -> ErrorClass;
@@ -297,10 +311,13 @@ pub(crate) struct Queries {
 /// The statement reading the namespace back; the same on every backend.
 pub(crate) const NAMESPACE: &str = "SELECT value FROM idem_meta WHERE name = 'namespace'";
 
-/// Writes the [`RecordSql`] methods that differ only in SQL text.
+/// Writes the [`RecordSql`] methods that differ only in SQL text, each
+/// statement sent as the engine's [`Pooling`] allows ([`on_pool!`] for
+/// those outside the call's transaction).
 macro_rules! record_queries {
     ($q:expr) => {
         async fn insert(
+            pooling: $crate::store::Pooling,
             tx: &mut ::sqlx::Transaction<'static, Self>,
             rec: &$crate::store::NewRecord<'_>,
             wait: Option<::std::time::Duration>,
@@ -309,6 +326,7 @@ macro_rules! record_queries {
             // Placeholders in column order: biz_type, idem_key, biz_no, params_hash,
             // status, response, created_at, updated_at, expires_at.
             let done = ::sqlx::query(sql)
+                .persistent(pooling.persistent())
                 .bind(rec.biz)
                 .bind(rec.key)
                 .bind(rec.biz_no)
@@ -324,10 +342,12 @@ macro_rules! record_queries {
         }
 
         async fn mark_succeeded(
+            pooling: $crate::store::Pooling,
             tx: &mut ::sqlx::Transaction<'static, Self>,
             rec: &$crate::store::NewRecord<'_>,
         ) -> Result<(), ::sqlx::Error> {
             ::sqlx::query($q.mark_succeeded)
+                .persistent(pooling.persistent())
                 .bind(rec.status)
                 .bind(rec.response)
                 .bind(rec.now_ms)
@@ -340,28 +360,35 @@ macro_rules! record_queries {
         }
 
         async fn read_locking(
+            pooling: $crate::store::Pooling,
             conn: &mut Self::Connection,
             biz: &str,
             key: &str,
             wait: Option<::std::time::Duration>,
         ) -> Result<Option<$crate::store::StoredRecord>, ::sqlx::Error> {
             let sql = Self::bounded($q.read_locking, wait);
-            let row: Option<$crate::store::RecordRow> =
-                ::sqlx::query_as(sql).bind(biz).bind(key).fetch_optional(&mut *conn).await?;
+            let row: Option<$crate::store::RecordRow> = ::sqlx::query_as(sql)
+                .persistent(pooling.persistent())
+                .bind(biz)
+                .bind(key)
+                .fetch_optional(&mut *conn)
+                .await?;
             Ok(row.map(Into::into))
         }
 
         async fn read_plain(
-            pool: &::sqlx::Pool<Self>,
+            db: &$crate::store::Db<Self>,
             biz: &str,
             key: &str,
         ) -> Result<Option<$crate::store::StoredRecord>, ::sqlx::Error> {
-            let row: Option<$crate::store::RecordRow> =
-                ::sqlx::query_as($q.read_plain).bind(biz).bind(key).fetch_optional(pool).await?;
+            let row: Option<$crate::store::RecordRow> = $crate::store::on_pool!(db, |on, persistent| {
+                ::sqlx::query_as($q.read_plain).persistent(persistent).bind(biz).bind(key).fetch_optional(on).await
+            })?;
             Ok(row.map(Into::into))
         }
 
         async fn delete_expired(
+            pooling: $crate::store::Pooling,
             conn: &mut Self::Connection,
             biz: &str,
             key: &str,
@@ -369,17 +396,27 @@ macro_rules! record_queries {
             wait: Option<::std::time::Duration>,
         ) -> Result<u64, ::sqlx::Error> {
             let sql = Self::bounded($q.delete_expired, wait);
-            let done = ::sqlx::query(sql).bind(biz).bind(key).bind(now_ms).execute(&mut *conn).await?;
+            let done = ::sqlx::query(sql)
+                .persistent(pooling.persistent())
+                .bind(biz)
+                .bind(key)
+                .bind(now_ms)
+                .execute(&mut *conn)
+                .await?;
             Ok(done.rows_affected())
         }
 
-        async fn namespace(pool: &::sqlx::Pool<Self>) -> Result<Option<String>, ::sqlx::Error> {
-            ::sqlx::query_scalar($crate::store::NAMESPACE).fetch_optional(pool).await
+        async fn namespace(db: &$crate::store::Db<Self>) -> Result<Option<String>, ::sqlx::Error> {
+            $crate::store::on_pool!(db, |on, persistent| {
+                ::sqlx::query_scalar($crate::store::NAMESPACE).persistent(persistent).fetch_optional(on).await
+            })
         }
 
-        async fn purge_expired(pool: &::sqlx::Pool<Self>, now_ms: i64, limit: i64) -> Result<u64, ::sqlx::Error> {
-            let done = ::sqlx::query($q.purge_expired).bind(now_ms).bind(limit).execute(pool).await?;
-            Ok(done.rows_affected())
+        async fn purge_expired(db: &$crate::store::Db<Self>, now_ms: i64, limit: i64) -> Result<u64, ::sqlx::Error> {
+            $crate::store::on_pool!(db, |on, persistent| {
+                let done = ::sqlx::query($q.purge_expired).persistent(persistent).bind(now_ms).bind(limit).execute(on);
+                done.await.map(|d| d.rows_affected())
+            })
         }
     };
 }
@@ -406,71 +443,89 @@ pub(crate) struct TokenQueries {
     pub purge_expired: &'static str,
 }
 
-/// Writes the token methods of [`RecordSql`], which differ only in SQL text.
+/// Writes the token methods of [`RecordSql`], which differ only in SQL
+/// text; each statement runs outside any call's transaction ([`on_pool!`]).
 macro_rules! token_queries {
     ($q:expr) => {
         async fn token_insert(
-            pool: &::sqlx::Pool<Self>,
+            db: &$crate::store::Db<Self>,
             id: $crate::store::TokenId<'_>,
             now_ms: i64,
             expires_ms: i64,
         ) -> Result<bool, ::sqlx::Error> {
-            let done = ::sqlx::query($q.insert)
-                .bind(id.biz)
-                .bind(id.token)
-                .bind(id.subject)
-                .bind(now_ms)
-                .bind(expires_ms)
-                .bind(expires_ms)
-                .execute(pool)
-                .await;
-            $crate::store::inserted(done.map(|d| d.rows_affected()))
+            $crate::store::on_pool!(db, |on, persistent| {
+                let done = ::sqlx::query($q.insert)
+                    .persistent(persistent)
+                    .bind(id.biz)
+                    .bind(id.token)
+                    .bind(id.subject)
+                    .bind(now_ms)
+                    .bind(expires_ms)
+                    .bind(expires_ms)
+                    .execute(on)
+                    .await;
+                $crate::store::inserted(done.map(|d| d.rows_affected()))
+            })
         }
 
         async fn token_consume(
-            pool: &::sqlx::Pool<Self>,
+            db: &$crate::store::Db<Self>,
             id: $crate::store::TokenId<'_>,
             now_ms: i64,
             used_until_ms: i64,
         ) -> Result<bool, ::sqlx::Error> {
-            let done = ::sqlx::query($q.consume)
-                .bind(now_ms)
-                .bind(used_until_ms)
-                .bind(id.biz)
-                .bind(id.token)
-                .bind(id.subject)
-                .bind(now_ms)
-                .execute(pool)
-                .await?;
-            Ok(done.rows_affected() == 1)
+            $crate::store::on_pool!(db, |on, persistent| {
+                let done = ::sqlx::query($q.consume)
+                    .persistent(persistent)
+                    .bind(now_ms)
+                    .bind(used_until_ms)
+                    .bind(id.biz)
+                    .bind(id.token)
+                    .bind(id.subject)
+                    .bind(now_ms)
+                    .execute(on)
+                    .await;
+                done.map(|d| d.rows_affected() == 1)
+            })
         }
 
         async fn token_read(
-            pool: &::sqlx::Pool<Self>,
+            db: &$crate::store::Db<Self>,
             biz: &str,
             token: &str,
         ) -> Result<Option<$crate::store::TokenRow>, ::sqlx::Error> {
-            ::sqlx::query_as($q.read).bind(biz).bind(token).fetch_optional(pool).await
+            $crate::store::on_pool!(db, |on, persistent| {
+                ::sqlx::query_as($q.read).persistent(persistent).bind(biz).bind(token).fetch_optional(on).await
+            })
         }
 
         async fn token_give_back(
-            pool: &::sqlx::Pool<Self>,
+            db: &$crate::store::Db<Self>,
             id: $crate::store::TokenId<'_>,
             used_at_ms: i64,
         ) -> Result<bool, ::sqlx::Error> {
-            let done = ::sqlx::query($q.give_back)
-                .bind(id.biz)
-                .bind(id.token)
-                .bind(id.subject)
-                .bind(used_at_ms)
-                .execute(pool)
-                .await?;
-            Ok(done.rows_affected() == 1)
+            $crate::store::on_pool!(db, |on, persistent| {
+                let done = ::sqlx::query($q.give_back)
+                    .persistent(persistent)
+                    .bind(id.biz)
+                    .bind(id.token)
+                    .bind(id.subject)
+                    .bind(used_at_ms)
+                    .execute(on)
+                    .await;
+                done.map(|d| d.rows_affected() == 1)
+            })
         }
 
-        async fn token_purge_expired(pool: &::sqlx::Pool<Self>, now_ms: i64, limit: i64) -> Result<u64, ::sqlx::Error> {
-            let done = ::sqlx::query($q.purge_expired).bind(now_ms).bind(limit).execute(pool).await?;
-            Ok(done.rows_affected())
+        async fn token_purge_expired(
+            db: &$crate::store::Db<Self>,
+            now_ms: i64,
+            limit: i64,
+        ) -> Result<u64, ::sqlx::Error> {
+            $crate::store::on_pool!(db, |on, persistent| {
+                let done = ::sqlx::query($q.purge_expired).persistent(persistent).bind(now_ms).bind(limit).execute(on);
+                done.await.map(|d| d.rows_affected())
+            })
         }
     };
 }

@@ -8,7 +8,8 @@ use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr};
 use super::outbox::{OutboxQueries, OutboxSql, outbox_queries};
 
 use super::{
-    Backend, ErrorClass, Queries, RecordSql, TokenQueries, is_unique_violation, record_queries, token_queries,
+    Backend, Db, ErrorClass, Queries, RecordSql, TokenQueries, is_unique_violation, on_pool, record_queries,
+    token_queries,
 };
 
 // `read_locking` is a locking read: under REPEATABLE READ a plain SELECT would show
@@ -75,11 +76,13 @@ const ER_LOCK_DEADLOCK: u16 = 1213;
 impl Backend for MySql {}
 
 impl RecordSql for MySql {
-    async fn migrate(pool: &Pool<Self>, namespace: &str) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(DDL).execute(pool).await?;
-        sqlx::raw_sql(Q.meta_ddl).execute(pool).await?;
-        sqlx::raw_sql(TOKEN_DDL).execute(pool).await?;
-        sqlx::query(Q.init_namespace).bind(namespace).execute(pool).await.map(drop)
+    async fn migrate(db: &Db<Self>, namespace: &str) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(DDL).execute(&db.pool).await?;
+        sqlx::raw_sql(Q.meta_ddl).execute(&db.pool).await?;
+        sqlx::raw_sql(TOKEN_DDL).execute(&db.pool).await?;
+        on_pool!(db, |on, persistent| {
+            sqlx::query(Q.init_namespace).persistent(persistent).bind(namespace).execute(on).await.map(drop)
+        })
     }
 
     /// MariaDB bounds one statement with `SET STATEMENT ... FOR`, written in
@@ -195,9 +198,9 @@ const OQ: OutboxQueries = OutboxQueries {
 };
 
 impl OutboxSql for MySql {
-    async fn outbox_migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(OUTBOX_DDL).execute(pool).await?;
-        sqlx::raw_sql(OUTBOX_AGGREGATE_DDL).execute(pool).await.map(drop)
+    async fn outbox_migrate(db: &Db<Self>) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(OUTBOX_DDL).execute(&db.pool).await?;
+        sqlx::raw_sql(OUTBOX_AGGREGATE_DDL).execute(&db.pool).await.map(drop)
     }
 
     async fn outbox_begin(pool: &Pool<Self>) -> Result<sqlx::Transaction<'static, Self>, sqlx::Error> {
@@ -286,25 +289,28 @@ const CQ: super::calls::CallQueries = super::calls::CallQueries {
 };
 
 impl super::calls::CallSql for MySql {
-    async fn call_migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+    async fn call_migrate(db: &Db<Self>) -> Result<(), sqlx::Error> {
         for ddl in CALL_DDL {
-            sqlx::raw_sql(ddl).execute(pool).await?;
+            sqlx::raw_sql(ddl).execute(&db.pool).await?;
         }
         Ok(())
     }
 
-    async fn call_insert(pool: &Pool<Self>, call: &super::calls::NewCall<'_>) -> Result<Option<i64>, sqlx::Error> {
-        let done = sqlx::query("INSERT INTO idem_call (biz_type, idem_key, biz_no, params_hash, status, fence, lease_until, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, 0, 1, ?, NULL, ?, ?, ?)")
-            .bind(call.biz)
-            .bind(call.key)
-            .bind(call.biz_no)
-            .bind(call.params_hash)
-            .bind(call.lease_until_ms)
-            .bind(call.now_ms)
-            .bind(call.now_ms)
-            .bind(call.expires_ms)
-            .execute(pool)
-            .await;
+    async fn call_insert(db: &Db<Self>, call: &super::calls::NewCall<'_>) -> Result<Option<i64>, sqlx::Error> {
+        let done = on_pool!(db, |on, persistent| {
+            sqlx::query("INSERT INTO idem_call (biz_type, idem_key, biz_no, params_hash, status, fence, lease_until, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, 0, 1, ?, NULL, ?, ?, ?)")
+                .persistent(persistent)
+                .bind(call.biz)
+                .bind(call.key)
+                .bind(call.biz_no)
+                .bind(call.params_hash)
+                .bind(call.lease_until_ms)
+                .bind(call.now_ms)
+                .bind(call.now_ms)
+                .bind(call.expires_ms)
+                .execute(on)
+                .await
+        });
         match done {
             Ok(done) => Ok(Some(i64::try_from(done.last_insert_id()).unwrap_or(i64::MAX))),
             Err(e) if is_unique_violation(&e) => Ok(None),

@@ -23,6 +23,8 @@ use std::future::Future;
 
 use sqlx::{Pool, Transaction};
 
+use super::{Db, Pooling};
+
 /// `status` of a row waiting for the broker.
 pub(crate) const PENDING: i16 = 0;
 /// `status` of a row the broker confirmed.
@@ -91,7 +93,7 @@ pub(crate) struct OutboxQueries {
 /// [`RecordSql`](super::RecordSql): the module is private.
 pub trait OutboxSql: sqlx::Database + Sized {
     /// Creates `idem_outbox` and its indexes if absent.
-    fn outbox_migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    fn outbox_migrate(db: &Db<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
     /// Opens a relay's batch transaction (MySQL: `READ COMMITTED`, so the
     /// locking read takes no gap locks that would hold back bodies queueing
@@ -103,12 +105,14 @@ pub trait OutboxSql: sqlx::Database + Sized {
     /// aggregate (if any) until the body's transaction ends. `Ok(false)`:
     /// its `message_id` was queued already.
     fn outbox_insert(
+        pooling: Pooling,
         conn: &mut Self::Connection,
         event: &NewEvent<'_>,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Locks and returns the next batch, at most `limit` rows.
     fn outbox_pick(
+        pooling: Pooling,
         tx: &mut Transaction<'static, Self>,
         now_ms: i64,
         limit: i64,
@@ -116,6 +120,7 @@ pub trait OutboxSql: sqlx::Database + Sized {
 
     /// Marks the rows `ids` sent at `now_ms`.
     fn outbox_mark_sent(
+        pooling: Pooling,
         tx: &mut Transaction<'static, Self>,
         ids: &[i64],
         now_ms: i64,
@@ -124,6 +129,7 @@ pub trait OutboxSql: sqlx::Database + Sized {
     /// Records a refused attempt of row `id`: its new status (pending or
     /// dead), attempt count, next attempt time and the broker's reason.
     fn outbox_mark_failed(
+        pooling: Pooling,
         tx: &mut Transaction<'static, Self>,
         id: i64,
         status: i16,
@@ -134,7 +140,7 @@ pub trait OutboxSql: sqlx::Database + Sized {
 
     /// Deletes up to `limit` rows sent at or before `before_ms`.
     fn outbox_purge_sent(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         before_ms: i64,
         limit: i64,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
@@ -149,27 +155,21 @@ pub trait OutboxSql: sqlx::Database + Sized {
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// Up to `limit` dead rows, oldest first.
-    fn outbox_list_dead(
-        pool: &Pool<Self>,
-        limit: i64,
-    ) -> impl Future<Output = Result<Vec<DeadRow>, sqlx::Error>> + Send;
+    fn outbox_list_dead(db: &Db<Self>, limit: i64) -> impl Future<Output = Result<Vec<DeadRow>, sqlx::Error>> + Send;
 
     /// Puts the dead row `message_id` back to pending, attempts reset.
     /// `Ok(false)`: no dead row has that id.
     fn outbox_retry_dead(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         message_id: &str,
         now_ms: i64,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Deletes the dead row `message_id`. `Ok(false)`: no dead row has that id.
-    fn outbox_discard_dead(
-        pool: &Pool<Self>,
-        message_id: &str,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+    fn outbox_discard_dead(db: &Db<Self>, message_id: &str) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// How many rows are pending, sent and dead.
-    fn outbox_count(pool: &Pool<Self>) -> impl Future<Output = Result<(i64, i64, i64), sqlx::Error>> + Send;
+    fn outbox_count(db: &Db<Self>) -> impl Future<Output = Result<(i64, i64, i64), sqlx::Error>> + Send;
 }
 
 /// Error text as stored in `last_error` (its column holds 1024 bytes).
@@ -185,10 +185,13 @@ pub(crate) fn clip_error(error: &str) -> &str {
     &error[..end]
 }
 
-/// Writes the [`OutboxSql`] methods that differ only in SQL text.
+/// Writes the [`OutboxSql`] methods that differ only in SQL text, each
+/// statement sent as the engine's pooling allows
+/// ([`on_pool!`](super::on_pool) for those outside a transaction).
 macro_rules! outbox_queries {
     ($q:expr) => {
         async fn outbox_insert(
+            pooling: $crate::store::Pooling,
             conn: &mut Self::Connection,
             event: &$crate::store::outbox::NewEvent<'_>,
         ) -> Result<bool, ::sqlx::Error> {
@@ -196,6 +199,7 @@ macro_rules! outbox_queries {
                 ::sqlx::query(lock).bind(aggregate).bind(event.now_ms).execute(&mut *conn).await?;
             }
             let done = ::sqlx::query($q.insert)
+                .persistent(pooling.persistent())
                 .bind(event.message_id)
                 .bind(event.destination)
                 .bind(event.aggregate)
@@ -211,14 +215,17 @@ macro_rules! outbox_queries {
         }
 
         async fn outbox_pick(
+            pooling: $crate::store::Pooling,
             tx: &mut ::sqlx::Transaction<'static, Self>,
             now_ms: i64,
             limit: i64,
         ) -> Result<Vec<$crate::store::outbox::PendingRow>, ::sqlx::Error> {
-            ::sqlx::query_as($q.pick).bind(now_ms).bind(limit).fetch_all(&mut **tx).await
+            let rows = ::sqlx::query_as($q.pick).persistent(pooling.persistent()).bind(now_ms).bind(limit);
+            rows.fetch_all(&mut **tx).await
         }
 
         async fn outbox_mark_sent(
+            pooling: $crate::store::Pooling,
             tx: &mut ::sqlx::Transaction<'static, Self>,
             ids: &[i64],
             now_ms: i64,
@@ -235,7 +242,7 @@ macro_rules! outbox_queries {
                 at = <Self as $crate::store::RecordSql>::placeholder(1),
                 list = list.join(", "),
             );
-            let mut query = ::sqlx::query(::sqlx::AssertSqlSafe(sql)).bind(now_ms);
+            let mut query = ::sqlx::query(::sqlx::AssertSqlSafe(sql)).persistent(pooling.persistent()).bind(now_ms);
             for id in ids {
                 query = query.bind(*id);
             }
@@ -243,6 +250,7 @@ macro_rules! outbox_queries {
         }
 
         async fn outbox_mark_failed(
+            pooling: $crate::store::Pooling,
             tx: &mut ::sqlx::Transaction<'static, Self>,
             id: i64,
             status: i16,
@@ -251,6 +259,7 @@ macro_rules! outbox_queries {
             error: &str,
         ) -> Result<(), ::sqlx::Error> {
             ::sqlx::query($q.mark_failed)
+                .persistent(pooling.persistent())
                 .bind(status)
                 .bind(attempts)
                 .bind(next_attempt_ms)
@@ -261,34 +270,49 @@ macro_rules! outbox_queries {
                 .map(drop)
         }
 
-        async fn outbox_purge_sent(pool: &::sqlx::Pool<Self>, before_ms: i64, limit: i64) -> Result<u64, ::sqlx::Error> {
-            let done = ::sqlx::query($q.purge_sent).bind(before_ms).bind(limit).execute(pool).await?;
-            Ok(done.rows_affected())
+        async fn outbox_purge_sent(
+            db: &$crate::store::Db<Self>,
+            before_ms: i64,
+            limit: i64,
+        ) -> Result<u64, ::sqlx::Error> {
+            $crate::store::on_pool!(db, |on, persistent| {
+                let done = ::sqlx::query($q.purge_sent).persistent(persistent).bind(before_ms).bind(limit).execute(on);
+                done.await.map(|d| d.rows_affected())
+            })
         }
 
         async fn outbox_list_dead(
-            pool: &::sqlx::Pool<Self>,
+            db: &$crate::store::Db<Self>,
             limit: i64,
         ) -> Result<Vec<$crate::store::outbox::DeadRow>, ::sqlx::Error> {
-            ::sqlx::query_as($q.list_dead).bind(limit).fetch_all(pool).await
+            $crate::store::on_pool!(db, |on, persistent| {
+                ::sqlx::query_as($q.list_dead).persistent(persistent).bind(limit).fetch_all(on).await
+            })
         }
 
         async fn outbox_retry_dead(
-            pool: &::sqlx::Pool<Self>,
+            db: &$crate::store::Db<Self>,
             message_id: &str,
             now_ms: i64,
         ) -> Result<bool, ::sqlx::Error> {
-            let done = ::sqlx::query($q.retry_dead).bind(now_ms).bind(message_id).execute(pool).await?;
-            Ok(done.rows_affected() == 1)
+            $crate::store::on_pool!(db, |on, persistent| {
+                let done =
+                    ::sqlx::query($q.retry_dead).persistent(persistent).bind(now_ms).bind(message_id).execute(on);
+                done.await.map(|d| d.rows_affected() == 1)
+            })
         }
 
-        async fn outbox_discard_dead(pool: &::sqlx::Pool<Self>, message_id: &str) -> Result<bool, ::sqlx::Error> {
-            let done = ::sqlx::query($q.discard_dead).bind(message_id).execute(pool).await?;
-            Ok(done.rows_affected() == 1)
+        async fn outbox_discard_dead(db: &$crate::store::Db<Self>, message_id: &str) -> Result<bool, ::sqlx::Error> {
+            $crate::store::on_pool!(db, |on, persistent| {
+                let done = ::sqlx::query($q.discard_dead).persistent(persistent).bind(message_id).execute(on);
+                done.await.map(|d| d.rows_affected() == 1)
+            })
         }
 
-        async fn outbox_count(pool: &::sqlx::Pool<Self>) -> Result<(i64, i64, i64), ::sqlx::Error> {
-            let rows: Vec<(i16, i64)> = ::sqlx::query_as($q.count).fetch_all(pool).await?;
+        async fn outbox_count(db: &$crate::store::Db<Self>) -> Result<(i64, i64, i64), ::sqlx::Error> {
+            let rows: Vec<(i16, i64)> = $crate::store::on_pool!(db, |on, persistent| {
+                ::sqlx::query_as($q.count).persistent(persistent).fetch_all(on).await
+            })?;
             let of = |status: i16| rows.iter().find(|(s, _)| *s == status).map_or(0, |(_, n)| *n);
             Ok((
                 of($crate::store::outbox::PENDING),

@@ -8,7 +8,8 @@ use sqlx::{AssertSqlSafe, Pool, Transaction};
 use super::outbox::{OutboxQueries, OutboxSql, outbox_queries};
 
 use super::{
-    Backend, ErrorClass, Queries, RecordSql, TokenQueries, is_unique_violation, record_queries, token_queries,
+    Backend, Db, ErrorClass, Pooling, Queries, RecordSql, TokenQueries, is_unique_violation, on_pool, record_queries,
+    token_queries,
 };
 
 // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide in the catalog,
@@ -69,6 +70,13 @@ const TQ: TokenQueries = TokenQueries {
     purge_expired: "DELETE FROM idem_token WHERE (biz_type, token) IN (SELECT biz_type, token FROM idem_token WHERE keep_until <= $1 LIMIT $2)",
 };
 
+/// A migration's transaction, holding the migration lock.
+async fn migration(db: &Db<Postgres>) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+    let mut tx = db.pool.begin().await?;
+    sqlx::query(MIGRATE_LOCK).persistent(db.pooling.persistent()).execute(&mut *tx).await?;
+    Ok(tx)
+}
+
 const LOCK_NOT_AVAILABLE: &str = "55P03";
 const DEADLOCK_DETECTED: &str = "40P01";
 const SERIALIZATION_FAILURE: &str = "40001";
@@ -76,9 +84,8 @@ const SERIALIZATION_FAILURE: &str = "40001";
 impl Backend for Postgres {}
 
 impl RecordSql for Postgres {
-    async fn migrate(pool: &Pool<Self>, namespace: &str) -> Result<(), sqlx::Error> {
-        let mut tx = pool.begin().await?;
-        sqlx::query(MIGRATE_LOCK).execute(&mut *tx).await?;
+    async fn migrate(db: &Db<Self>, namespace: &str) -> Result<(), sqlx::Error> {
+        let mut tx = migration(db).await?;
         for ddl in DDL {
             sqlx::raw_sql(ddl).execute(&mut *tx).await?;
         }
@@ -86,7 +93,8 @@ impl RecordSql for Postgres {
         for ddl in TOKEN_DDL {
             sqlx::raw_sql(ddl).execute(&mut *tx).await?;
         }
-        sqlx::query(Q.init_namespace).bind(namespace).execute(&mut *tx).await?;
+        let persistent = db.pooling.persistent();
+        sqlx::query(Q.init_namespace).persistent(persistent).bind(namespace).execute(&mut *tx).await?;
         tx.commit().await
     }
 
@@ -103,8 +111,9 @@ impl RecordSql for Postgres {
         .await
     }
 
-    async fn end_bound(tx: &mut Transaction<'static, Self>) -> Result<(), sqlx::Error> {
+    async fn end_bound(pooling: Pooling, tx: &mut Transaction<'static, Self>) -> Result<(), sqlx::Error> {
         sqlx::query("SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true)")
+            .persistent(pooling.persistent())
             .execute(&mut **tx)
             .await
             .map(drop)
@@ -198,9 +207,8 @@ const OQ: OutboxQueries = OutboxQueries {
 };
 
 impl OutboxSql for Postgres {
-    async fn outbox_migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        let mut tx = pool.begin().await?;
-        sqlx::query(MIGRATE_LOCK).execute(&mut *tx).await?;
+    async fn outbox_migrate(db: &Db<Self>) -> Result<(), sqlx::Error> {
+        let mut tx = migration(db).await?;
         for ddl in OUTBOX_DDL {
             sqlx::raw_sql(ddl).execute(&mut *tx).await?;
         }
@@ -275,28 +283,30 @@ const CQ: super::calls::CallQueries = super::calls::CallQueries {
 };
 
 impl super::calls::CallSql for Postgres {
-    async fn call_migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        let mut tx = pool.begin().await?;
-        sqlx::query(MIGRATE_LOCK).execute(&mut *tx).await?;
+    async fn call_migrate(db: &Db<Self>) -> Result<(), sqlx::Error> {
+        let mut tx = migration(db).await?;
         for ddl in CALL_DDL {
             sqlx::raw_sql(ddl).execute(&mut *tx).await?;
         }
         tx.commit().await
     }
 
-    async fn call_insert(pool: &Pool<Self>, call: &super::calls::NewCall<'_>) -> Result<Option<i64>, sqlx::Error> {
+    async fn call_insert(db: &Db<Self>, call: &super::calls::NewCall<'_>) -> Result<Option<i64>, sqlx::Error> {
         // `ON CONFLICT DO NOTHING`: a taken key returns no row.
-        sqlx::query_scalar("INSERT INTO idem_call (biz_type, idem_key, biz_no, params_hash, status, fence, lease_until, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, 0, 1, $5, NULL, $6, $7, $8) ON CONFLICT (biz_type, idem_key) DO NOTHING RETURNING id")
-            .bind(call.biz)
-            .bind(call.key)
-            .bind(call.biz_no)
-            .bind(call.params_hash)
-            .bind(call.lease_until_ms)
-            .bind(call.now_ms)
-            .bind(call.now_ms)
-            .bind(call.expires_ms)
-            .fetch_optional(pool)
-            .await
+        on_pool!(db, |on, persistent| {
+            sqlx::query_scalar("INSERT INTO idem_call (biz_type, idem_key, biz_no, params_hash, status, fence, lease_until, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, 0, 1, $5, NULL, $6, $7, $8) ON CONFLICT (biz_type, idem_key) DO NOTHING RETURNING id")
+                .persistent(persistent)
+                .bind(call.biz)
+                .bind(call.key)
+                .bind(call.biz_no)
+                .bind(call.params_hash)
+                .bind(call.lease_until_ms)
+                .bind(call.now_ms)
+                .bind(call.now_ms)
+                .bind(call.expires_ms)
+                .fetch_optional(on)
+                .await
+        })
     }
 
     super::calls::call_queries!(CQ);

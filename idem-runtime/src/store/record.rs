@@ -13,9 +13,9 @@
 
 use std::time::Duration;
 
-use sqlx::{Pool, Transaction};
+use sqlx::Transaction;
 
-use super::{Backend, ErrorClass, NewRecord, PROCESSING, SUCCEEDED, StoredRecord};
+use super::{Backend, Db, ErrorClass, NewRecord, PROCESSING, Pooling, SUCCEEDED, StoredRecord};
 use crate::clock::Clock;
 use crate::error::Error;
 
@@ -55,7 +55,7 @@ impl RecordKey<'_> {
 
 /// The record table of one engine.
 pub(crate) struct Records<'p, DB: Backend> {
-    pub pool: &'p Pool<DB>,
+    pub db: &'p Db<DB>,
     /// Bound on a wait for a duplicate still in flight.
     pub lock_wait: Duration,
     /// The database's clock: every stamp and every expiry judged by it.
@@ -96,16 +96,16 @@ impl<DB: Backend> Records<'_, DB> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let opened =
-                if claimed { DB::begin(self.pool).await } else { DB::begin_bounded(self.pool, self.lock_wait).await };
+            let pool = &self.db.pool;
+            let opened = if claimed { DB::begin(pool).await } else { DB::begin_bounded(pool, self.lock_wait).await };
             // SQLite waits for its write lock at `BEGIN IMMEDIATE`.
             let mut tx = opened.map_err(|e| db_error::<DB>(id, e))?;
             if claimed {
                 return Ok(Opened::Go(tx));
             }
             let record = id.record(PROCESSING, None, self.clock.now_ms());
-            let inserted = match insert(&mut tx, id, &record, Some(self.lock_wait), self.clock).await {
-                Ok(Taken::No) => DB::end_bound(&mut tx).await.map(|()| Taken::No),
+            let inserted = match insert(self.db.pooling, &mut tx, id, &record, Some(self.lock_wait), self.clock).await {
+                Ok(Taken::No) => DB::end_bound(self.db.pooling, &mut tx).await.map(|()| Taken::No),
                 other => other,
             };
             match inserted {
@@ -139,9 +139,9 @@ impl<DB: Backend> Records<'_, DB> {
     ) -> Result<Committed, Error> {
         let record = id.record(SUCCEEDED, Some(response), self.clock.now_ms());
         let written = if claimed {
-            insert(&mut tx, id, &record, None, self.clock).await
+            insert(self.db.pooling, &mut tx, id, &record, None, self.clock).await
         } else {
-            DB::mark_succeeded(&mut tx, &record).await.map(|()| Taken::No)
+            DB::mark_succeeded(self.db.pooling, &mut tx, &record).await.map(|()| Taken::No)
         };
         let failure = match written {
             Ok(Taken::No) => match tx.commit().await {
@@ -181,9 +181,9 @@ impl<DB: Backend> Records<'_, DB> {
         // successful one.
         let probe = async {
             for attempt in 1..=2 {
-                let mut tx = DB::begin_bounded(self.pool, self.lock_wait).await?;
+                let mut tx = DB::begin_bounded(&self.db.pool, self.lock_wait).await?;
                 let probe = id.record(PROCESSING, None, self.clock.now_ms());
-                let taken = insert(&mut tx, id, &probe, Some(self.lock_wait), self.clock).await;
+                let taken = insert(self.db.pooling, &mut tx, id, &probe, Some(self.lock_wait), self.clock).await;
                 rollback(tx).await;
                 match taken? {
                     Taken::No if attempt == 1 => continue,
@@ -202,7 +202,7 @@ impl<DB: Backend> Records<'_, DB> {
     /// The committed row of `(biz, key)`, live or expired, read without
     /// waiting on locks.
     pub(crate) async fn read(&self, biz: &str, key: &str) -> Result<Option<StoredRecord>, Error> {
-        Ok(DB::read_plain(self.pool, biz, key).await?)
+        Ok(DB::read_plain(self.db, biz, key).await?)
     }
 
     /// The live committed row of `(biz, key)`, if any.
@@ -221,6 +221,7 @@ enum Taken {
 /// row is replaced inside the same transaction. `wait` bounds the wait on a
 /// duplicate still in flight.
 async fn insert<DB: Backend>(
+    pooling: Pooling,
     tx: &mut Transaction<'static, DB>,
     id: &RecordKey<'_>,
     record: &NewRecord<'_>,
@@ -230,14 +231,14 @@ async fn insert<DB: Backend>(
     // Each round either inserts, finds the live row, or clears an expired
     // one; a row that vanishes three times in a row is not worth chasing.
     for _ in 0..3 {
-        if DB::insert(tx, record, wait).await? {
+        if DB::insert(pooling, tx, record, wait).await? {
             return Ok(Taken::No);
         }
         let now = clock.now_ms();
-        match DB::read_locking(&mut **tx, id.biz, id.key, wait).await? {
+        match DB::read_locking(pooling, &mut **tx, id.biz, id.key, wait).await? {
             Some(row) if row.expires_ms > now => return Ok(Taken::By(row)),
             Some(_) => {
-                DB::delete_expired(&mut **tx, id.biz, id.key, now, wait).await?;
+                DB::delete_expired(pooling, &mut **tx, id.biz, id.key, now, wait).await?;
             }
             None => {}
         }

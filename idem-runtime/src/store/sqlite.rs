@@ -6,7 +6,8 @@ use sqlx::{Pool, Transaction};
 use super::outbox::{OutboxQueries, OutboxSql, outbox_queries};
 
 use super::{
-    Backend, ErrorClass, Queries, RecordSql, TokenQueries, is_unique_violation, record_queries, token_queries,
+    Backend, Db, ErrorClass, Queries, RecordSql, TokenQueries, is_unique_violation, on_pool, record_queries,
+    token_queries,
 };
 
 const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
@@ -65,11 +66,13 @@ const SQLITE_LOCKED: u32 = 6;
 impl Backend for Sqlite {}
 
 impl RecordSql for Sqlite {
-    async fn migrate(pool: &Pool<Self>, namespace: &str) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(DDL).execute(pool).await?;
-        sqlx::raw_sql(Q.meta_ddl).execute(pool).await?;
-        sqlx::raw_sql(TOKEN_DDL).execute(pool).await?;
-        sqlx::query(Q.init_namespace).bind(namespace).execute(pool).await.map(drop)
+    async fn migrate(db: &Db<Self>, namespace: &str) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(DDL).execute(&db.pool).await?;
+        sqlx::raw_sql(Q.meta_ddl).execute(&db.pool).await?;
+        sqlx::raw_sql(TOKEN_DDL).execute(&db.pool).await?;
+        on_pool!(db, |on, persistent| {
+            sqlx::query(Q.init_namespace).persistent(persistent).bind(namespace).execute(on).await.map(drop)
+        })
     }
 
     async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
@@ -156,8 +159,8 @@ const OQ: OutboxQueries = OutboxQueries {
 };
 
 impl OutboxSql for Sqlite {
-    async fn outbox_migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(OUTBOX_DDL).execute(pool).await.map(drop)
+    async fn outbox_migrate(db: &Db<Self>) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(OUTBOX_DDL).execute(&db.pool).await.map(drop)
     }
 
     async fn outbox_begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
@@ -218,22 +221,25 @@ const CQ: super::calls::CallQueries = super::calls::CallQueries {
 };
 
 impl super::calls::CallSql for Sqlite {
-    async fn call_migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(CALL_DDL).execute(pool).await.map(drop)
+    async fn call_migrate(db: &Db<Self>) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(CALL_DDL).execute(&db.pool).await.map(drop)
     }
 
-    async fn call_insert(pool: &Pool<Self>, call: &super::calls::NewCall<'_>) -> Result<Option<i64>, sqlx::Error> {
-        let done = sqlx::query("INSERT INTO idem_call (biz_type, idem_key, biz_no, params_hash, status, fence, lease_until, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, 0, 1, ?, NULL, ?, ?, ?)")
-            .bind(call.biz)
-            .bind(call.key)
-            .bind(call.biz_no)
-            .bind(call.params_hash)
-            .bind(call.lease_until_ms)
-            .bind(call.now_ms)
-            .bind(call.now_ms)
-            .bind(call.expires_ms)
-            .execute(pool)
-            .await;
+    async fn call_insert(db: &Db<Self>, call: &super::calls::NewCall<'_>) -> Result<Option<i64>, sqlx::Error> {
+        let done = on_pool!(db, |on, persistent| {
+            sqlx::query("INSERT INTO idem_call (biz_type, idem_key, biz_no, params_hash, status, fence, lease_until, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, 0, 1, ?, NULL, ?, ?, ?)")
+                .persistent(persistent)
+                .bind(call.biz)
+                .bind(call.key)
+                .bind(call.biz_no)
+                .bind(call.params_hash)
+                .bind(call.lease_until_ms)
+                .bind(call.now_ms)
+                .bind(call.now_ms)
+                .bind(call.expires_ms)
+                .execute(on)
+                .await
+        });
         match done {
             Ok(done) => Ok(Some(done.last_insert_rowid())),
             Err(e) if is_unique_violation(&e) => Ok(None),

@@ -17,10 +17,8 @@
 
 use std::time::Duration;
 
-use sqlx::Pool;
-
 use super::{Found, SpentToken, TokenError};
-use crate::store::{Backend, TokenId};
+use crate::store::{Backend, Db, TokenId};
 
 /// Reads and conditional updates before a token that keeps being consumed
 /// and given back between the two is taken as already used.
@@ -28,25 +26,25 @@ const ATTEMPTS: usize = 3;
 
 /// Stores a token just drawn. `Ok(false)`: the token is taken.
 pub(super) async fn issue<DB: Backend>(
-    pool: &Pool<DB>,
+    db: &Db<DB>,
     id: TokenId<'_>,
     now_ms: u64,
     expires_at_ms: u64,
 ) -> Result<bool, TokenError> {
-    Ok(DB::token_insert(pool, id, ms(now_ms), ms(expires_at_ms)).await?)
+    Ok(DB::token_insert(db, id, ms(now_ms), ms(expires_at_ms)).await?)
 }
 
 /// Consumes `id` at `now_ms`; a consumed row answers "already used" for
 /// `used_for`, and at least until the token would have expired.
 pub(super) async fn consume<DB: Backend>(
-    pool: &Pool<DB>,
+    db: &Db<DB>,
     id: TokenId<'_>,
     now_ms: u64,
     used_for: Duration,
 ) -> Result<Found, TokenError> {
     let now = ms(now_ms);
     for _ in 0..ATTEMPTS {
-        let Some(row) = DB::token_read(pool, id.biz, id.token).await? else {
+        let Some(row) = DB::token_read(db, id.biz, id.token).await? else {
             return Ok(Found::Unknown);
         };
         let expires_at = match route(&row, id.subject, now) {
@@ -54,7 +52,7 @@ pub(super) async fn consume<DB: Backend>(
             Route::Take { expires_at } => expires_at,
         };
         let used_until = now.saturating_add(i64::try_from(used_for.as_millis()).unwrap_or(i64::MAX)).max(expires_at);
-        if DB::token_consume(pool, id, now, used_until).await? {
+        if DB::token_consume(db, id, now, used_until).await? {
             return Ok(Found::Consumed { expires_at_ms: u64::try_from(expires_at).unwrap_or(0) });
         }
         // Another submit consumed it between the read and the update: the
@@ -65,12 +63,8 @@ pub(super) async fn consume<DB: Backend>(
 
 /// Makes `spent` unused again. Its expiry never changed, so a token given
 /// back after it expired stays unknown.
-pub(super) async fn give_back<DB: Backend>(
-    pool: &Pool<DB>,
-    spent: &SpentToken,
-    now_ms: u64,
-) -> Result<bool, TokenError> {
-    let back = DB::token_give_back(pool, spent.id(), ms(spent.used_at_ms)).await?;
+pub(super) async fn give_back<DB: Backend>(db: &Db<DB>, spent: &SpentToken, now_ms: u64) -> Result<bool, TokenError> {
+    let back = DB::token_give_back(db, spent.id(), ms(spent.used_at_ms)).await?;
     Ok(back && spent.expires_at_ms > now_ms)
 }
 

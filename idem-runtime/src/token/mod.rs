@@ -302,9 +302,9 @@ impl<'e, DB: Backend> Tokens<'e, DB> {
         let now = self.now_ms().await;
         #[cfg(feature = "redis")]
         if let Some(gate) = self.idem.gate().redis_gate() {
-            return redis::give_back(gate, self.idem.pool(), &spent, now).await;
+            return redis::give_back(gate, self.idem.db(), &spent, now).await;
         }
-        database::give_back(self.idem.pool(), &spent, now).await
+        database::give_back(self.idem.db(), &spent, now).await
     }
 
     /// Runs `call` under `token`: consumes it (or finds it already used by
@@ -344,7 +344,7 @@ impl<'e, DB: Backend> Tokens<'e, DB> {
     /// returns how many. Tokens in Redis expire by themselves.
     pub async fn purge_expired(&self, limit: u32) -> Result<u64, TokenError> {
         let now = self.idem.now_ms().await;
-        Ok(DB::token_purge_expired(self.idem.pool(), now, i64::from(limit)).await?)
+        Ok(DB::token_purge_expired(self.idem.db(), now, i64::from(limit)).await?)
     }
 
     /// Now on the database's clock, as token expiries are stamped and judged.
@@ -356,9 +356,9 @@ impl<'e, DB: Backend> Tokens<'e, DB> {
     async fn insert(&self, id: TokenId<'_>, now: u64, expires_at_ms: u64) -> Result<bool, TokenError> {
         #[cfg(feature = "redis")]
         if let Some(gate) = self.idem.gate().redis_gate() {
-            return redis::issue(gate, self.idem.pool(), id, now, expires_at_ms).await;
+            return redis::issue(gate, self.idem.db(), id, now, expires_at_ms).await;
         }
-        database::issue(self.idem.pool(), id, now, expires_at_ms).await
+        database::issue(self.idem.db(), id, now, expires_at_ms).await
     }
 
     /// Consumes a well-formed token where this engine keeps tokens.
@@ -366,9 +366,9 @@ impl<'e, DB: Backend> Tokens<'e, DB> {
         let settings = self.idem.token_settings();
         #[cfg(feature = "redis")]
         if let Some(gate) = self.idem.gate().redis_gate() {
-            return redis::consume(gate, self.idem.pool(), settings, id, now).await;
+            return redis::consume(gate, self.idem.db(), settings, id, now).await;
         }
-        database::consume(self.idem.pool(), id, now, settings.used_for).await
+        database::consume(self.idem.db(), id, now, settings.used_for).await
     }
 }
 

@@ -26,12 +26,11 @@
 use std::sync::{Arc, LazyLock};
 
 use redis::Script;
-use sqlx::Pool;
 
 use super::{Found, Settings, SpentToken, TokenError};
 use crate::gate::redis::{RedisGate, Reply};
 use crate::namespace::Namespace;
-use crate::store::{Backend, TokenId};
+use crate::store::{Backend, Db, TokenId};
 
 /// `GETDEL` for servers without it: the same answer, in one step.
 const GETDEL: &str = r"
@@ -54,12 +53,12 @@ const NO_NAMESPACE: &str = "no namespace for redis keys yet (the database unread
 /// twice is refused (`Ok(false)`) before its live key exists.
 pub(super) async fn issue<DB: Backend>(
     gate: &Arc<RedisGate>,
-    pool: &Pool<DB>,
+    db: &Db<DB>,
     id: TokenId<'_>,
     now_ms: u64,
     expires_at_ms: u64,
 ) -> Result<bool, TokenError> {
-    let namespace = namespace(gate, pool).await?;
+    let namespace = namespace(gate, db).await?;
     let ttl = expires_at_ms.saturating_sub(now_ms).max(1);
     let mut owner = redis::cmd("SET");
     owner.arg(owner_key(&namespace, id.biz, id.token)).arg(owner_value(Owner::Issued, expires_at_ms, id.subject));
@@ -76,12 +75,12 @@ pub(super) async fn issue<DB: Backend>(
 /// Consumes `id` at `now_ms`.
 pub(super) async fn consume<DB: Backend>(
     gate: &Arc<RedisGate>,
-    pool: &Pool<DB>,
+    db: &Db<DB>,
     settings: &Settings,
     id: TokenId<'_>,
     now_ms: u64,
 ) -> Result<Found, TokenError> {
-    let namespace = namespace(gate, pool).await?;
+    let namespace = namespace(gate, db).await?;
     let live = live_key(&namespace, id);
     let owner = owner_key(&namespace, id.biz, id.token);
     for _ in 0..ATTEMPTS {
@@ -119,11 +118,11 @@ pub(super) async fn consume<DB: Backend>(
 /// the record keyed by the token, as every submit of the token does.
 pub(super) async fn give_back<DB: Backend>(
     gate: &Arc<RedisGate>,
-    pool: &Pool<DB>,
+    db: &Db<DB>,
     spent: &SpentToken,
     now_ms: u64,
 ) -> Result<bool, TokenError> {
-    let namespace = namespace(gate, pool).await?;
+    let namespace = namespace(gate, db).await?;
     let id = spent.id();
     let owner = owner_key(&namespace, id.biz, id.token);
     if spent.expires_at_ms <= now_ms {
@@ -187,8 +186,8 @@ fn answer<T>(reply: Reply<T>) -> Result<T, TokenError> {
     }
 }
 
-async fn namespace<DB: Backend>(gate: &RedisGate, pool: &Pool<DB>) -> Result<Namespace, TokenError> {
-    gate.namespace(pool).await.ok_or(TokenError::Unavailable(NO_NAMESPACE))
+async fn namespace<DB: Backend>(gate: &RedisGate, db: &Db<DB>) -> Result<Namespace, TokenError> {
+    gate.namespace(db).await.ok_or(TokenError::Unavailable(NO_NAMESPACE))
 }
 
 /// What the owner key says of its token.

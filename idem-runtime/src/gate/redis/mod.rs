@@ -19,12 +19,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use sqlx::Pool;
-
 use super::{Answer, Entry, Pass};
 use crate::clock::{self, Clock};
 use crate::namespace::Namespace;
-use crate::store::Backend;
+use crate::store::{Backend, Db};
 
 mod connection;
 mod later;
@@ -110,7 +108,7 @@ impl RedisGate {
     /// when Redis cannot tell: no namespace yet, or Redis failing.
     pub(crate) async fn enter<DB: Backend>(
         self: &Arc<Self>,
-        pool: &Pool<DB>,
+        db: &Db<DB>,
         biz: &str,
         key: &str,
         fingerprint: &str,
@@ -118,7 +116,7 @@ impl RedisGate {
     ) -> Option<Entry<'static>> {
         // Without a namespace (the database was never migrated) Redis could
         // mix this store's keys with another's: the database alone decides.
-        let namespace = self.namespace.get(pool).await?;
+        let namespace = self.namespace.get(db).await?;
         match self.claim(&namespace, biz, key, fingerprint, lease).await {
             Found::Ours(held) => {
                 Some(Entry::GoAhead(Pass::Claim(ClaimGuard { gate: Arc::clone(self), held: Some(held) })))
@@ -130,8 +128,8 @@ impl RedisGate {
     }
 
     /// Whether a call holds the claim of `(biz, key)` right now.
-    pub(crate) async fn is_running<DB: Backend>(&self, pool: &Pool<DB>, biz: &str, key: &str) -> bool {
-        let Some(namespace) = self.namespace.get(pool).await else { return false };
+    pub(crate) async fn is_running<DB: Backend>(&self, db: &Db<DB>, biz: &str, key: &str) -> bool {
+        let Some(namespace) = self.namespace.get(db).await else { return false };
         let mut get = redis::cmd("GET");
         get.arg(Place::of(&namespace, biz, key).claim);
         let held: Result<Option<Vec<u8>>, Missed> = self.link.query(&get, Backoff::Respect).await;
@@ -150,8 +148,8 @@ impl RedisGate {
 
     /// The namespace this engine's Redis keys carry, if known yet (for the
     /// engine's other Redis users: issued tokens).
-    pub(crate) async fn namespace<DB: Backend>(&self, pool: &Pool<DB>) -> Option<Namespace> {
-        self.namespace.get(pool).await
+    pub(crate) async fn namespace<DB: Backend>(&self, db: &Db<DB>) -> Option<Namespace> {
+        self.namespace.get(db).await
     }
 
     /// Sends `cmd` for the engine's other Redis users (see [`Link::send`]).
@@ -280,7 +278,7 @@ impl NamespaceSlot {
         self.unreadable_until_ms.store(0, Ordering::Relaxed);
     }
 
-    async fn get<DB: Backend>(&self, pool: &Pool<DB>) -> Option<Namespace> {
+    async fn get<DB: Backend>(&self, db: &Db<DB>) -> Option<Namespace> {
         if let Some(fixed) = &self.fixed {
             return Some(fixed.clone());
         }
@@ -290,7 +288,7 @@ impl NamespaceSlot {
         if clock::monotonic_ms() < self.unreadable_until_ms.load(Ordering::Relaxed) {
             return None;
         }
-        let why = match DB::namespace(pool).await {
+        let why = match DB::namespace(db).await {
             Ok(Some(text)) => match Namespace::new(&text) {
                 Ok(namespace) => {
                     *self.read.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(namespace.clone());
