@@ -199,6 +199,8 @@ pub struct Stopped {
 }
 
 type Hook = Arc<dyn Fn(&SlotReport) + Send + Sync>;
+/// Now on the database's clock, in Unix epoch ms (see [`Runner::database_clock`]).
+type DatabaseNow = Arc<dyn Fn() -> std::pin::Pin<Box<dyn Future<Output = i64> + Send>> + Send + Sync>;
 
 /// Runs a job once per slot of a cron schedule; see the [module docs](self).
 #[must_use]
@@ -211,6 +213,8 @@ pub struct Runner {
     grace: Duration,
     resume_after: Option<Timestamp>,
     on_slot: Option<Hook>,
+    /// The database's clock, when the runner fires by it.
+    clock: Option<DatabaseNow>,
 }
 
 impl fmt::Debug for Runner {
@@ -222,6 +226,7 @@ impl fmt::Debug for Runner {
             .field("catch_up", &self.catch_up)
             .field("jitter", &self.jitter)
             .field("grace", &self.grace)
+            .field("database_clock", &self.clock.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -245,7 +250,24 @@ impl Runner {
             grace: Duration::from_secs(30),
             resume_after: None,
             on_slot: None,
+            clock: None,
         })
+    }
+
+    /// Fires slots by the database's clock as `idem` reads it (the clock its
+    /// records' expiry is judged by), instead of this host's. Set it
+    /// wherever instance clocks may drift: an instance behind by more than
+    /// the records' life (at least the window, the jitter and a minute)
+    /// would otherwise fire a slot after its record expired and run it
+    /// again; one ahead would run a slot before its time. No round trip: the
+    /// engine reads its database's clock once and every minute.
+    pub fn database_clock<DB: crate::Backend>(mut self, idem: &crate::Idem<DB>) -> Self {
+        let idem = idem.clone();
+        self.clock = Some(Arc::new(move || {
+            let idem = idem.clone();
+            Box::pin(async move { idem.now_ms().await })
+        }));
+        self
     }
 
     /// The time zone the expression is read in: `UTC`, a fixed offset
@@ -328,7 +350,7 @@ impl Runner {
             return stopped(cursor, false);
         }
         // A fresh runner looks back over the window only.
-        let started = Timestamp::now();
+        let started = self.now().await;
         let mut from = cursor.unwrap_or_else(|| minus(started, self.catch_up));
         let mut inclusive = cursor.is_none();
         let mut skipped_in_a_row = 0;
@@ -341,7 +363,7 @@ impl Runner {
                 return stopped(cursor, true);
             };
             inclusive = false;
-            let now = Timestamp::now();
+            let now = self.now().await;
             if next > now {
                 let until = next.duration_since(now).unsigned_abs() + random_below(self.jitter);
                 if !self.pause(until, shutdown.as_mut()).await {
@@ -370,6 +392,14 @@ impl Runner {
             }
             cursor = Some(next);
             from = next;
+        }
+    }
+
+    /// Now: the database's clock if the runner fires by it, else this host's.
+    async fn now(&self) -> Timestamp {
+        match &self.clock {
+            Some(clock) => Timestamp::from_millisecond(clock().await).unwrap_or_else(|_| Timestamp::now()),
+            None => Timestamp::now(),
         }
     }
 
