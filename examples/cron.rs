@@ -64,6 +64,7 @@ async fn instance(idem: Idem<Sqlite>, instance: u32, stop: tokio::sync::watch::R
     let mut stop = stop;
     let runner = Runner::new("settle", "*/2 * * * * *")
         .expect("a valid expression")
+        .database_clock(&idem)
         .catch_up(Duration::from_secs(4))
         .jitter(Duration::from_millis(100))
         .on_slot(move |report: &SlotReport| {

@@ -49,19 +49,40 @@ impl From<sqlx::Error> for JobError {
 
 /// What differs per database.
 trait SkewDb: Backend {
-    const NAME: &'static str;
-    const DDL: &'static str;
-    const INSERT: &'static str;
-    const PER_SLOT: &'static str;
-    fn open() -> impl Future<Output = Option<sqlx::Pool<Self>>> + Send;
+    const LABEL: &'static str;
+    /// Creates the table of ticks, if absent.
+    fn create_ticks(pool: &sqlx::Pool<Self>) -> impl Future<Output = ()> + Send;
+    /// Rows per slot of `run`.
+    fn per_slot(pool: &sqlx::Pool<Self>, run: &str) -> impl Future<Output = Vec<(i64, i64)>> + Send;
+    fn connect() -> impl Future<Output = Option<sqlx::Pool<Self>>> + Send;
+    fn insert_tick(
+        tx: &mut Transaction<'_, Self>,
+        run: &str,
+        slot: i64,
+        instance: i64,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 }
 
 impl SkewDb for sqlx::MySql {
-    const NAME: &'static str = "mysql";
-    const DDL: &'static str = "CREATE TABLE IF NOT EXISTS cron_skew (id BIGINT AUTO_INCREMENT PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL, KEY (run))";
-    const INSERT: &'static str = "INSERT INTO cron_skew (run, slot, instance) VALUES (?, ?, ?)";
-    const PER_SLOT: &'static str = "SELECT slot, COUNT(*) FROM cron_skew WHERE run = ? GROUP BY slot ORDER BY slot";
-    async fn open() -> Option<sqlx::Pool<Self>> {
+    const LABEL: &'static str = "mysql";
+    async fn create_ticks(pool: &sqlx::Pool<Self>) {
+        let ddl = "CREATE TABLE IF NOT EXISTS cron_skew (id BIGINT AUTO_INCREMENT PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL, KEY (run))";
+        sqlx::raw_sql(ddl).execute(pool).await.expect("table");
+    }
+    async fn per_slot(pool: &sqlx::Pool<Self>, run: &str) -> Vec<(i64, i64)> {
+        let sql = "SELECT slot, COUNT(*) FROM cron_skew WHERE run = ? GROUP BY slot ORDER BY slot";
+        sqlx::query_as(sql).bind(run).fetch_all(pool).await.unwrap()
+    }
+    async fn insert_tick(
+        tx: &mut Transaction<'_, Self>,
+        run: &str,
+        slot: i64,
+        instance: i64,
+    ) -> Result<(), sqlx::Error> {
+        let sql = "INSERT INTO cron_skew (run, slot, instance) VALUES (?, ?, ?)";
+        sqlx::query(sql).bind(run).bind(slot).bind(instance).execute(&mut **tx).await.map(drop)
+    }
+    async fn connect() -> Option<sqlx::Pool<Self>> {
         idem_testkit::reach("mysql", || async {
             sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&idem_testkit::mysql_url()).await.ok()
         })
@@ -70,11 +91,25 @@ impl SkewDb for sqlx::MySql {
 }
 
 impl SkewDb for sqlx::Postgres {
-    const NAME: &'static str = "postgres";
-    const DDL: &'static str = "SELECT pg_advisory_xact_lock(7306232718293616); CREATE TABLE IF NOT EXISTS cron_skew (id BIGSERIAL PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL)";
-    const INSERT: &'static str = "INSERT INTO cron_skew (run, slot, instance) VALUES ($1, $2, $3)";
-    const PER_SLOT: &'static str = "SELECT slot, COUNT(*) FROM cron_skew WHERE run = $1 GROUP BY slot ORDER BY slot";
-    async fn open() -> Option<sqlx::Pool<Self>> {
+    const LABEL: &'static str = "postgres";
+    async fn create_ticks(pool: &sqlx::Pool<Self>) {
+        let ddl = "SELECT pg_advisory_xact_lock(7306232718293616); CREATE TABLE IF NOT EXISTS cron_skew (id BIGSERIAL PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL)";
+        sqlx::raw_sql(ddl).execute(pool).await.expect("table");
+    }
+    async fn per_slot(pool: &sqlx::Pool<Self>, run: &str) -> Vec<(i64, i64)> {
+        let sql = "SELECT slot, COUNT(*) FROM cron_skew WHERE run = $1 GROUP BY slot ORDER BY slot";
+        sqlx::query_as(sql).bind(run).fetch_all(pool).await.unwrap()
+    }
+    async fn insert_tick(
+        tx: &mut Transaction<'_, Self>,
+        run: &str,
+        slot: i64,
+        instance: i64,
+    ) -> Result<(), sqlx::Error> {
+        let sql = "INSERT INTO cron_skew (run, slot, instance) VALUES ($1, $2, $3)";
+        sqlx::query(sql).bind(run).bind(slot).bind(instance).execute(&mut **tx).await.map(drop)
+    }
+    async fn connect() -> Option<sqlx::Pool<Self>> {
         idem_testkit::reach("postgres", || async {
             sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&idem_testkit::pg_url()).await.ok()
         })
@@ -91,7 +126,7 @@ async fn tick<DB: SkewDb>(
     slot: i64,
     #[idem(skip)] instance: i64,
 ) -> Result<Tick, JobError> {
-    sqlx::query(DB::INSERT).bind(&run).bind(slot).bind(instance).execute(&mut **tx).await?;
+    DB::insert_tick(tx, &run, slot, instance).await?;
     Ok(Tick { slot })
 }
 
@@ -115,7 +150,7 @@ async fn runner<DB: SkewDb>(idem: &Idem<DB>, run: &str, instance: i64, secs: u64
 }
 
 async fn child<DB: SkewDb>(run: &str, secs: u64) {
-    let pool = DB::open().await.expect("the database answers");
+    let pool = DB::connect().await.expect("the database answers");
     let idem = Idem::new(pool);
     idem.migrate().await.expect("migrate");
     let settled = runner(&idem, run, 1, secs).await;
@@ -141,8 +176,8 @@ fn child_process() {
 /// The parent's side on `DB`: a runner on the true clock for the whole
 /// run, and the child, 70 s behind, for most of it.
 async fn both_clocks<DB: SkewDb>() {
-    let Some(pool) = DB::open().await else { return };
-    sqlx::raw_sql(DB::DDL).execute(&pool).await.expect("table");
+    let Some(pool) = DB::connect().await else { return };
+    DB::create_ticks(&pool).await;
     let idem = Idem::new(pool.clone());
     idem.migrate().await.expect("migrate");
     let run = idem_testkit::unique("skew").replace('-', "_");
@@ -151,7 +186,7 @@ async fn both_clocks<DB: SkewDb>() {
         .args(["-f", SKEW])
         .arg(exe)
         .args(["--exact", "child_process", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, format!("{} {run} {CHILD_SECS}", DB::NAME))
+        .env(CHILD_ENV, format!("{} {run} {CHILD_SECS}", DB::LABEL))
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -166,17 +201,17 @@ async fn both_clocks<DB: SkewDb>() {
         .and_then(|n| n.split_whitespace().next()?.parse().ok())
         .expect("the child's count");
 
-    let rows: Vec<(i64, i64)> = sqlx::query_as(DB::PER_SLOT).bind(&run).fetch_all(&pool).await.unwrap();
+    let rows = DB::per_slot(&pool, &run).await;
     let twice: Vec<_> = rows.iter().filter(|(_, n)| *n > 1).collect();
     println!(
         "{}: {} slots, {} settled here, {theirs} by the instance {SKEW} behind, run twice: {twice:?}",
-        DB::NAME,
+        DB::LABEL,
         rows.len(),
         ours.len()
     );
-    assert!(twice.is_empty(), "{}: slots run twice: {twice:?}", DB::NAME);
-    assert!(theirs as u64 >= CHILD_SECS - 10, "{}: the skewed instance fired its slots ({theirs})", DB::NAME);
-    assert!(rows.len() as u64 >= CHILD_SECS - 2, "{}: {} slots", DB::NAME, rows.len());
+    assert!(twice.is_empty(), "{}: slots run twice: {twice:?}", DB::LABEL);
+    assert!(theirs as u64 >= CHILD_SECS - 10, "{}: the skewed instance fired its slots ({theirs})", DB::LABEL);
+    assert!(rows.len() as u64 >= CHILD_SECS - 2, "{}: {} slots", DB::LABEL, rows.len());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

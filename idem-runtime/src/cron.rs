@@ -10,6 +10,7 @@
 //!
 //! idem::cron::Runner::new("settle", "0 */5 * * * *")?    // every 5 minutes, at second 0
 //!     .time_zone("Europe/Paris")?
+//!     .database_clock(&idem)
 //!     .catch_up(Duration::from_secs(15 * 60))
 //!     .jitter(Duration::from_millis(500))
 //!     .run(tokio::signal::ctrl_c(), move |slot| {
