@@ -118,7 +118,8 @@ fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
     };
     let fingerprint_args = fingerprinted.iter().map(|Fingerprinted { name, span, unless_default }| {
         let label = name.to_string();
-        let method = if *unless_default { quote!(arg_unless_default) } else { quote!(arg) };
+        // At the type's span too, so a missing trait is "required by" the parameter.
+        let method = syn::Ident::new(if *unless_default { "arg_unless_default" } else { "arg" }, *span);
         quote_spanned!(*span=> .#method(#label, &#name))
     });
     // The plain mode hands the body the transaction; `steps`, the step context.
