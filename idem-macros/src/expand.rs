@@ -29,6 +29,9 @@
 //! }
 //! ```
 //!
+//! A parameter marked `#[idem(skip_if_default)]` goes in with
+//! `.arg_unless_default("coupon", &coupon)` instead of `.arg(..)`.
+//!
 //! The `let __idem_out: <declared return type>` keeps the user's signature in
 //! charge of inference, so type errors in the body land on the body. Every
 //! `::idem` above is the `crate = "..."` path when one is given.
@@ -52,7 +55,7 @@ use syn::ItemFn;
 
 use crate::attr::{self, Args};
 use crate::key::{Piece, Template};
-use crate::sig::{self, Checked};
+use crate::sig::{self, Checked, Fingerprinted};
 
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     let mut func: ItemFn = match syn::parse2(item.clone()) {
@@ -113,9 +116,11 @@ fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
         }
         None => quote!(::core::option::Option::None),
     };
-    let fingerprint_args = fingerprinted.iter().map(|(name, span)| {
+    let fingerprint_args = fingerprinted.iter().map(|Fingerprinted { name, span, unless_default }| {
         let label = name.to_string();
-        quote_spanned!(*span=> .arg(#label, &#name))
+        // At the type's span too, so a missing trait is "required by" the parameter.
+        let method = syn::Ident::new(if *unless_default { "arg_unless_default" } else { "arg" }, *span);
+        quote_spanned!(*span=> .#method(#label, &#name))
     });
     // The plain mode hands the body the transaction; `steps`, the step context.
     let (entry, handed, bind) = match steps {
@@ -253,6 +258,30 @@ mod tests {
         let body = two_phase.iter().position(|i| i == "__IDEM_SPEC").unwrap();
         assert!(!two_phase[signature..body].iter().any(|i| i == "Steps"), "{two_phase:?}");
         assert!(!two_phase.windows(2).any(|w| w[0] == "arg" && w[1] == "steps"));
+    }
+
+    /// Only the marked parameter goes in by `arg_unless_default`; the
+    /// others keep `arg`, whose bytes records already hold.
+    #[test]
+    fn skip_if_default_changes_only_its_own_argument() {
+        let item = quote! {
+            async fn pay(
+                engine: &Idem<Db>,
+                order_id: u64,
+                #[idem(skip_if_default)] coupon: Option<String>,
+                amount: i64,
+            ) -> Result<u64, Error> {
+                Ok(order_id)
+            }
+        };
+        let out = expanded_with(quote!(key = "o_<order_id>", ttl = "1h", biz = "pay"), item);
+        let calls: Vec<(&str, &str)> = out
+            .windows(2)
+            .filter(|w| w[0] == "arg" || w[0] == "arg_unless_default")
+            .map(|w| (w[0].as_str(), w[1].as_str()))
+            .collect();
+        assert_eq!(calls, [("arg", "order_id"), ("arg_unless_default", "coupon"), ("arg", "amount")], "{out:?}");
+        assert!(!out.iter().any(|i| i == "skip_if_default" || i == "compile_error"), "{out:?}");
     }
 
     /// Regression for `crate = "..."`: a path left as `::idem` would still

@@ -81,10 +81,39 @@ mod ttl;
 ///   body runs in it together with the record insert, and it commits once.
 ///   A fn may have no transaction parameter.
 /// - Every other parameter is part of the fingerprint (SHA-256 of a canonical
-///   JSON, keys sorted at every depth) and must implement `serde::Serialize`,
-///   unless marked `#[idem(skip)]`. The same key with another fingerprint is
-///   `idem::Error::KeyReused`. A parameter the `engine` expression starts from
-///   (`app` in `app.idem`) is left out automatically.
+///   JSON object keyed by parameter name, keys sorted at every depth) and must
+///   implement `serde::Serialize`, unless marked `#[idem(skip)]`. The same key
+///   with another fingerprint is `idem::Error::KeyReused`. A parameter the
+///   `engine` expression starts from (`app` in `app.idem`) is left out
+///   automatically.
+/// - `#[idem(skip_if_default)]` on a parameter (its type `Serialize + Default`)
+///   leaves it out of the fingerprint while its JSON is that of its
+///   `Default` (`None`, `0`, `false`, `""`, empty), and counts it otherwise.
+///   It is for parameters *added* to a fn that calls were already made with:
+///   see below.
+///
+/// # Deploying changes
+///
+/// A retry that reaches the fn after a deploy is checked against the record
+/// the fn wrote before it. Safe for those calls: reordering parameters (the
+/// document is keyed by name), giving one a type with the same JSON, changing
+/// `ttl` (it applies to new records only), and adding a parameter marked
+/// `#[idem(skip_if_default)]` that the retry passes at its default:
+///
+/// ```ignore
+/// #[idempotent(key = "order_<order_id>_pay", ttl = "24h", biz = "pay")]
+/// async fn pay(idem: &Idem<MySql>, tx: &mut Transaction<'_, MySql>, order_id: u64, amount: i64,
+///     #[idem(skip_if_default)] coupon: Option<String>, // added: `None` hashes as before it existed
+/// ) -> Result<Receipt, PayError>
+/// ```
+///
+/// Not safe: adding a parameter without the marker (even passed as `None`),
+/// renaming or removing one, or marking one that already existed
+/// (`KeyReused`); another `key` template or `biz` (another record: the body
+/// runs again). The stored result must still deserialize as the new return
+/// type (add fields as `Option` or `#[serde(default)]`, keep old names with
+/// `#[serde(alias = "...")]`), or a replay is `idem::Error::Replay`. The
+/// table, with the test of each case: `docs/guarantees.md`, "Deploying changes".
 ///
 /// # Return type
 ///

@@ -26,9 +26,30 @@ pub struct Checked {
     /// Index of the step context parameter in `sig.inputs`.
     pub steps_index: Option<usize>,
     /// Bindings that go into the fingerprint, with the span of their type.
-    pub fingerprinted: Vec<(Ident, Span)>,
+    pub fingerprinted: Vec<Fingerprinted>,
     /// The declared return type.
     pub ret: Type,
+}
+
+/// A binding that goes into the fingerprint.
+pub struct Fingerprinted {
+    pub name: Ident,
+    /// The span of its parameter's type, where a missing trait is reported.
+    pub span: Span,
+    /// `#[idem(skip_if_default)]`: left out while it equals its `Default`.
+    pub unless_default: bool,
+}
+
+/// What a parameter's `#[idem(...)]` says about the fingerprint.
+#[derive(Clone, Copy)]
+enum Marker {
+    /// Nothing: the parameter counts.
+    None,
+    /// `skip`: never counts.
+    Skip,
+    /// `skip_if_default`: counts unless it equals its `Default`; the
+    /// option's span, for errors on parameters that are never fingerprinted.
+    SkipIfDefault(Span),
 }
 
 /// Checks `func` against `args`; strips `#[idem(...)]` from its parameters
@@ -58,16 +79,27 @@ pub fn check(func: &mut ItemFn, args: &Args) -> syn::Result<Checked> {
     let mut steps = None;
     let mut steps_index = None;
     let mut bound: Vec<String> = Vec::new();
-    let mut candidates: Vec<(Ident, Span, bool)> = Vec::new(); // (binding, type span, skipped)
+    let mut candidates: Vec<(Ident, Span, Marker)> = Vec::new(); // (binding, type span, marker)
     for (index, input) in func.sig.inputs.iter_mut().enumerate() {
         let FnArg::Typed(param) = input else { continue };
-        let skipped = match take_idem_attrs(param) {
-            Ok(skip) => skip,
+        let marker = match take_idem_attrs(param) {
+            Ok(marker) => marker,
             Err(e) => {
                 errors.push(e);
-                false
+                Marker::None
             }
         };
+        // The engine supplies these; none is ever an argument of the action.
+        let supplied = if is_ref_to(&param.ty, "Transaction", true) {
+            Some("the transaction")
+        } else if is_ref_to(&param.ty, "Steps", true) {
+            Some("the step context")
+        } else {
+            None
+        };
+        if let (Some(what), Marker::SkipIfDefault(span)) = (supplied, marker) {
+            errors.push(not_fingerprinted(span, what));
+        }
         if is_ref_to(&param.ty, "Transaction", true) {
             if tx.is_some() {
                 errors.push(syn::Error::new_spanned(&param.ty, "more than one transaction parameter"));
@@ -115,6 +147,9 @@ pub fn check(func: &mut ItemFn, args: &Args) -> syn::Result<Checked> {
             && let Pat::Ident(p) = &*param.pat
         {
             engine_param = Some(p.ident.clone());
+            if let Marker::SkipIfDefault(span) = marker {
+                errors.push(not_fingerprinted(span, "the engine"));
+            }
             continue;
         }
         let ty_span = param.ty.span();
@@ -122,7 +157,7 @@ pub fn check(func: &mut ItemFn, args: &Args) -> syn::Result<Checked> {
         bindings(&param.pat, &mut names);
         for name in names {
             bound.push(name.to_string());
-            candidates.push((name, ty_span, skipped));
+            candidates.push((name, ty_span, marker));
         }
     }
 
@@ -157,11 +192,20 @@ pub fn check(func: &mut ItemFn, args: &Args) -> syn::Result<Checked> {
     // A parameter the engine expression starts from (`app` in `app.idem`)
     // is plumbing, not an argument of the business action.
     let engine_root = args.engine.as_ref().and_then(root_ident);
-    let fingerprinted = candidates
-        .into_iter()
-        .filter(|(name, _, skipped)| !skipped && Some(name.to_string()) != engine_root)
-        .map(|(name, span, _)| (name, span))
-        .collect();
+    let mut fingerprinted = Vec::new();
+    for (name, span, marker) in candidates {
+        if Some(name.to_string()) == engine_root {
+            if let Marker::SkipIfDefault(at) = marker {
+                errors.push(not_fingerprinted(at, &format!("`{name}`, where the engine comes from,")));
+            }
+            continue;
+        }
+        match marker {
+            Marker::Skip => {}
+            Marker::None => fingerprinted.push(Fingerprinted { name, span, unless_default: false }),
+            Marker::SkipIfDefault(_) => fingerprinted.push(Fingerprinted { name, span, unless_default: true }),
+        }
+    }
 
     let mut known: BTreeSet<String> = bound.iter().cloned().collect();
     if let Some(engine) = &engine_param {
@@ -217,8 +261,10 @@ fn check_placeholders(
     }
 }
 
-/// Removes `#[idem(...)]` from a parameter; `Ok(true)` when it said `skip`.
-fn take_idem_attrs(param: &mut PatType) -> syn::Result<bool> {
+/// Removes `#[idem(...)]` from a parameter and says what it asked for.
+fn take_idem_attrs(param: &mut PatType) -> syn::Result<Marker> {
+    let mut marker = Marker::None;
+    // `skip` may repeat, as it always could; `skip_if_default` may not.
     let mut skip = false;
     let mut error = None;
     param.attrs.retain(|attr| {
@@ -229,19 +275,44 @@ fn take_idem_attrs(param: &mut PatType) -> syn::Result<bool> {
             if meta.path.is_ident("skip") {
                 skip = true;
                 Ok(())
+            } else if meta.path.is_ident("skip_if_default") {
+                if let Marker::SkipIfDefault(_) = marker {
+                    return Err(meta.error("duplicate parameter option `skip_if_default`"));
+                }
+                marker = Marker::SkipIfDefault(meta.path.span());
+                Ok(())
             } else {
-                Err(meta.error("unknown parameter option; expected `#[idem(skip)]`"))
+                Err(meta.error("unknown parameter option; expected `#[idem(skip)]` or `#[idem(skip_if_default)]`"))
             }
         });
         if let Err(e) = parsed {
-            error = Some(e);
+            error.get_or_insert(e);
         }
         false
     });
-    match error {
-        Some(e) => Err(e),
-        None => Ok(skip),
+    if let Some(e) = error {
+        return Err(e);
     }
+    match (skip, marker) {
+        (true, Marker::SkipIfDefault(span)) => Err(syn::Error::new(
+            span,
+            "`skip` and `skip_if_default` exclude each other: `skip` leaves the parameter out always, \
+             `skip_if_default` only while it equals its `Default`; keep one",
+        )),
+        (true, _) => Ok(Marker::Skip),
+        (false, marker) => Ok(marker),
+    }
+}
+
+/// `#[idem(skip_if_default)]` on a parameter the fingerprint never holds.
+fn not_fingerprinted(span: Span, what: &str) -> syn::Error {
+    syn::Error::new(
+        span,
+        format!(
+            "`skip_if_default` has nothing to leave out: {what} is never part of the fingerprint; \
+             the option goes on an argument of the action, e.g. `#[idem(skip_if_default)] coupon: Option<String>`"
+        ),
+    )
 }
 
 fn is_result(ty: &Type) -> bool {
@@ -310,4 +381,165 @@ fn elide_lifetimes(mut ty: Type) -> Type {
     }
     Elide.visit_type_mut(&mut ty);
     ty
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proc_macro2::TokenStream;
+    use quote::quote;
+
+    fn check_fn(args: TokenStream, item: TokenStream) -> syn::Result<Checked> {
+        let args = crate::attr::parse(args).expect("arguments parse");
+        check(&mut syn::parse2(item).expect("a fn"), &args)
+    }
+
+    fn err(args: TokenStream, item: TokenStream) -> String {
+        match check_fn(args, item) {
+            Ok(_) => panic!("accepted"),
+            Err(e) => e.into_iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n"),
+        }
+    }
+
+    fn plain() -> TokenStream {
+        quote!(key = "o_<order_id>", ttl = "1h", biz = "pay")
+    }
+
+    #[test]
+    fn skip_if_default_marks_its_argument_only() {
+        let checked = check_fn(
+            plain(),
+            quote! {
+                async fn pay(
+                    idem: &Idem<Db>,
+                    tx: &mut Transaction<'_, Db>,
+                    order_id: u64,
+                    #[idem(skip_if_default)] coupon: Option<String>,
+                    #[idem(skip)] trace: Trace,
+                    #[idem(skip_if_default)] Json(extra): Json<Extra>,
+                ) -> Result<u64, Error> { Ok(order_id) }
+            },
+        )
+        .unwrap();
+        let shown: Vec<(String, bool)> =
+            checked.fingerprinted.iter().map(|f| (f.name.to_string(), f.unless_default)).collect();
+        let expected = [("order_id", false), ("coupon", true), ("extra", true)];
+        assert_eq!(shown, expected.map(|(n, u)| (n.to_owned(), u)));
+    }
+
+    #[test]
+    fn skip_if_default_is_refused_where_it_cannot_apply() {
+        let refused = |item: TokenStream, args: TokenStream| err(args, item);
+        let on_tx = refused(
+            quote!(
+                async fn pay(
+                    idem: &Idem<Db>,
+                    #[idem(skip_if_default)] tx: &mut Transaction<'_, Db>,
+                    order_id: u64,
+                ) -> Result<u64, E> {
+                    Ok(1)
+                }
+            ),
+            plain(),
+        );
+        assert!(on_tx.contains("nothing to leave out: the transaction is never part of the fingerprint"), "{on_tx}");
+        let on_engine = refused(
+            quote!(
+                async fn pay(#[idem(skip_if_default)] idem: &Idem<Db>, order_id: u64) -> Result<u64, E> {
+                    Ok(1)
+                }
+            ),
+            plain(),
+        );
+        assert!(on_engine.contains("the engine is never part of the fingerprint"), "{on_engine}");
+        let on_root = refused(
+            quote!(
+                async fn pay(#[idem(skip_if_default)] app: &App, order_id: u64) -> Result<u64, E> {
+                    Ok(1)
+                }
+            ),
+            quote!(key = "o_<order_id>", ttl = "1h", biz = "pay", engine = app.idem),
+        );
+        assert!(on_root.contains("`app`, where the engine comes from, is never part of the fingerprint"), "{on_root}");
+        let on_steps = refused(
+            quote!(
+                async fn pay(
+                    idem: &Idem<Db>,
+                    #[idem(skip_if_default)] steps: &mut Steps<Db>,
+                    order_id: u64,
+                ) -> Result<u64, E> {
+                    Ok(1)
+                }
+            ),
+            quote!(key = "o_<order_id>", ttl = "1h", biz = "pay", steps),
+        );
+        assert!(on_steps.contains("the step context is never part of the fingerprint"), "{on_steps}");
+    }
+
+    #[test]
+    fn skip_if_default_is_said_once_and_never_with_skip() {
+        let with_skip = err(
+            plain(),
+            quote!(
+                async fn pay(
+                    idem: &Idem<Db>,
+                    order_id: u64,
+                    #[idem(skip, skip_if_default)] c: Option<u8>,
+                ) -> Result<u64, E> {
+                    Ok(1)
+                }
+            ),
+        );
+        assert!(with_skip.contains("`skip` and `skip_if_default` exclude each other"), "{with_skip}");
+        let apart = err(
+            plain(),
+            quote!(
+                async fn pay(
+                    idem: &Idem<Db>,
+                    order_id: u64,
+                    #[idem(skip_if_default)]
+                    #[idem(skip)]
+                    c: Option<u8>,
+                ) -> Result<u64, E> {
+                    Ok(1)
+                }
+            ),
+        );
+        assert!(apart.contains("exclude each other"), "{apart}");
+        let twice = err(
+            plain(),
+            quote!(
+                async fn pay(
+                    idem: &Idem<Db>,
+                    order_id: u64,
+                    #[idem(skip_if_default, skip_if_default)] c: Option<u8>,
+                ) -> Result<u64, E> {
+                    Ok(1)
+                }
+            ),
+        );
+        assert!(twice.contains("duplicate parameter option `skip_if_default`"), "{twice}");
+        let unknown = err(
+            plain(),
+            quote!(
+                async fn pay(idem: &Idem<Db>, order_id: u64, #[idem(skip_if_none)] c: Option<u8>) -> Result<u64, E> {
+                    Ok(1)
+                }
+            ),
+        );
+        assert!(unknown.contains("expected `#[idem(skip)]` or `#[idem(skip_if_default)]`"), "{unknown}");
+        let valued = err(
+            plain(),
+            quote!(
+                async fn pay(
+                    idem: &Idem<Db>,
+                    order_id: u64,
+                    #[idem(skip_if_default = true)] c: Option<u8>,
+                ) -> Result<u64, E> {
+                    Ok(1)
+                }
+            ),
+        );
+        assert!(valued.contains("expected `,`"), "{valued}");
+    }
 }

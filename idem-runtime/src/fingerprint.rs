@@ -37,18 +37,46 @@ impl Fingerprint {
     /// Adds one argument. An argument that does not serialize, or holds a
     /// NaN or infinite float anywhere, makes [`finish`](Self::finish) fail.
     pub fn arg<T: Serialize + ?Sized>(mut self, name: &'static str, value: &T) -> Self {
-        if self.error.is_none() {
-            let non_finite = Cell::new(false);
-            let serialized = Checked { value, non_finite: &non_finite }.serialize(serde_json::value::Serializer);
-            // Checked even on `Ok`: a `Serialize` impl that swallowed our
-            // refusal must not get the `null` through.
-            match serialized {
-                _ if non_finite.get() => self.error = Some(Error::NonFiniteFloat { arg: name }),
-                Ok(v) => self.args.push((name, v)),
-                Err(e) => self.error = Some(Error::Serialize(e)),
-            }
+        if let Some(v) = self.serialized(name, value) {
+            self.args.push((name, v));
         }
         self
+    }
+
+    /// Adds one argument marked `#[idem(skip_if_default)]`: left out of the
+    /// document when its JSON is the JSON of `T::default()` (`None`, `0`,
+    /// `false`, `""`, empty), so an argument added to a fn keeps the
+    /// fingerprints of the calls made before it existed. Compared as
+    /// canonical bytes, not as `Value`s, which hold `-0.0` equal to `0.0`.
+    pub fn arg_unless_default<T: Serialize + Default>(mut self, name: &'static str, value: &T) -> Self {
+        let Some(v) = self.serialized(name, value) else { return self };
+        let is_default = serde_json::to_value(T::default()).is_ok_and(|d| {
+            let (mut given, mut default) = (Vec::new(), Vec::new());
+            write_canonical(&v, &mut given);
+            write_canonical(&d, &mut default);
+            given == default
+        });
+        if !is_default {
+            self.args.push((name, v));
+        }
+        self
+    }
+
+    /// `value` as a JSON value, or `None` with the first error noted.
+    fn serialized<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T) -> Option<Value> {
+        if self.error.is_some() {
+            return None;
+        }
+        let non_finite = Cell::new(false);
+        let serialized = Checked { value, non_finite: &non_finite }.serialize(serde_json::value::Serializer);
+        // Checked even on `Ok`: a `Serialize` impl that swallowed our
+        // refusal must not get the `null` through.
+        match serialized {
+            _ if non_finite.get() => self.error = Some(Error::NonFiniteFloat { arg: name }),
+            Ok(v) => return Some(v),
+            Err(e) => self.error = Some(Error::Serialize(e)),
+        }
+        None
     }
 
     /// The lowercase hex SHA-256 of the canonical JSON object `{name: value, ...}`.
@@ -418,6 +446,56 @@ mod tests {
         let mut fingerprint = Fingerprint::new().arg("order", &order).arg("amount", &u64::MAX).arg("note", "n\u{f6}te");
         fingerprint = fingerprint.arg("b", &()).arg("a", &[1.25f32]);
         assert_eq!(fingerprint.finish().unwrap(), "823d0ad6ce4d31cd78f08898bd03253d82fe87627ccd24c03415362bf21b8ace");
+    }
+
+    /// Records stored before an argument was added hold the document
+    /// without it: the marked argument at its default hashes to those very
+    /// bytes (the pinned hash of `{"amount":1999,"order_id":42}`).
+    #[test]
+    fn a_marked_argument_at_its_default_keeps_the_old_document() {
+        let before = Fingerprint::new().arg("order_id", &42).arg("amount", &1999).finish().unwrap();
+        assert_eq!(before, "a915d01e33af3472eeccfbfd8e2298c42524ad783f33d0d3b36f8e13fc05c554");
+        let after = |coupon: &Option<&str>, express: &bool, note: &String| {
+            Fingerprint::new()
+                .arg("order_id", &42)
+                .arg_unless_default("coupon", coupon)
+                .arg("amount", &1999)
+                .arg_unless_default("express", express)
+                .arg_unless_default("note", note)
+                .finish()
+                .unwrap()
+        };
+        assert_eq!(after(&None, &false, &String::new()), before);
+        // Set, each counts, and differs from the unmarked `null` too.
+        let with_coupon = after(&Some("SPRING"), &false, &String::new());
+        assert_eq!(with_coupon, sha256_hex(br#"{"amount":1999,"coupon":"SPRING","order_id":42}"#));
+        let null_coupon = Fingerprint::new().arg("order_id", &42).arg("coupon", &None::<&str>).arg("amount", &1999);
+        assert_ne!(null_coupon.finish().unwrap(), before, "unmarked, `None` is in the document as null");
+        assert_eq!(after(&None, &true, &String::new()), sha256_hex(br#"{"amount":1999,"express":true,"order_id":42}"#));
+        assert_eq!(after(&None, &false, &"n".into()), sha256_hex(br#"{"amount":1999,"note":"n","order_id":42}"#));
+    }
+
+    /// Left out means equal as canonical bytes: `-0.0` is not the default
+    /// `0.0` (their documents differ), and a struct is left out only whole.
+    #[test]
+    fn only_the_exact_default_is_left_out() {
+        #[derive(Default, Serialize)]
+        struct Extra {
+            gift: Option<String>,
+            count: u32,
+        }
+        let without = Fingerprint::new().arg("k", &1).finish().unwrap();
+        let with = |x: &f64| Fingerprint::new().arg("k", &1).arg_unless_default("x", x).finish().unwrap();
+        assert_eq!(with(&0.0), without);
+        assert_ne!(with(&-0.0), without);
+        assert_ne!(with(&-0.0), with(&0.5));
+        let extra = |e: &Extra| Fingerprint::new().arg("k", &1).arg_unless_default("e", e).finish().unwrap();
+        assert_eq!(extra(&Extra::default()), without);
+        let counted = extra(&Extra { gift: None, count: 1 });
+        assert_eq!(counted, sha256_hex(br#"{"e":{"count":1,"gift":null},"k":1}"#), "inside a value, null stays");
+        // A refusal is a refusal, marked or not.
+        assert_eq!(refused(Fingerprint::new().arg_unless_default("rate", &Some(f64::NAN))), "rate");
+        assert_eq!(refused(Fingerprint::new().arg_unless_default("rate", &f64::INFINITY)), "rate");
     }
 
     #[test]

@@ -16,6 +16,8 @@
 pub(crate) mod fixture;
 
 mod deadlocks;
+mod deploy_results;
+mod deploy_signature;
 mod expiry;
 mod failures;
 mod keys;
