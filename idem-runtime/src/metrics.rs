@@ -71,13 +71,13 @@ pub const REDIS_DEGRADED_NOW: &str = "idem_redis_degraded";
 #[cfg(feature = "metrics")]
 pub const BACKGROUND_RELEASES: &str = "idem_background_releases_total";
 /// `idem_consumer_settlements_total{queue, action}`.
-#[cfg(feature = "metrics")]
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 pub const CONSUMER_SETTLEMENTS: &str = "idem_consumer_settlements_total";
 /// `idem_cron_slots_total{job, outcome}`.
 #[cfg(feature = "metrics")]
 pub const CRON_SLOTS: &str = "idem_cron_slots_total";
 /// `idem_nats_settlements_total{stream, action}`.
-#[cfg(feature = "metrics")]
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 pub const NATS_SETTLEMENTS: &str = "idem_nats_settlements_total";
 /// `idem_outbox_messages_total{result}`.
 #[cfg(feature = "metrics")]
@@ -183,50 +183,16 @@ pub(crate) fn background_release() {
     metrics::counter!(BACKGROUND_RELEASES).increment(1);
 }
 
-/// The consumer runner settled a delivery of `queue`.
-#[cfg(feature = "amqp")]
+/// A consumer runner settled a delivery of the queue or stream `scope`:
+/// `counter{scope_label = scope, action}`. The runners pass plain labels, so
+/// this module names none of their types.
+#[cfg(any(feature = "amqp", feature = "nats"))]
 #[inline]
-pub(crate) fn consumer_settled(queue: &str, action: crate::amqp::Action) {
+pub(crate) fn consumer_settled(counter: &'static str, scope_label: &'static str, scope: &str, action: &'static str) {
     #[cfg(feature = "metrics")]
-    {
-        use crate::amqp::{Action, Reason};
-        let action = match action {
-            Action::Ack => "ack",
-            Action::Requeue => "requeue",
-            Action::Retry { .. } => "retry",
-            Action::Returned => "returned",
-            Action::DeadLetter(Reason::Poison) => "dead_letter_poison",
-            Action::DeadLetter(Reason::KeyReused) => "dead_letter_key_reused",
-            Action::DeadLetter(Reason::Rejected) => "dead_letter_rejected",
-            Action::DeadLetter(Reason::RetriesExhausted) => "dead_letter_retries_exhausted",
-        };
-        metrics::counter!(CONSUMER_SETTLEMENTS, "queue" => queue.to_owned(), "action" => action).increment(1);
-    }
+    metrics::counter!(counter, scope_label => scope.to_owned(), "action" => action).increment(1);
     #[cfg(not(feature = "metrics"))]
-    let _ = (queue, action);
-}
-
-/// The NATS consumer runner settled a message of `stream`.
-#[cfg(feature = "nats")]
-#[inline]
-pub(crate) fn nats_settled(stream: &str, action: crate::nats::Action) {
-    #[cfg(feature = "metrics")]
-    {
-        use crate::nats::{Action, Reason};
-        let action = match action {
-            Action::Ack => "ack",
-            Action::Requeue => "requeue",
-            Action::Retry { .. } => "retry",
-            Action::Returned => "returned",
-            Action::DeadLetter(Reason::Poison) => "dead_letter_poison",
-            Action::DeadLetter(Reason::KeyReused) => "dead_letter_key_reused",
-            Action::DeadLetter(Reason::Rejected) => "dead_letter_rejected",
-            Action::DeadLetter(Reason::DeliveriesExhausted) => "dead_letter_deliveries_exhausted",
-        };
-        metrics::counter!(NATS_SETTLEMENTS, "stream" => stream.to_owned(), "action" => action).increment(1);
-    }
-    #[cfg(not(feature = "metrics"))]
-    let _ = (stream, action);
+    let _ = (counter, scope_label, scope, action);
 }
 
 /// An outbox relay finished a batch that took rows.
