@@ -16,7 +16,7 @@ compile_error!(
 
 mod call;
 mod clock;
-#[cfg(any(feature = "amqp", feature = "nats"))]
+#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
 mod consumer;
 #[cfg(feature = "cron")]
 pub mod cron;
@@ -48,6 +48,8 @@ pub mod token;
 pub use consumer::amqp;
 #[cfg(feature = "nats")]
 pub use consumer::nats;
+#[cfg(feature = "redis-streams")]
+pub use consumer::redis_streams;
 pub use engine::{Builder, Idem};
 pub use error::{Error, KeyError};
 pub use gate::local::LocalCache;

@@ -14,6 +14,7 @@
 //! | `idem_background_releases_total` | counter | | claims released from a background task (the call panicked or was dropped, or the claim's or its release's answer was lost) |
 //! | `idem_consumer_settlements_total` | counter | `queue`, `action` | deliveries settled by the RabbitMQ consumer runner: `ack`, `requeue`, `retry`, `returned`, `dead_letter_poison`, `dead_letter_key_reused`, `dead_letter_rejected`, `dead_letter_retries_exhausted` |
 //! | `idem_nats_settlements_total` | counter | `stream`, `action` | messages settled by the NATS JetStream consumer runner: `ack`, `requeue`, `retry`, `returned`, `dead_letter_poison`, `dead_letter_key_reused`, `dead_letter_rejected`, `dead_letter_deliveries_exhausted` |
+//! | `idem_redis_stream_settlements_total` | counter | `stream`, `action` | entries settled by the Redis Streams consumer runner: the same actions as NATS |
 //! | `idem_outbox_messages_total` | counter | `result` | outbox messages each relay batch handled, by the broker's answer: `sent`, `duplicate` (sent, dropped by the broker as a copy), `refused` (to be retried), `dead`, `unconfirmed` (no answer, left pending), `unmarked` (confirmed, but the marks did not commit: published again) |
 //! | `idem_outbox_batches_total` | counter | | relay batches that took rows |
 //! | `idem_cron_slots_total` | counter | `job`, `outcome` | slots settled by the cron runner: `executed`, `done_elsewhere`, `in_progress_elsewhere`, `failed`, `cancelled`, `skipped` |
@@ -79,6 +80,9 @@ pub const CRON_SLOTS: &str = "idem_cron_slots_total";
 /// `idem_nats_settlements_total{stream, action}`.
 #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 pub const NATS_SETTLEMENTS: &str = "idem_nats_settlements_total";
+/// `idem_redis_stream_settlements_total{stream, action}`.
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub const REDIS_STREAM_SETTLEMENTS: &str = "idem_redis_stream_settlements_total";
 /// `idem_outbox_messages_total{result}`.
 #[cfg(feature = "metrics")]
 pub const OUTBOX_MESSAGES: &str = "idem_outbox_messages_total";
@@ -111,6 +115,11 @@ pub fn describe() {
         NATS_SETTLEMENTS,
         Unit::Count,
         "Messages settled by the NATS JetStream consumer runner, by stream and action."
+    );
+    describe_counter!(
+        REDIS_STREAM_SETTLEMENTS,
+        Unit::Count,
+        "Entries settled by the Redis Streams consumer runner, by stream and action."
     );
     describe_counter!(
         OUTBOX_MESSAGES,
@@ -186,7 +195,7 @@ pub(crate) fn background_release() {
 /// A consumer runner settled a delivery of the queue or stream `scope`:
 /// `counter{scope_label = scope, action}`. The runners pass plain labels, so
 /// this module names none of their types.
-#[cfg(any(feature = "amqp", feature = "nats"))]
+#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
 #[inline]
 pub(crate) fn consumer_settled(counter: &'static str, scope_label: &'static str, scope: &str, action: &'static str) {
     #[cfg(feature = "metrics")]

@@ -27,6 +27,8 @@ pub(crate) mod settle;
 pub mod amqp;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "redis-streams")]
+pub mod redis_streams;
 
 use std::fmt::Display;
 use std::future::Future;
@@ -165,9 +167,11 @@ pub(crate) enum Retried<E> {
     Done(Result<(), E>),
     /// The transport refused the retry (RabbitMQ: a copy the broker did not
     /// take); why. The retry counts as spent and the next is tried.
+    #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
     Refused(String),
     /// The connection went, and the delivery with it: the broker delivers
     /// it again.
+    #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
     Lost(E),
 }
 
@@ -177,6 +181,7 @@ pub(crate) enum DeadLettered<E> {
     Done(Result<(), E>),
     /// The dead-letter copy was not stored: the delivery is given back
     /// rather than lost.
+    #[cfg_attr(not(any(feature = "nats", feature = "redis-streams")), allow(dead_code))]
     NotStored(E),
 }
 
@@ -265,6 +270,40 @@ pub(crate) trait Deliveries: Send {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The `action` labels of the settlement metrics, as the metrics table
+    /// in `metrics.rs` lists them.
+    #[test]
+    fn settlements_are_counted_under_their_metric_labels() {
+        let labels: Vec<&str> = [
+            Settlement::Ack,
+            Settlement::Requeue,
+            Settlement::Retry { count: 7 },
+            Settlement::Returned,
+            Settlement::DeadLetter(Reason::Poison),
+            Settlement::DeadLetter(Reason::KeyReused),
+            Settlement::DeadLetter(Reason::Rejected),
+            Settlement::DeadLetter(Reason::RetriesExhausted),
+            Settlement::DeadLetter(Reason::DeliveriesExhausted),
+        ]
+        .into_iter()
+        .map(Settlement::label)
+        .collect();
+        assert_eq!(
+            labels,
+            [
+                "ack",
+                "requeue",
+                "retry",
+                "returned",
+                "dead_letter_poison",
+                "dead_letter_key_reused",
+                "dead_letter_rejected",
+                "dead_letter_retries_exhausted",
+                "dead_letter_deliveries_exhausted",
+            ]
+        );
+    }
 
     #[test]
     fn a_boxed_error_finds_the_idem_error_in_its_source_chain() {
