@@ -51,7 +51,7 @@ impl idem::outbox::Publisher for StreamPublisher {
             match cmd.query_async::<String>(&mut self.conn).await {
                 Ok(_) => {
                     let n = self.counts.appended.fetch_add(1, SeqCst) + 1;
-                    if n % DUPLICATE_EVERY == 0 && cmd.query_async::<String>(&mut self.conn).await.is_ok() {
+                    if n.is_multiple_of(DUPLICATE_EVERY) && cmd.query_async::<String>(&mut self.conn).await.is_ok() {
                         self.counts.duplicated.fetch_add(1, SeqCst);
                     }
                     answers.push(idem::outbox::Confirm::Sent { duplicate: false });

@@ -69,8 +69,8 @@
 //! The runner creates the group (`XGROUP CREATE <stream> <group> 0
 //! MKSTREAM`; an existing one is kept), starting at the stream's first entry,
 //! and again if it vanishes (a Redis restarted without persistence). Reads
-//! are `XREADGROUP ... COUNT <free slots> BLOCK <at most 1 s> STREAMS <stream>
-//! >` on a connection of their own. A Redis that is unreachable is waited
+//! are `XREADGROUP ... COUNT <free slots> BLOCK <at most 1 s> STREAMS
+//! <stream> >`, on a connection of their own. A Redis that is unreachable is waited
 //! out (50 ms, doubling up to 2 s between tries): no busy loop, and once it
 //! answers the runner goes on; errors Redis answers to the commands
 //! themselves (`WRONGTYPE`, `NOPERM`, `ERR`: not a stream, no rights, a
