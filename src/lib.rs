@@ -69,6 +69,8 @@ pub use idem_runtime::metrics;
 pub use idem_runtime::nats;
 #[cfg(feature = "outbox")]
 pub use idem_runtime::outbox;
+#[cfg(feature = "redis-streams")]
+pub use idem_runtime::redis_streams;
 pub use idem_runtime::{
     Backend, Builder, Error, Idem, InvalidNamespace, KeyError, LocalCache, Namespace, Outcome, Status, col, observe,
     state, transition,

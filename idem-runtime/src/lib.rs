@@ -4,7 +4,7 @@
 //! Use it through the `idem` crate.
 //!
 //! Calls go one way: entry point ([`__private::run`], or the adapters in
-//! `http` and `amqp`) → call flow (`call`) → gate (`gate`) → record
+//! `http` and `consumer`) → call flow (`call`) → gate (`gate`) → record
 //! protocol (`store::record`) → backend (`store::{sqlite, mysql, postgres}`).
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -14,11 +14,9 @@ compile_error!(
     "idem keeps its records in a database: enable at least one of the features `sqlite`, `mysql`, `postgres`"
 );
 
-#[cfg(feature = "amqp")]
-pub mod amqp;
 mod call;
 mod clock;
-#[cfg(any(feature = "amqp", feature = "nats"))]
+#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
 mod consumer;
 #[cfg(feature = "cron")]
 pub mod cron;
@@ -34,8 +32,6 @@ pub mod metrics;
 #[cfg(not(feature = "metrics"))]
 mod metrics;
 mod namespace;
-#[cfg(feature = "nats")]
-pub mod nats;
 #[cfg(feature = "outbox")]
 pub mod outbox;
 mod outcome;
@@ -48,6 +44,13 @@ pub mod steps;
 mod store;
 pub mod token;
 
+// The consumer runners live in one folder around their shared core.
+#[cfg(feature = "amqp")]
+pub use consumer::amqp;
+#[cfg(feature = "nats")]
+pub use consumer::nats;
+#[cfg(feature = "redis-streams")]
+pub use consumer::redis_streams;
 pub use engine::{Builder, Idem};
 pub use error::{Error, KeyError};
 pub use gate::local::LocalCache;

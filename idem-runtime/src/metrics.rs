@@ -14,6 +14,7 @@
 //! | `idem_background_releases_total` | counter | | claims released from a background task (the call panicked or was dropped, or the claim's or its release's answer was lost) |
 //! | `idem_consumer_settlements_total` | counter | `queue`, `action` | deliveries settled by the RabbitMQ consumer runner: `ack`, `requeue`, `retry`, `returned`, `dead_letter_poison`, `dead_letter_key_reused`, `dead_letter_rejected`, `dead_letter_retries_exhausted` |
 //! | `idem_nats_settlements_total` | counter | `stream`, `action` | messages settled by the NATS JetStream consumer runner: `ack`, `requeue`, `retry`, `returned`, `dead_letter_poison`, `dead_letter_key_reused`, `dead_letter_rejected`, `dead_letter_deliveries_exhausted` |
+//! | `idem_redis_stream_settlements_total` | counter | `stream`, `action` | entries settled by the Redis Streams consumer runner: the same actions as NATS |
 //! | `idem_outbox_messages_total` | counter | `result` | outbox messages each relay batch handled, by the broker's answer: `sent`, `duplicate` (sent, dropped by the broker as a copy), `refused` (to be retried), `dead`, `unconfirmed` (no answer, left pending), `unmarked` (confirmed, but the marks did not commit: published again) |
 //! | `idem_outbox_batches_total` | counter | | relay batches that took rows |
 //! | `idem_cron_slots_total` | counter | `job`, `outcome` | slots settled by the cron runner: `executed`, `done_elsewhere`, `in_progress_elsewhere`, `failed`, `cancelled`, `skipped` |
@@ -71,14 +72,17 @@ pub const REDIS_DEGRADED_NOW: &str = "idem_redis_degraded";
 #[cfg(feature = "metrics")]
 pub const BACKGROUND_RELEASES: &str = "idem_background_releases_total";
 /// `idem_consumer_settlements_total{queue, action}`.
-#[cfg(feature = "metrics")]
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 pub const CONSUMER_SETTLEMENTS: &str = "idem_consumer_settlements_total";
 /// `idem_cron_slots_total{job, outcome}`.
 #[cfg(feature = "metrics")]
 pub const CRON_SLOTS: &str = "idem_cron_slots_total";
 /// `idem_nats_settlements_total{stream, action}`.
-#[cfg(feature = "metrics")]
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 pub const NATS_SETTLEMENTS: &str = "idem_nats_settlements_total";
+/// `idem_redis_stream_settlements_total{stream, action}`.
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub const REDIS_STREAM_SETTLEMENTS: &str = "idem_redis_stream_settlements_total";
 /// `idem_outbox_messages_total{result}`.
 #[cfg(feature = "metrics")]
 pub const OUTBOX_MESSAGES: &str = "idem_outbox_messages_total";
@@ -111,6 +115,11 @@ pub fn describe() {
         NATS_SETTLEMENTS,
         Unit::Count,
         "Messages settled by the NATS JetStream consumer runner, by stream and action."
+    );
+    describe_counter!(
+        REDIS_STREAM_SETTLEMENTS,
+        Unit::Count,
+        "Entries settled by the Redis Streams consumer runner, by stream and action."
     );
     describe_counter!(
         OUTBOX_MESSAGES,
@@ -183,50 +192,16 @@ pub(crate) fn background_release() {
     metrics::counter!(BACKGROUND_RELEASES).increment(1);
 }
 
-/// The consumer runner settled a delivery of `queue`.
-#[cfg(feature = "amqp")]
+/// A consumer runner settled a delivery of the queue or stream `scope`:
+/// `counter{scope_label = scope, action}`. The runners pass plain labels, so
+/// this module names none of their types.
+#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
 #[inline]
-pub(crate) fn consumer_settled(queue: &str, action: crate::amqp::Action) {
+pub(crate) fn consumer_settled(counter: &'static str, scope_label: &'static str, scope: &str, action: &'static str) {
     #[cfg(feature = "metrics")]
-    {
-        use crate::amqp::{Action, Reason};
-        let action = match action {
-            Action::Ack => "ack",
-            Action::Requeue => "requeue",
-            Action::Retry { .. } => "retry",
-            Action::Returned => "returned",
-            Action::DeadLetter(Reason::Poison) => "dead_letter_poison",
-            Action::DeadLetter(Reason::KeyReused) => "dead_letter_key_reused",
-            Action::DeadLetter(Reason::Rejected) => "dead_letter_rejected",
-            Action::DeadLetter(Reason::RetriesExhausted) => "dead_letter_retries_exhausted",
-        };
-        metrics::counter!(CONSUMER_SETTLEMENTS, "queue" => queue.to_owned(), "action" => action).increment(1);
-    }
+    metrics::counter!(counter, scope_label => scope.to_owned(), "action" => action).increment(1);
     #[cfg(not(feature = "metrics"))]
-    let _ = (queue, action);
-}
-
-/// The NATS consumer runner settled a message of `stream`.
-#[cfg(feature = "nats")]
-#[inline]
-pub(crate) fn nats_settled(stream: &str, action: crate::nats::Action) {
-    #[cfg(feature = "metrics")]
-    {
-        use crate::nats::{Action, Reason};
-        let action = match action {
-            Action::Ack => "ack",
-            Action::Requeue => "requeue",
-            Action::Retry { .. } => "retry",
-            Action::Returned => "returned",
-            Action::DeadLetter(Reason::Poison) => "dead_letter_poison",
-            Action::DeadLetter(Reason::KeyReused) => "dead_letter_key_reused",
-            Action::DeadLetter(Reason::Rejected) => "dead_letter_rejected",
-            Action::DeadLetter(Reason::DeliveriesExhausted) => "dead_letter_deliveries_exhausted",
-        };
-        metrics::counter!(NATS_SETTLEMENTS, "stream" => stream.to_owned(), "action" => action).increment(1);
-    }
-    #[cfg(not(feature = "metrics"))]
-    let _ = (stream, action);
+    let _ = (counter, scope_label, scope, action);
 }
 
 /// An outbox relay finished a batch that took rows.

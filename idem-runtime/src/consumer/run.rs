@@ -1,0 +1,270 @@
+//! The loop every runner runs: take a delivery when a slot is free, call
+//! the handler in a task of its own (a panic becomes a failure rather than
+//! a delivery never settled), settle it by [`verdict`], report it (logs,
+//! metrics, the `on_settle` hook), and on shutdown stop taking deliveries,
+//! give back what was taken but not started, and wait for the rest.
+
+use std::fmt::Debug;
+use std::future::{Future, poll_fn};
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::{JoinError, JoinSet};
+
+use super::settle::{Budget, Policy, Verdict, verdict};
+use super::{AsIdemError, DeadLettered, Deliveries, Reason, Retried, Settlement, Transport};
+use crate::outcome::{Outcome, observe};
+
+/// The `on_settle` hook.
+pub(crate) type Hook<S> = Arc<dyn Fn(&S) + Send + Sync>;
+
+/// One runner: its transport, its policy, its hook.
+pub(crate) struct Runner<T: Transport> {
+    pub(crate) transport: T,
+    pub(crate) policy: Policy,
+    /// How many deliveries are handled at once (at least 1).
+    pub(crate) concurrency: usize,
+    pub(crate) on_settle: Option<Hook<T::Settled>>,
+}
+
+/// What every delivery's task shares.
+struct Shared<T: Transport> {
+    transport: T,
+    policy: Policy,
+    on_settle: Option<Hook<T::Settled>>,
+}
+
+/// Runs until `shutdown` resolves or `deliveries` fails (its error is
+/// returned): each delivery is decoded by `decode` (an `Err` is poison)
+/// and handed to `handler`.
+pub(crate) async fn run<T, D, I, F, Fut, R, E, S>(
+    runner: Runner<T>,
+    mut deliveries: D,
+    shutdown: S,
+    decode: fn(&T::Delivery) -> Result<I, String>,
+    handler: F,
+) -> Result<(), T::Error>
+where
+    T: Transport,
+    D: Deliveries<Delivery = T::Delivery, Error = T::Error>,
+    I: Send + 'static,
+    F: Fn(I) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<R, E>> + Send + 'static,
+    R: Send + 'static,
+    E: AsIdemError + Debug + Send + 'static,
+    S: Future,
+{
+    let Runner { transport, policy, concurrency, on_settle } = runner;
+    let shared = Arc::new(Shared { transport, policy, on_settle });
+    let handler = Arc::new(handler);
+    let permits = Arc::new(Semaphore::new(concurrency.max(1)));
+    let mut tasks = JoinSet::new();
+    let mut shutdown = pin!(shutdown);
+    let mut stopping = false;
+    let mut failure = None;
+    loop {
+        while let Some(joined) = tasks.try_join_next() {
+            report_panic::<T>(joined);
+        }
+        if stopping {
+            // Taken before the stop, never started: back, unhandled.
+            match deliveries.next(1).await {
+                None => break,
+                Some(Err(e)) => {
+                    failure = Some(e);
+                    break;
+                }
+                Some(Ok(delivery)) => {
+                    let result = shared.transport.requeue(&delivery, Duration::ZERO).await;
+                    finish(&shared, &delivery, None, Settlement::Returned, result, None);
+                    continue;
+                }
+            }
+        }
+        // A slot first: no delivery is taken that cannot start at once.
+        let Some(permit) = until(shutdown.as_mut(), Arc::clone(&permits).acquire_owned()).await else {
+            stopping = true;
+            if let Err(e) = stop::<T, D>(&shared, &mut deliveries).await {
+                failure = Some(e);
+                break;
+            }
+            continue;
+        };
+        let permit = permit.expect("the semaphore is never closed");
+        let room = permits.available_permits() + 1;
+        let delivery = match until(shutdown.as_mut(), deliveries.next(room)).await {
+            None => {
+                stopping = true;
+                if let Err(e) = stop::<T, D>(&shared, &mut deliveries).await {
+                    failure = Some(e);
+                    break;
+                }
+                continue;
+            }
+            Some(None) => break,
+            Some(Some(Err(e))) => {
+                failure = Some(e);
+                break;
+            }
+            Some(Some(Ok(delivery))) => delivery,
+        };
+        let shared = Arc::clone(&shared);
+        let handler = Arc::clone(&handler);
+        tasks.spawn(async move { handle(&shared, delivery, decode, handler, permit).await });
+    }
+    while let Some(joined) = tasks.join_next().await {
+        report_panic::<T>(joined);
+    }
+    deliveries.finish().await;
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// `future`'s output, or `None` once `shutdown` resolved first. Called only
+/// until `shutdown` resolved (it is not polled again after that).
+async fn until<S: Future, F: Future>(mut shutdown: Pin<&mut S>, future: F) -> Option<F::Output> {
+    let mut future = pin!(future);
+    poll_fn(|cx| {
+        if shutdown.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(None);
+        }
+        future.as_mut().poll(cx).map(Some)
+    })
+    .await
+}
+
+async fn stop<T: Transport, D: Deliveries<Error = T::Error>>(
+    shared: &Shared<T>,
+    deliveries: &mut D,
+) -> Result<(), T::Error> {
+    tracing::info!(transport = T::NAME, source = %shared.transport.scope(), "idem consumer stopping");
+    deliveries.stop().await
+}
+
+/// A delivery's task ended by a panic of ours (a handler's own panic is
+/// caught in its task and settled as a failure): say so rather than drop it.
+fn report_panic<T: Transport>(joined: Result<(), JoinError>) {
+    if let Err(e) = joined {
+        tracing::error!(transport = T::NAME, error = %e,
+            "idem consumer: a delivery's task panicked; the delivery comes back once the transport redelivers it");
+    }
+}
+
+async fn handle<T, I, F, Fut, R, E>(
+    shared: &Shared<T>,
+    delivery: T::Delivery,
+    decode: fn(&T::Delivery) -> Result<I, String>,
+    handler: Arc<F>,
+    permit: OwnedSemaphorePermit,
+) where
+    T: Transport,
+    I: Send + 'static,
+    F: Fn(I) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<R, E>> + Send + 'static,
+    R: Send + 'static,
+    E: AsIdemError + Debug + Send + 'static,
+{
+    let budget = Budget { spent: T::spent(&delivery), bound: shared.policy.bound, exhausted: T::EXHAUSTED };
+    let (verdict, outcome, error) = match decode(&delivery) {
+        Err(e) => (Verdict::DeadLetter(Reason::Poison), None, Some(e)),
+        Ok(input) => {
+            // Its own task, so a panic in the handler (in the call itself or
+            // in its future) becomes a failure instead of a delivery that is
+            // never settled.
+            let call = tokio::spawn(async move { observe(handler(input)).await });
+            match call.await {
+                Ok((Ok(_), outcome)) => (Verdict::Ack, outcome, None),
+                Ok((Err(e), outcome)) => {
+                    (verdict(Err(e.idem_error()), outcome, budget), outcome, Some(format!("{e:?}")))
+                }
+                Err(join) => (verdict(Err(None), None, budget), None, Some(format!("handler panicked: {join}"))),
+            }
+        }
+    };
+    // A delivery waiting out a delay holds no slot.
+    drop(permit);
+
+    let transport = &shared.transport;
+    let (settlement, result) = match verdict {
+        Verdict::Ack => (Settlement::Ack, transport.ack(&delivery).await),
+        Verdict::Requeue(wait) => (Settlement::Requeue, transport.requeue(&delivery, shared.policy.delay(wait)).await),
+        Verdict::Retry => retry(shared, &delivery, budget, error.as_deref()).await,
+        Verdict::DeadLetter(reason) => dead_letter(shared, &delivery, reason, error.as_deref()).await,
+    };
+    finish(shared, &delivery, outcome, settlement, result, error);
+}
+
+/// Retries while the budget allows: a retry the transport refuses spends
+/// its share too (given back uncounted, a message the queue cannot take
+/// would go round forever); once spent, the delivery is dead-lettered.
+async fn retry<T: Transport>(
+    shared: &Shared<T>,
+    delivery: &T::Delivery,
+    mut budget: Budget,
+    error: Option<&str>,
+) -> (Settlement, Result<(), T::Error>) {
+    while !budget.is_spent() {
+        let count = budget.spent + 1;
+        match shared.transport.retry(delivery, shared.policy.retry_delay, count).await {
+            Retried::Done(result) => return (Settlement::Retry { count }, result),
+            Retried::Refused(why) => {
+                tracing::warn!(transport = T::NAME, source = %shared.transport.scope(), retries = count,
+                    "{why}; the retry is spent");
+                budget.spent = count;
+            }
+            // The connection is gone, and the delivery with it: the
+            // transport delivers it again, with the count it had.
+            Retried::Lost(e) => return (Settlement::Returned, Err(e)),
+        }
+    }
+    dead_letter(shared, delivery, budget.exhausted, error).await
+}
+
+/// Dead-letters the delivery; if its copy is not stored, gives it back
+/// after the retry delay: a dead letter is never lost.
+async fn dead_letter<T: Transport>(
+    shared: &Shared<T>,
+    delivery: &T::Delivery,
+    reason: Reason,
+    error: Option<&str>,
+) -> (Settlement, Result<(), T::Error>) {
+    match shared.transport.dead_letter(delivery, reason, error).await {
+        DeadLettered::Done(result) => (Settlement::DeadLetter(reason), result),
+        DeadLettered::NotStored(e) => {
+            tracing::warn!(transport = T::NAME, source = %shared.transport.scope(), error = %e,
+                "idem consumer: dead-letter copy not stored; the delivery comes back");
+            (Settlement::Returned, shared.transport.requeue(delivery, shared.policy.retry_delay).await)
+        }
+    }
+}
+
+/// Logs the settlement, counts it, and tells the hook.
+fn finish<T: Transport>(
+    shared: &Shared<T>,
+    delivery: &T::Delivery,
+    outcome: Option<Outcome>,
+    settlement: Settlement,
+    result: Result<(), T::Error>,
+    error: Option<String>,
+) {
+    let scope = shared.transport.scope();
+    let action = settlement.label();
+    match result {
+        Ok(()) => tracing::debug!(transport = T::NAME, source = %scope, action, outcome = ?outcome, "settled"),
+        // The connection is gone: the transport delivers it again.
+        Err(e) => tracing::warn!(transport = T::NAME, source = %scope, action, error = %e,
+            "idem consumer: settling failed; the delivery comes back"),
+    }
+    if let Some(error) = &error {
+        tracing::warn!(transport = T::NAME, source = %scope, action, error = %error, "idem consumer: delivery not done");
+    }
+    crate::metrics::consumer_settled(T::METRIC, T::METRIC_SCOPE, scope, action);
+    if let Some(hook) = &shared.on_settle {
+        hook(&T::settled(delivery, outcome, settlement, error));
+    }
+}
