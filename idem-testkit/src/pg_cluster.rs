@@ -191,7 +191,9 @@ impl PgCluster {
 
         // The standby's copy, and its link to the primary through a
         // forwarder the test can hold. It never waits for a standby of its
-        // own once promoted (`synchronous_standby_names` empty).
+        // own once promoted (`synchronous_standby_names` empty). Once its
+        // primary is gone it retries every 100 ms, not the default 5 s: one
+        // run's promotion waited out those 5 s.
         let link = Forwarder::start(primary_port).await;
         let standby_port = free_port();
         let conninfo =
@@ -199,7 +201,12 @@ impl PgCluster {
         let mut standby = server(
             "standby",
             common_settings(standby_port)
-                .chain(["synchronous_standby_names=".to_owned(), conninfo, format!("primary_slot_name={STANDBY}")])
+                .chain([
+                    "synchronous_standby_names=".to_owned(),
+                    conninfo,
+                    format!("primary_slot_name={STANDBY}"),
+                    "wal_retrieve_retry_interval=100ms".to_owned(),
+                ])
                 .collect(),
         );
         let mut backup = Command::new(bin.join("pg_basebackup"));
