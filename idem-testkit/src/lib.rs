@@ -13,6 +13,9 @@
 //!   [`TestBackend`], implemented once per database.
 //! - [`galera`]: a private three-node MariaDB Galera cluster.
 //! - [`pgbouncer`]: a private PgBouncer in transaction pooling mode.
+//! - [`pg_cluster`]: a private PostgreSQL primary and streaming standby, and
+//!   [`forwarder`]: a TCP path between clients and a server that a test can
+//!   switch, cut and hold (`tests/failover/`).
 //! - [`soak`]: the fault-injection soak with reconciliation, and the storm
 //!   (`tests/soak.rs`, `tests/cluster.rs`).
 //!
@@ -20,9 +23,11 @@
 //! to these): a backend's items exist when the tests were built for it.
 
 pub mod backend;
+pub mod forwarder;
 pub mod galera;
 #[cfg(feature = "postgres")]
 pub mod pgbouncer;
+pub mod pg_cluster;
 mod redis_entries;
 pub mod servers;
 mod services;

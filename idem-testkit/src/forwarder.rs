@@ -1,0 +1,200 @@
+//! A TCP forwarder of the test's own on a loopback port: the one path
+//! between clients and a server that a test can switch, cut and hold, the
+//! way a virtual IP, a proxy or a network fails in production.
+//!
+//! - [`Forwarder::switch`]: new connections go to another port; every open
+//!   connection is cut (a failover moves the address, and what was open on
+//!   the old server is gone).
+//! - [`Forwarder::cut`]: every open connection is cut and new ones are
+//!   closed at once (the server unreachable).
+//! - [`Forwarder::hold`]: bytes stop flowing in one or both directions
+//!   without closing anything (a stalled network): with [`Hold::Replies`]
+//!   requests still arrive and run, their answers never come back; with
+//!   [`Hold::Everything`] nothing moves until the hold ends.
+//!
+//! Bytes already read when a hold begins are held too, so nothing crosses a
+//! held direction after [`Forwarder::hold`] returns. Needs a tokio runtime;
+//! dropping the forwarder cuts everything.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// How long a new connection may take to reach the target.
+const CONNECT: Duration = Duration::from_secs(2);
+
+/// Which bytes stop flowing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hold {
+    /// Both directions flow.
+    Nothing,
+    /// Client to server flows; server to client is held.
+    Replies,
+    /// Neither direction flows.
+    Everything,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    Requests,
+    Replies,
+}
+
+impl Hold {
+    fn blocks(self, direction: Direction) -> bool {
+        match self {
+            Hold::Nothing => false,
+            Hold::Replies => direction == Direction::Replies,
+            Hold::Everything => true,
+        }
+    }
+}
+
+/// Where connections go now. A connection lives as long as the `epoch` it
+/// was opened in: bumping it cuts every open one.
+#[derive(Clone, Copy)]
+struct Route {
+    target: Option<u16>,
+    hold: Hold,
+    epoch: u64,
+}
+
+/// The forwarder: a listener on `127.0.0.1:port()` and its connections.
+pub struct Forwarder {
+    port: u16,
+    route: watch::Sender<Route>,
+    accept: JoinHandle<()>,
+}
+
+impl Forwarder {
+    /// Listens on a free loopback port, forwarding to `127.0.0.1:target`.
+    pub async fn start(target: u16) -> Forwarder {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind forwarder");
+        let port = listener.local_addr().expect("forwarder addr").port();
+        let (route, watching) = watch::channel(Route { target: Some(target), hold: Hold::Nothing, epoch: 0 });
+        let accept = tokio::spawn(accept_loop(listener, watching));
+        Forwarder { port, route, accept }
+    }
+
+    /// The port clients connect to.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Cuts every open connection and sends new ones to `target`, flowing.
+    pub fn switch(&self, target: u16) {
+        self.route.send_modify(|r| *r = Route { target: Some(target), hold: Hold::Nothing, epoch: r.epoch + 1 });
+    }
+
+    /// Cuts every open connection; new ones are closed as soon as accepted.
+    pub fn cut(&self) {
+        self.route.send_modify(|r| *r = Route { target: None, hold: Hold::Nothing, epoch: r.epoch + 1 });
+    }
+
+    /// Holds (or, with [`Hold::Nothing`], releases) bytes on every open and
+    /// new connection, closing none.
+    pub fn hold(&self, hold: Hold) {
+        self.route.send_modify(|r| r.hold = hold);
+    }
+}
+
+impl Drop for Forwarder {
+    fn drop(&mut self) {
+        self.cut();
+        self.accept.abort();
+    }
+}
+
+async fn accept_loop(listener: TcpListener, route: watch::Receiver<Route>) {
+    loop {
+        let Ok((client, _)) = listener.accept().await else { continue };
+        let now = *route.borrow();
+        let Some(target) = now.target else {
+            drop(client);
+            continue;
+        };
+        tokio::spawn(connection(client, target, route.clone(), now.epoch));
+    }
+}
+
+async fn connection(client: TcpStream, target: u16, route: watch::Receiver<Route>, epoch: u64) {
+    let Ok(Ok(server)) = tokio::time::timeout(CONNECT, TcpStream::connect(("127.0.0.1", target))).await else {
+        return;
+    };
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    // Either side ending (or a cut) ends both: dropping the halves closes
+    // the sockets, and the peers see the connection gone.
+    tokio::select! {
+        () = pump(client_read, server_write, Direction::Requests, route.clone(), epoch) => {}
+        () = pump(server_read, client_write, Direction::Replies, route, epoch) => {}
+    }
+}
+
+/// Copies bytes one way while the route lets them, until either side ends
+/// or the connection's epoch is over.
+async fn pump(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    direction: Direction,
+    mut route: watch::Receiver<Route>,
+    epoch: u64,
+) {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        if !flowing(&mut route, direction, epoch).await {
+            return;
+        }
+        let n = tokio::select! {
+            read = from.read(&mut buf) => match read {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            },
+            // A hold or a cut while waiting for bytes: look again.
+            changed = route.changed() => match changed {
+                Ok(()) => continue,
+                Err(_) => return,
+            },
+        };
+        if !flowing(&mut route, direction, epoch).await {
+            return;
+        }
+        let mut watching = route.clone();
+        tokio::select! {
+            written = to.write_all(&buf[..n]) => if written.is_err() { return },
+            () = cut(&mut watching, epoch) => return,
+        }
+    }
+}
+
+/// Waits until `direction` may flow; `false` once the epoch is over.
+async fn flowing(route: &mut watch::Receiver<Route>, direction: Direction, epoch: u64) -> bool {
+    loop {
+        let now = *route.borrow_and_update();
+        if now.epoch != epoch {
+            return false;
+        }
+        if !now.hold.blocks(direction) {
+            return true;
+        }
+        if route.changed().await.is_err() {
+            return false;
+        }
+    }
+}
+
+/// Returns once the epoch is over (a write to a peer that stopped reading
+/// must not outlive a cut).
+async fn cut(route: &mut watch::Receiver<Route>, epoch: u64) {
+    while route.borrow_and_update().epoch == epoch {
+        if route.changed().await.is_err() {
+            return;
+        }
+    }
+}
