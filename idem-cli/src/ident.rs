@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use crate::store::Dialect;
+use crate::dialect::Dialect;
 
 /// A checked identifier, or `schema.name`.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -500,7 +500,7 @@ impl Runner {
             }
             _ => tracing::info!(job, %slot, outcome, catch_up = slot.late, "idem cron slot"),
         }
-        crate::metrics::cron_settled(job, report.outcome);
+        crate::metrics::cron_settled(job, report.outcome.as_str());
         if let Some(hook) = &self.on_slot {
             hook(&report);
         }

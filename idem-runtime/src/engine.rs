@@ -18,7 +18,7 @@ use crate::namespace::Namespace;
 use crate::status::Status;
 use crate::store::record::Records;
 use crate::store::{Backend, Db, Pooling};
-use crate::token::{self, Tokens};
+use crate::token::settings as token;
 
 /// The idempotency engine for one database (and optionally one Redis).
 /// Cheap to clone; clones share the pool and the Redis connection.
@@ -35,7 +35,7 @@ struct Inner<DB: Backend> {
     tokens: token::Settings,
     /// Wakes this engine's outbox relays when a call commits events.
     #[cfg(feature = "outbox")]
-    outbox: crate::outbox::Waker,
+    outbox: crate::outbox::waker::Waker,
 }
 
 impl<DB: Backend> Clone for Idem<DB> {
@@ -200,7 +200,7 @@ impl<DB: Backend> Builder<DB> {
                 lock_wait: self.lock_wait,
                 tokens: self.tokens,
                 #[cfg(feature = "outbox")]
-                outbox: crate::outbox::Waker::default(),
+                outbox: crate::outbox::waker::Waker::default(),
             }),
         }
     }
@@ -282,18 +282,12 @@ impl<DB: Backend> Idem<DB> {
         self.inner.lock_wait
     }
 
-    /// Issued one-time tokens: issue one bound to a subject, consume it
-    /// once, give it back when the call it guarded failed. See [`Tokens`].
-    pub fn tokens(&self) -> Tokens<'_, DB> {
-        Tokens::new(self)
-    }
-
     pub(crate) fn token_settings(&self) -> &token::Settings {
         &self.inner.tokens
     }
 
     #[cfg(feature = "outbox")]
-    pub(crate) fn outbox_waker(&self) -> &crate::outbox::Waker {
+    pub(crate) fn outbox_waker(&self) -> &crate::outbox::waker::Waker {
         &self.inner.outbox
     }
 

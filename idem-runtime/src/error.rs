@@ -3,6 +3,10 @@
 // Defined beside the key rule in `idem-rules`; `idem::KeyError` is this.
 pub use idem_rules::KeyError;
 
+use std::fmt;
+
+use serde::de::DeserializeOwned;
+
 /// The error an `#[idempotent]` fn reports through its own error type
 /// (which must implement `From<idem::Error>`).
 #[derive(Debug, thiserror::Error)]
@@ -98,7 +102,7 @@ pub enum Error {
         /// The rendered key.
         key: String,
         /// What the body recorded.
-        failure: crate::steps::Failure,
+        failure: Failure,
     },
 
     /// A step of a body in `steps` mode was refused before it ran: its name
@@ -125,5 +129,34 @@ impl Error {
 impl From<sqlx::Error> for Error {
     fn from(e: sqlx::Error) -> Self {
         Error::Storage(e)
+    }
+}
+
+/// A failure a body declared permanent ([`Steps::permanent`](crate::Steps::permanent)), as
+/// recorded: JSON, replayed byte for byte in [`Error::Permanent`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    json: String,
+}
+
+impl Failure {
+    pub(crate) fn from_json(json: String) -> Self {
+        Failure { json }
+    }
+
+    /// The failure as recorded.
+    pub fn as_json(&self) -> &str {
+        &self.json
+    }
+
+    /// The failure as the type the body declared it with.
+    pub fn decode<P: DeserializeOwned>(&self) -> Result<P, serde_json::Error> {
+        serde_json::from_str(&self.json)
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.json)
     }
 }

@@ -220,17 +220,17 @@ impl<S: State, DB: Backend> Advance<S, DB> {
             return Err(sqlx::Error::Encode(e));
         }
         let mut n = 1; // the new state is argument 1
-        let mut sets = format!("{} = {}", DB::quote(S::COLUMN), DB::placeholder(n));
+        let mut sets = format!("{} = {}", DB::quote(S::COLUMN.as_str()), DB::placeholder(n));
         for column in &self.columns {
             n += 1;
-            sets.push_str(&format!(", {} = {}", DB::quote(*column), DB::placeholder(n)));
+            sets.push_str(&format!(", {} = {}", DB::quote(column.as_str()), DB::placeholder(n)));
         }
         let update = format!(
             "UPDATE {} SET {sets} WHERE {} = {} AND {} = {}",
-            DB::quote(S::TABLE),
-            DB::quote(S::ID),
+            DB::quote(S::TABLE.as_str()),
+            DB::quote(S::ID.as_str()),
             DB::placeholder(n + 1),
-            DB::quote(S::COLUMN),
+            DB::quote(S::COLUMN.as_str()),
             DB::placeholder(n + 2),
         );
         let mut update_args = self.args;
@@ -241,9 +241,9 @@ impl<S: State, DB: Backend> Advance<S, DB> {
         // read could show a snapshot from before the update that beat ours.
         let select = format!(
             "SELECT {} FROM {} WHERE {} = {}{}",
-            DB::quote(S::COLUMN),
-            DB::quote(S::TABLE),
-            DB::quote(S::ID),
+            DB::quote(S::COLUMN.as_str()),
+            DB::quote(S::TABLE.as_str()),
+            DB::quote(S::ID.as_str()),
             DB::placeholder(1),
             DB::latest_committed_suffix(),
         );

@@ -25,9 +25,9 @@
 pub mod backend;
 pub mod forwarder;
 pub mod galera;
+pub mod pg_cluster;
 #[cfg(feature = "postgres")]
 pub mod pgbouncer;
-pub mod pg_cluster;
 mod redis_entries;
 pub mod servers;
 mod services;

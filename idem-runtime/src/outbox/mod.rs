@@ -69,6 +69,7 @@ pub mod nats;
 #[cfg(feature = "amqp")]
 pub mod rabbit;
 mod relay;
+pub(crate) mod waker;
 
 pub use relay::{BatchReport, Confirm, Message, Publisher, Relay, RelayStats};
 
@@ -302,27 +303,6 @@ pub(crate) async fn scope_where<DB: Backend, R>(
         engine.outbox_waker().wake();
     }
     result
-}
-
-/// Wakes the relays built on one engine when a call that queued events
-/// commits: they look at once instead of at their next poll.
-#[derive(Debug)]
-pub(crate) struct Waker(tokio::sync::watch::Sender<u64>);
-
-impl Default for Waker {
-    fn default() -> Self {
-        Waker(tokio::sync::watch::Sender::new(0))
-    }
-}
-
-impl Waker {
-    pub(crate) fn wake(&self) {
-        self.0.send_modify(|n| *n = n.wrapping_add(1));
-    }
-
-    pub(crate) fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
-        self.0.subscribe()
-    }
 }
 
 /// A dead event: refused by the broker [`Relay::max_attempts`] times, kept

@@ -141,6 +141,22 @@ pub struct BatchReport {
     pub committed: bool,
 }
 
+impl BatchReport {
+    /// How many messages ended each way, as the metrics label them. Marks
+    /// that did not commit leave every row taken pending (`unmarked`).
+    fn results(&self) -> [(&'static str, usize); 6] {
+        let marked = |n: usize| if self.committed { n } else { 0 };
+        [
+            ("sent", marked(self.sent - self.duplicates)),
+            ("duplicate", marked(self.duplicates)),
+            ("refused", marked(self.refused)),
+            ("dead", marked(self.dead)),
+            ("unconfirmed", self.unconfirmed),
+            ("unmarked", self.sent - marked(self.sent)),
+        ]
+    }
+}
+
 /// Counters of one relay since it was built; see [`Relay::stats`].
 #[derive(Debug, Default)]
 pub struct RelayStats {
@@ -402,7 +418,7 @@ impl<DB: Backend, P: Publisher> Relay<DB, P> {
         .await;
         report.committed = marked.is_ok();
         self.count(&report, &confirms);
-        crate::metrics::outbox_batch(&report);
+        crate::metrics::outbox_batch(&report.results());
         for (_, status, attempts, _, reason, message) in &failures {
             if *status == DEAD && report.committed {
                 tracing::error!(

@@ -12,10 +12,11 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tracing::Instrument;
 
-use super::context::{Failure, Parts, Steps};
+use super::context::{Parts, Steps};
 use super::protocol::{self, CallKey, Finished, Opened};
 use crate::engine::Idem;
 use crate::error::Error;
+use crate::error::Failure;
 use crate::fingerprint::Fingerprint;
 use crate::gate::{Answer, Entry};
 use crate::key::{validate_biz_no, validate_key};

@@ -12,7 +12,7 @@ use sqlx::Transaction;
 
 use super::protocol::{self, CallKey, Held, StepRecord};
 use crate::engine::Idem;
-use crate::error::Error;
+use crate::error::{Error, Failure};
 use crate::fingerprint::sha256_hex;
 use crate::store::Backend;
 use crate::store::calls::Owner;
@@ -213,7 +213,7 @@ impl<DB: Backend> Steps<DB> {
     pub fn permanent<P: Serialize + ?Sized>(&mut self, failure: &P) -> Error {
         match serde_json::to_string(failure) {
             Ok(json) => {
-                let failure = Failure { json };
+                let failure = Failure::from_json(json);
                 self.failure = Some(failure.clone());
                 Error::Permanent { biz: self.biz, key: self.key.clone(), failure }
             }
@@ -292,35 +292,6 @@ impl AsRef<str> for StepKey {
 impl From<StepKey> for String {
     fn from(key: StepKey) -> String {
         key.0
-    }
-}
-
-/// A failure a body declared permanent ([`Steps::permanent`]), as
-/// recorded: JSON, replayed byte for byte in [`Error::Permanent`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Failure {
-    json: String,
-}
-
-impl Failure {
-    pub(crate) fn from_json(json: String) -> Self {
-        Failure { json }
-    }
-
-    /// The failure as recorded.
-    pub fn as_json(&self) -> &str {
-        &self.json
-    }
-
-    /// The failure as the type the body declared it with.
-    pub fn decode<P: DeserializeOwned>(&self) -> Result<P, serde_json::Error> {
-        serde_json::from_str(&self.json)
-    }
-}
-
-impl fmt::Display for Failure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.json)
     }
 }
 

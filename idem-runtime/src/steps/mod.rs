@@ -53,6 +53,7 @@ mod context;
 mod protocol;
 mod recovery;
 
+pub use crate::error::Failure;
 pub use call::run_steps;
-pub use context::{Failure, StepKey, Steps};
+pub use context::{StepKey, Steps};
 pub use recovery::StuckCall;

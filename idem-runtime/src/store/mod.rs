@@ -246,9 +246,9 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// How an error of this backend matters to the engine.
     fn classify(error: &sqlx::Error) -> ErrorClass;
 
-    /// `ident` quoted for this backend's SQL (layer 4 writes its statements
-    /// from checked identifiers).
-    fn quote(ident: crate::state::Ident) -> String;
+    /// `ident` quoted for this backend's SQL. Only for identifiers checked
+    /// at compile time (layer 4's `state::Ident`): none holds a quote.
+    fn quote(ident: &str) -> String;
 
     /// The `n`th bind placeholder (from 1).
     fn placeholder(n: usize) -> String;

@@ -73,13 +73,13 @@ pub(crate) async fn finish<DB: sqlx::Database, T>(
 /// `Result<_, sqlx::Error>`.
 macro_rules! on_pool {
     ($db:expr, |$on:ident, $persistent:ident| $statement:expr) => {{
-        let db: &$crate::store::Db<Self> = $db;
+        let db: &$crate::store::pooling::Db<Self> = $db;
         match db.pooling {
-            $crate::store::Pooling::Session => {
+            $crate::store::pooling::Pooling::Session => {
                 let ($on, $persistent) = (&db.pool, true);
                 $statement
             }
-            $crate::store::Pooling::Transaction => {
+            $crate::store::pooling::Pooling::Transaction => {
                 let mut tx = db.pool.begin().await?;
                 let done = {
                     let ($on, $persistent) = (&mut *tx, false);

@@ -123,9 +123,9 @@ impl RecordSql for Postgres {
 
     token_queries!(TQ);
 
-    fn quote(ident: crate::state::Ident) -> String {
+    fn quote(ident: &str) -> String {
         // A checked identifier holds no quote character.
-        format!("\"{}\"", ident.as_str())
+        format!("\"{}\"", ident)
     }
 
     fn placeholder(n: usize) -> String {

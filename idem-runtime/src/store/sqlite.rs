@@ -87,9 +87,9 @@ impl RecordSql for Sqlite {
 
     token_queries!(TQ);
 
-    fn quote(ident: crate::state::Ident) -> String {
+    fn quote(ident: &str) -> String {
         // A checked identifier holds no quote character.
-        format!("\"{}\"", ident.as_str())
+        format!("\"{}\"", ident)
     }
 
     fn placeholder(_n: usize) -> String {

@@ -42,6 +42,7 @@ use crate::store::{Backend, TokenId};
 mod database;
 #[cfg(feature = "redis")]
 mod redis;
+pub(crate) mod settings;
 
 /// Length of a token: 24 random bytes (192 bits) in base64url, unpadded.
 pub const TOKEN_LEN: usize = 32;
@@ -49,8 +50,8 @@ pub const TOKEN_LEN: usize = 32;
 const TOKEN_BYTES: usize = 24;
 /// Longest subject: the principal rule of `idem::http::check_principal`.
 pub const MAX_SUBJECT_LEN: usize = 64;
-/// Default of [`Builder::token_used_for`](crate::Builder::token_used_for).
-pub const DEFAULT_USED_FOR: Duration = Duration::from_secs(24 * 3600);
+pub use settings::DEFAULT_USED_FOR;
+pub(crate) use settings::Settings;
 /// How many times a token is drawn when the one drawn is already taken
 /// (never seen with 192 bits; bounded all the same).
 const ISSUE_ATTEMPTS: usize = 3;
@@ -191,34 +192,11 @@ impl From<sqlx::Error> for TokenError {
     }
 }
 
-/// The engine's settings for tokens, set on its builder.
-#[derive(Debug)]
-pub(crate) struct Settings {
-    pub(crate) used_for: Duration,
-    /// Consume with the Lua script: set on the builder, or learnt from a
-    /// server that does not know `GETDEL`.
-    #[cfg(feature = "redis")]
-    lua: std::sync::atomic::AtomicBool,
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Self {
-            used_for: DEFAULT_USED_FOR,
-            #[cfg(feature = "redis")]
-            lua: std::sync::atomic::AtomicBool::new(false),
-        }
-    }
-}
-
-#[cfg(feature = "redis")]
-impl Settings {
-    pub(crate) fn set_lua(&self, lua: bool) {
-        self.lua.store(lua, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    pub(crate) fn lua(&self) -> bool {
-        self.lua.load(std::sync::atomic::Ordering::Relaxed)
+impl<DB: Backend> Idem<DB> {
+    /// Issued one-time tokens: issue one bound to a subject, consume it
+    /// once, give it back when the call it guarded failed. See [`Tokens`].
+    pub fn tokens(&self) -> Tokens<'_, DB> {
+        Tokens::new(self)
     }
 }
 
