@@ -13,9 +13,9 @@
 //! duplicate), half any earlier key (a late retry).
 //!
 //! The runs ([`soak()`], [`storm()`], [`distinct_keys`]) are generic over
-//! [`SoakBackend`]: the soak's tables, SQL, tagged pools and connection
-//! killer of one database, and its two annotated fns (`#[idempotent]` fns
-//! name a concrete database, so those are written once per backend).
+//! [`SoakBackend`]: the soak's tables, tagged pools and connection killer of
+//! one database; the statements that differ only in their text, and the
+//! two annotated fns, are written once (`statements.rs`).
 
 mod faults;
 #[cfg(feature = "mysql")]
@@ -26,6 +26,7 @@ mod reconcile;
 mod report;
 mod run;
 mod schedule;
+mod statements;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -50,8 +51,8 @@ const HANG: Duration = Duration::from_secs(60);
 /// How long the slow bodies of the short-lease fn sleep (its lease: 50 ms).
 const SLOW_BODY: Duration = Duration::from_millis(100);
 
-/// A future a soak fn returns: boxed, as the annotated fns behind
-/// [`SoakBackend::pay`] differ per backend.
+/// A future a soak fn returns: boxed, as [`SoakBackend::pay`] picks one of
+/// two annotated fns.
 pub type PayFuture<'a> = Pin<Box<dyn Future<Output = Result<Receipt, SoakError>> + Send + 'a>>;
 
 /// What the soak needs from one database beyond the suite's
@@ -102,5 +103,11 @@ pub trait SoakBackend: TestBackend {
     /// [`body`]), or, with `plan.short_lease`, the same action through a
     /// claim that lives 50 ms: a slow body outlives it, and a duplicate may
     /// claim the key meanwhile.
-    fn pay<'a>(idem: &'a Idem<Self::Db>, k: String, amount: i64, ctx: &'a Ctx, plan: Plan) -> PayFuture<'a>;
+    fn pay<'a>(idem: &'a Idem<Self::Db>, k: String, amount: i64, ctx: &'a Ctx, plan: Plan) -> PayFuture<'a> {
+        if plan.short_lease {
+            Box::pin(statements::pay_short_lease::<Self>(idem, k, amount, ctx, plan))
+        } else {
+            Box::pin(statements::pay::<Self>(idem, k, amount, ctx, plan))
+        }
+    }
 }

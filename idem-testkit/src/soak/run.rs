@@ -80,7 +80,7 @@ impl Drop for Running<'_> {
 /// the key's order if it is still pending, then inserts a payment whatever
 /// the order said (only idem stands between a duplicate and a second
 /// payment); sleeps, then fails or panics as the plan says.
-pub async fn body<B: SoakBackend>(
+pub async fn body<B: SoakBackend + ?Sized>(
     tx: &mut Transaction<'_, B::Db>,
     k: &str,
     amount: i64,
