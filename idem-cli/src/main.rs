@@ -6,6 +6,7 @@
 
 mod cli;
 mod commands;
+mod dialect;
 mod ident;
 mod store;
 mod time;

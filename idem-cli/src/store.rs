@@ -9,47 +9,10 @@ use idem_runtime::{Backend, Idem, Namespace, Status};
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, AssertSqlSafe, Row};
 
-/// Which SQL the database speaks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Dialect {
-    MySql,
-    Postgres,
-    Sqlite,
-}
+pub use crate::dialect::Dialect;
 
 /// A failure that is not the user's typing: exit code 3.
 pub type Failure = Box<dyn std::error::Error + Send + Sync>;
-
-impl Dialect {
-    pub fn of(url: &str) -> Result<Dialect, Failure> {
-        let scheme = url.split(':').next().unwrap_or_default();
-        match scheme {
-            "mysql" | "mariadb" => Ok(Dialect::MySql),
-            "postgres" | "postgresql" => Ok(Dialect::Postgres),
-            "sqlite" => Ok(Dialect::Sqlite),
-            _ => {
-                Err(format!("IDEM_DATABASE_URL: unknown scheme `{scheme}`; expected mysql:, postgres: or sqlite:")
-                    .into())
-            }
-        }
-    }
-
-    /// The `n`th bind placeholder (from 1).
-    pub fn arg(self, n: usize) -> String {
-        match self {
-            Dialect::Postgres => format!("${n}"),
-            Dialect::MySql | Dialect::Sqlite => "?".into(),
-        }
-    }
-
-    /// `expr` as text, whatever the column's type.
-    pub fn as_text(self, expr: &str) -> String {
-        match self {
-            Dialect::MySql => format!("CAST({expr} AS CHAR)"),
-            Dialect::Postgres | Dialect::Sqlite => format!("CAST({expr} AS TEXT)"),
-        }
-    }
-}
 
 /// The database and the optional Redis.
 pub struct Store {

@@ -504,7 +504,7 @@ fn payload<T: DeserializeOwned>(delivery: &Delivery) -> Result<T, String> {
 }
 
 /// The `message_id` property and the payload as JSON.
-fn message_id_and_payload<T: DeserializeOwned>(delivery: &Delivery) -> Result<(String, T), String> {
+pub(crate) fn message_id_and_payload<T: DeserializeOwned>(delivery: &Delivery) -> Result<(String, T), String> {
     let id = delivery.properties.message_id().as_ref().map(|id| id.as_str().to_owned());
     let id = id.ok_or_else(|| "no message_id property".to_owned())?;
     Ok((id, payload(delivery)?))
@@ -623,7 +623,7 @@ fn settle(settings: &Settings, result: lapin::Result<bool>, settled: Settled) {
 }
 
 /// The `x-idem-retries` header, 0 when absent or not a non-negative integer.
-fn retries_of(delivery: &Delivery) -> u32 {
+pub(crate) fn retries_of(delivery: &Delivery) -> u32 {
     let Some(value) = delivery.properties.headers().as_ref().and_then(|h| h.inner().get(RETRIES_HEADER)) else {
         return 0;
     };

@@ -82,8 +82,8 @@ impl Fingerprint {
 }
 
 /// JSON with object keys sorted (by bytes) at every depth and no whitespace.
-#[cfg(test)]
-fn canonical_json(value: &Value) -> String {
+#[cfg(any(test, fuzzing))]
+pub(crate) fn canonical_json(value: &Value) -> String {
     let mut out = Vec::new();
     write_canonical(value, &mut out);
     String::from_utf8(out).expect("serde_json writes UTF-8")

@@ -498,13 +498,19 @@ fn payload<T: DeserializeOwned>(message: &jetstream::Message) -> Result<T, Strin
     serde_json::from_slice(&message.payload).map_err(|e| format!("payload: {e}"))
 }
 
-fn message_id(message: &jetstream::Message) -> Option<String> {
+pub(crate) fn message_id(message: &jetstream::Message) -> Option<String> {
     message.headers.as_ref().and_then(|h| h.get(MSG_ID_HEADER)).map(|v| v.as_str().to_owned())
 }
 
-fn message_id_and_payload<T: DeserializeOwned>(message: &jetstream::Message) -> Result<(String, T), String> {
+pub(crate) fn message_id_and_payload<T: DeserializeOwned>(message: &jetstream::Message) -> Result<(String, T), String> {
     let id = message_id(message).ok_or_else(|| format!("no {MSG_ID_HEADER} header"))?;
     Ok((id, payload(message)?))
+}
+
+/// How many times JetStream has delivered `message` (from its reply
+/// subject), 1 when it does not say.
+pub(crate) fn delivered(message: &jetstream::Message) -> u64 {
+    message.info().map(|info| u64::try_from(info.delivered).unwrap_or(1)).unwrap_or(1)
 }
 
 async fn handle<I, F, Fut, R, E>(
@@ -520,7 +526,7 @@ async fn handle<I, F, Fut, R, E>(
     R: Send + 'static,
     E: AsIdemError + Debug + Send + 'static,
 {
-    let delivered = message.info().map(|info| u64::try_from(info.delivered).unwrap_or(1)).unwrap_or(1);
+    let delivered = delivered(&message);
     let (verdict, outcome, error) = match decode(&message) {
         Err(e) => (Verdict::DeadLetter(Reason::Poison), None, Some(e)),
         Ok(input) => {

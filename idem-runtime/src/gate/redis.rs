@@ -84,7 +84,7 @@ return 0";
 
 /// What the claim script found.
 #[derive(Debug)]
-enum Found {
+pub(crate) enum Found {
     /// We hold the key until the lease runs out.
     Ours(HeldClaim),
     /// A finished call left its result.
@@ -676,7 +676,7 @@ async fn refusal_is_an_answer<T>(
 }
 
 /// The value a finished call leaves in Redis; [`parse`] reads it back.
-fn done_value(expires_ms: i64, fingerprint: &str, response: &str) -> String {
+pub(crate) fn done_value(expires_ms: i64, fingerprint: &str, response: &str) -> String {
     format!("d:{expires_ms}:{fingerprint}:{response}")
 }
 
@@ -690,7 +690,7 @@ fn spawn_detached(task: impl std::future::Future<Output = ()> + Send + 'static) 
 
 /// What a Redis value says at `now_ms`. A finished result past its expiry
 /// is no answer at all.
-fn parse(found: String, now_ms: u64) -> Found {
+pub(crate) fn parse(found: String, now_ms: u64) -> Found {
     // `d:<expires>:<fingerprint>:<response>`; `p:...`, or a value we did not
     // write: either way someone else's.
     let done = found.strip_prefix("d:").and_then(|rest| rest.split_once(':')).and_then(|(expires, rest)| {
@@ -716,7 +716,7 @@ fn redis_key(namespace: &Namespace, biz: &str, key: &str) -> String {
 }
 
 /// A claim's value, `p:<owner token>:<fingerprint>`, in one allocation.
-fn claim_value(fingerprint: &str) -> String {
+pub(crate) fn claim_value(fingerprint: &str) -> String {
     let mut value = String::with_capacity(2 + 32 + 1 + fingerprint.len());
     value.push_str("p:");
     push_token(&mut value);

@@ -42,7 +42,7 @@ use crate::store::{Backend, TokenId};
 
 mod database;
 #[cfg(feature = "redis")]
-mod redis;
+pub(crate) mod redis;
 
 /// Length of a token: 24 random bytes (192 bits) in base64url, unpadded.
 pub const TOKEN_LEN: usize = 32;

@@ -87,7 +87,7 @@ pub(super) async fn consume<DB: Backend>(
     for _ in 0..ATTEMPTS {
         if let Some(value) = take(gate, settings, &live).await? {
             // Redis keeps a key to its own clock, a little past ours.
-            let Some(expires_at_ms) = value.parse::<u64>().ok().filter(|&at| at > now_ms) else {
+            let Some(expires_at_ms) = live_expiry(&value, now_ms) else {
                 return Ok(Found::Unknown);
             };
             mark_used(gate, settings, &owner, id.subject, expires_at_ms, now_ms).await;
@@ -193,12 +193,12 @@ async fn namespace<DB: Backend>(gate: &RedisGate, pool: &Pool<DB>) -> Result<Nam
 
 /// What the owner key says of its token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Owner {
+pub(crate) enum Owner {
     Issued,
     Used,
 }
 
-fn owner_value(state: Owner, expires_at_ms: u64, subject: &str) -> String {
+pub(crate) fn owner_value(state: Owner, expires_at_ms: u64, subject: &str) -> String {
     let tag = match state {
         Owner::Issued => 'i',
         Owner::Used => 'u',
@@ -206,7 +206,7 @@ fn owner_value(state: Owner, expires_at_ms: u64, subject: &str) -> String {
     format!("{tag}:{expires_at_ms}:{subject}")
 }
 
-fn parse_owner(value: &str) -> Option<(Owner, u64, &str)> {
+pub(crate) fn parse_owner(value: &str) -> Option<(Owner, u64, &str)> {
     let (tag, rest) = value.split_once(':')?;
     let (expires, subject) = rest.split_once(':')?;
     let state = match tag {
@@ -215,6 +215,12 @@ fn parse_owner(value: &str) -> Option<(Owner, u64, &str)> {
         _ => return None,
     };
     Some((state, expires.parse().ok()?, subject))
+}
+
+/// The expiry a live key holds (`<expires_ms>`), if it is still ahead of
+/// `now_ms`.
+pub(crate) fn live_expiry(value: &str, now_ms: u64) -> Option<u64> {
+    value.parse::<u64>().ok().filter(|&at| at > now_ms)
 }
 
 /// The key a `GETDEL` consumes. Neither the namespace, `biz`, the subject

@@ -1,0 +1,41 @@
+//! Which SQL the database speaks, from the scheme of its URL. Its own file,
+//! needing nothing else of the tool: the fuzz targets in `fuzz/` compile it
+//! with `ident.rs`.
+
+/// Which SQL the database speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dialect {
+    MySql,
+    Postgres,
+    Sqlite,
+}
+
+impl Dialect {
+    pub fn of(url: &str) -> Result<Dialect, String> {
+        let scheme = url.split(':').next().unwrap_or_default();
+        match scheme {
+            "mysql" | "mariadb" => Ok(Dialect::MySql),
+            "postgres" | "postgresql" => Ok(Dialect::Postgres),
+            "sqlite" => Ok(Dialect::Sqlite),
+            _ => {
+                Err(format!("IDEM_DATABASE_URL: unknown scheme `{scheme}`; expected mysql:, postgres: or sqlite:"))
+            }
+        }
+    }
+
+    /// The `n`th bind placeholder (from 1).
+    pub fn arg(self, n: usize) -> String {
+        match self {
+            Dialect::Postgres => format!("${n}"),
+            Dialect::MySql | Dialect::Sqlite => "?".into(),
+        }
+    }
+
+    /// `expr` as text, whatever the column's type.
+    pub fn as_text(self, expr: &str) -> String {
+        match self {
+            Dialect::MySql => format!("CAST({expr} AS CHAR)"),
+            Dialect::Postgres | Dialect::Sqlite => format!("CAST({expr} AS TEXT)"),
+        }
+    }
+}
