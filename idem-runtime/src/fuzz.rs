@@ -113,7 +113,7 @@ pub fn claim_value_written(fingerprint: &str) -> Vec<u8> {
 #[cfg(feature = "redis")]
 pub fn cached_value_read(value: &[u8], now_ms: u64) -> Result<Cached, String> {
     use crate::gate::redis::{Found, parse};
-    let found: Option<String> =
+    let found: Option<Vec<u8>> =
         redis::from_redis_value(redis::Value::BulkString(value.to_vec())).map_err(|e| e.to_string())?;
     let Some(found) = found else { return Ok(Cached::Nothing) };
     Ok(match parse(found, now_ms) {
@@ -139,7 +139,8 @@ pub fn token_owner_written(used: bool, expires_at_ms: u64, subject: &str) -> Vec
 #[cfg(feature = "redis")]
 pub fn token_owner_read(value: &[u8]) -> Result<Option<(bool, u64, String)>, String> {
     use crate::token::redis::{Owner, parse_owner};
-    let value: String = redis::from_redis_value(redis::Value::BulkString(value.to_vec())).map_err(|e| e.to_string())?;
+    let value: Vec<u8> =
+        redis::from_redis_value(redis::Value::BulkString(value.to_vec())).map_err(|e| e.to_string())?;
     Ok(parse_owner(&value).map(|(state, expires, subject)| (state == Owner::Used, expires, subject.to_owned())))
 }
 
@@ -147,7 +148,8 @@ pub fn token_owner_read(value: &[u8]) -> Result<Option<(bool, u64, String)>, Str
 /// expiry, `Ok(None)` for an expired or foreign value.
 #[cfg(feature = "redis")]
 pub fn token_live_read(value: &[u8], now_ms: u64) -> Result<Option<u64>, String> {
-    let value: String = redis::from_redis_value(redis::Value::BulkString(value.to_vec())).map_err(|e| e.to_string())?;
+    let value: Vec<u8> =
+        redis::from_redis_value(redis::Value::BulkString(value.to_vec())).map_err(|e| e.to_string())?;
     Ok(crate::token::redis::live_expiry(&value, now_ms))
 }
 

@@ -250,12 +250,14 @@ impl RedisGate {
             // Sized up front: seven arguments would grow both buffers a few times.
             let mut set = redis::Cmd::with_capacity(7, held.key.len() + held.value.len() + 32);
             set.arg("SET").arg(&held.key).arg(&held.value).arg("NX").arg("PX").arg(millis(lease)).arg("GET");
+            // Bytes, not a `String`: a value that is not UTF-8 is someone
+            // else's, not a failed reply (see `parse`).
             let sent = |mut c: ConnectionHandle| {
-                refusal_is_an_answer(async move { set.query_async::<Option<String>>(&mut c).await })
+                refusal_is_an_answer(async move { set.query_async::<Option<Vec<u8>>>(&mut c).await })
             };
             match self.guarded(Backoff::Respect, sent).await? {
                 // Our own value: sent again after a lost reply.
-                Ok(Some(found)) if found == held.value => return Ok(None),
+                Ok(Some(found)) if found == held.value.as_bytes() => return Ok(None),
                 Ok(Some(found)) => match parse(found, clock::now_ms()) {
                     // Expired by our clock, not yet by Redis's: the script replaces it.
                     Found::Unavailable => None,
@@ -267,7 +269,7 @@ impl RedisGate {
         };
         let mut call = self.claim.key(&held.key);
         call.arg(&held.value).arg(millis(lease)).arg(clock::now_ms());
-        let found = self.run::<Option<String>>(&call, Backoff::Respect).await?;
+        let found = self.run::<Option<Vec<u8>>>(&call, Backoff::Respect).await?;
         // The script answered where `SET` was refused: the server does not
         // know `NX` with `GET`, and is not asked again.
         if let Some(refused) = refused
@@ -399,7 +401,7 @@ impl RedisGate {
     async fn peek(&self, namespace: &Namespace, biz: &str, key: &str) -> Found {
         let mut cmd = redis::cmd("GET");
         cmd.arg(redis_key(namespace, biz, key));
-        let got: Result<Option<String>, Missed> =
+        let got: Result<Option<Vec<u8>>, Missed> =
             self.guarded(Backoff::Respect, |mut c| async move { cmd.query_async(&mut c).await }).await;
         match got {
             Ok(Some(found)) => parse(found, clock::now_ms()),
@@ -690,7 +692,11 @@ fn spawn_detached(task: impl std::future::Future<Output = ()> + Send + 'static) 
 
 /// What a Redis value says at `now_ms`. A finished result past its expiry
 /// is no answer at all.
-pub(crate) fn parse(found: String, now_ms: u64) -> Found {
+pub(crate) fn parse(found: Vec<u8>, now_ms: u64) -> Found {
+    // Not UTF-8: not a value we wrote, so someone else's. Read as a
+    // `String` by the command, it failed the reply, which backed off every
+    // key's claims. The bytes become the `String` in place.
+    let Ok(found) = String::from_utf8(found) else { return Found::Running };
     // `d:<expires>:<fingerprint>:<response>`; `p:...`, or a value we did not
     // write: either way someone else's.
     let done = found.strip_prefix("d:").and_then(|rest| rest.split_once(':')).and_then(|(expires, rest)| {
@@ -736,19 +742,22 @@ mod tests {
 
     #[test]
     fn parses_values() {
-        match parse(done_value(2_000, "abc", "{\"x\":\"a:b\"}"), 1_999) {
+        match parse(done_value(2_000, "abc", "{\"x\":\"a:b\"}").into_bytes(), 1_999) {
             Found::Finished(Answer { fingerprint, response, expires_ms: 2_000 }) => {
                 assert_eq!(fingerprint, "abc");
                 assert_eq!(response, "{\"x\":\"a:b\"}");
             }
             other => panic!("{other:?}"),
         }
-        assert!(matches!(parse(done_value(2_000, "abc", "1"), 2_000), Found::Unavailable), "expired");
+        assert!(matches!(parse(done_value(2_000, "abc", "1").into_bytes(), 2_000), Found::Unavailable), "expired");
         assert!(
-            matches!(parse(done_value(2_000, "abc", ""), 0), Found::Finished(Answer { response, .. }) if response.is_empty())
+            matches!(parse(done_value(2_000, "abc", "").into_bytes(), 0), Found::Finished(Answer { response, .. }) if response.is_empty())
         );
         for theirs in ["p:t:f", "garbage", "d:abc:1", "d:12", "d:12:f", "d:-1:f:r", ""] {
             assert!(matches!(parse(theirs.into(), 0), Found::Running), "{theirs}");
+        }
+        for theirs in [&b"d:99999999999999:f:\xff"[..], b"\xfe", b"p:\xc3:f"] {
+            assert!(matches!(parse(theirs.to_vec(), 0), Found::Running), "{theirs:?}");
         }
     }
 
@@ -849,6 +858,39 @@ mod tests {
         };
         assert_eq!(get(&mut conn).await.as_deref(), Some(held.value.as_str()), "the expired result is replaced");
         assert!(!gate.claim_by_script.load(Ordering::Relaxed), "Redis 7 takes SET NX GET");
+        let _: i64 = redis::cmd("DEL").arg(&redis_key).query_async(&mut conn).await.unwrap();
+    }
+
+    /// Regression (found by fuzzing: `fuzz/`, target `redis_cached_value`):
+    /// a value at a claim's key that is not UTF-8 failed the conversion of
+    /// the reply, which the gate took for a failing Redis: every key's
+    /// claims backed off, and this one went to the database alone. Such a
+    /// value is someone else's: the key is busy, Redis healthy.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_value_that_is_not_utf8_is_someone_elses() {
+        let Some(mut conn) = test_redis().await else { return };
+        let gate = Arc::new(RedisGate::new(
+            Target::Single(redis::Client::open(redis_url()).unwrap()),
+            Duration::from_secs(2),
+            None,
+        ));
+        let namespace = Namespace::new("t_unit").unwrap();
+        let (biz, key) = ("t_bytes", token());
+        let redis_key = redis_key(&namespace, biz, &key);
+        let foreign: &[u8] = b"d:99999999999999:fp:\xff\xfe";
+        let _: () =
+            redis::cmd("SET").arg(&redis_key).arg(foreign).arg("PX").arg(60_000).query_async(&mut conn).await.unwrap();
+        let lease = Duration::from_secs(60);
+        let found = gate.claim(&namespace, biz, &key, "fp", lease).await;
+        assert!(matches!(found, Found::Running), "through SET NX GET: {found:?}");
+        assert_eq!(gate.down_until_ms.load(Ordering::Relaxed), 0, "Redis taken for failing");
+        gate.claim_by_script.store(true, Ordering::Relaxed);
+        let found = gate.claim(&namespace, biz, &key, "fp", lease).await;
+        assert!(matches!(found, Found::Running), "through the script: {found:?}");
+        assert!(matches!(gate.peek(&namespace, biz, &key).await, Found::Running), "peeked");
+        assert_eq!(gate.down_until_ms.load(Ordering::Relaxed), 0, "Redis taken for failing");
+        let kept: Vec<u8> = redis::cmd("GET").arg(&redis_key).query_async(&mut conn).await.unwrap();
+        assert_eq!(kept, foreign, "someone else's value is left alone");
         let _: i64 = redis::cmd("DEL").arg(&redis_key).query_async(&mut conn).await.unwrap();
     }
 

@@ -95,7 +95,7 @@ pub(super) async fn consume<DB: Backend>(
         }
         let mut get = redis::cmd("GET");
         get.arg(&owner);
-        let Some(value) = answer::<Option<String>>(gate.send(&get).await)? else {
+        let Some(value) = answer::<Option<Vec<u8>>>(gate.send(&get).await)? else {
             return Ok(Found::Unknown);
         };
         let Some((state, expires_at_ms, subject)) = parse_owner(&value) else {
@@ -144,11 +144,13 @@ pub(super) async fn give_back<DB: Backend>(
 }
 
 /// `GETDEL key`, or the script doing the same where the server lacks it.
-async fn take(gate: &RedisGate, settings: &Settings, key: &str) -> Result<Option<String>, TokenError> {
+/// Bytes, not a `String`: a value that is not UTF-8 is not one this module
+/// wrote, not a failed reply (read as a `String`, it answered 503).
+async fn take(gate: &RedisGate, settings: &Settings, key: &str) -> Result<Option<Vec<u8>>, TokenError> {
     if !settings.lua() {
         let mut getdel = redis::cmd("GETDEL");
         getdel.arg(key);
-        match gate.send::<Option<String>>(&getdel).await {
+        match gate.send::<Option<Vec<u8>>>(&getdel).await {
             Reply::Value(value) => return Ok(value),
             // An error reply: the command did not run (Redis before 6.2
             // does not know it), so the script may run in its place.
@@ -206,8 +208,8 @@ pub(crate) fn owner_value(state: Owner, expires_at_ms: u64, subject: &str) -> St
     format!("{tag}:{expires_at_ms}:{subject}")
 }
 
-pub(crate) fn parse_owner(value: &str) -> Option<(Owner, u64, &str)> {
-    let (tag, rest) = value.split_once(':')?;
+pub(crate) fn parse_owner(value: &[u8]) -> Option<(Owner, u64, &str)> {
+    let (tag, rest) = std::str::from_utf8(value).ok()?.split_once(':')?;
     let (expires, subject) = rest.split_once(':')?;
     let state = match tag {
         "i" => Owner::Issued,
@@ -219,8 +221,8 @@ pub(crate) fn parse_owner(value: &str) -> Option<(Owner, u64, &str)> {
 
 /// The expiry a live key holds (`<expires_ms>`), if it is still ahead of
 /// `now_ms`.
-pub(crate) fn live_expiry(value: &str, now_ms: u64) -> Option<u64> {
-    value.parse::<u64>().ok().filter(|&at| at > now_ms)
+pub(crate) fn live_expiry(value: &[u8], now_ms: u64) -> Option<u64> {
+    std::str::from_utf8(value).ok()?.parse::<u64>().ok().filter(|&at| at > now_ms)
 }
 
 /// The key a `GETDEL` consumes. Neither the namespace, `biz`, the subject
@@ -239,11 +241,54 @@ mod tests {
 
     #[test]
     fn owner_values_read_back() {
-        assert_eq!(parse_owner(&owner_value(Owner::Issued, 42, "alice")), Some((Owner::Issued, 42, "alice")));
-        assert_eq!(parse_owner(&owner_value(Owner::Used, 7, "a.b-c")), Some((Owner::Used, 7, "a.b-c")));
-        for garbage in ["", "x:1:alice", "i:x:alice", "i:1", "u"] {
+        let issued = owner_value(Owner::Issued, 42, "alice");
+        assert_eq!(parse_owner(issued.as_bytes()), Some((Owner::Issued, 42, "alice")));
+        let used = owner_value(Owner::Used, 7, "a.b-c");
+        assert_eq!(parse_owner(used.as_bytes()), Some((Owner::Used, 7, "a.b-c")));
+        for garbage in [&b""[..], b"x:1:alice", b"i:x:alice", b"i:1", b"u", b"i:1:\xff"] {
             assert_eq!(parse_owner(garbage), None, "{garbage:?}");
         }
+    }
+
+    /// Regression (found by fuzzing: `fuzz/`, target `redis_cached_value`):
+    /// a token key holding bytes that are not UTF-8 failed the conversion
+    /// of the reply, so consuming answered "Redis unavailable" (503) and
+    /// the claims backed off. It is a value this module did not write: the
+    /// token is unknown.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn values_that_are_not_utf8_are_unknown_tokens() {
+        let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let client = redis::Client::open(url).expect("redis url");
+        let mut conn = match client.get_multiplexed_async_connection().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "redis unreachable: {e}");
+                eprintln!("skipped: redis unreachable ({e})");
+                return;
+            }
+        };
+        let namespace = Namespace::new("t_unit").unwrap();
+        let gate = Arc::new(RedisGate::new(
+            crate::gate::redis::Target::Single(client),
+            std::time::Duration::from_secs(2),
+            Some(namespace.clone()),
+        ));
+        // The namespace is fixed: the database is never asked.
+        let pool = sqlx::sqlite::SqlitePoolOptions::new().connect_lazy("sqlite::memory:").unwrap();
+        let token = crate::random::token();
+        let id = TokenId { biz: "t_bytes", token: &token, subject: "alice" };
+        let (live, owner) = (live_key(&namespace, id), owner_key(&namespace, id.biz, id.token));
+        let settings = Settings::default();
+        let now = crate::clock::now_ms();
+        for (key, value) in [(&live, &b"\xff9999999999999"[..]), (&owner, b"i:\xff:alice")] {
+            let _: () =
+                redis::cmd("SET").arg(key).arg(value).arg("PX").arg(60_000).query_async(&mut conn).await.unwrap();
+        }
+        // The live key's bytes: consumed by GETDEL, and no expiry in them.
+        assert_eq!(consume(&gate, &pool, &settings, id, now).await.unwrap(), Found::Unknown);
+        // Then the owner key's: not a value this module wrote.
+        assert_eq!(consume(&gate, &pool, &settings, id, now).await.unwrap(), Found::Unknown);
+        let _: i64 = redis::cmd("DEL").arg(&live).arg(&owner).query_async(&mut conn).await.unwrap();
     }
 
     #[test]
