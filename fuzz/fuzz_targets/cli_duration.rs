@@ -66,7 +66,11 @@ fn sum(text: &str) -> Option<u128> {
 fn check_date(ms: i64) {
     let shown = time::rfc3339(ms);
     let (date, clock) = shown.split_once('T').expect("a date and a time");
-    let (year, month_day) = date.rsplit_once('-').and_then(|(ym, d)| Some((ym.rsplit_once('-')?, d))).map(|((y, m), d)| (y, (m, d))).expect("y-m-d");
+    let (year, month_day) = date
+        .rsplit_once('-')
+        .and_then(|(ym, d)| Some((ym.rsplit_once('-')?, d)))
+        .map(|((y, m), d)| (y, (m, d)))
+        .expect("y-m-d");
     let (month, day) = month_day;
     let clock = clock.strip_suffix('Z').expect("UTC");
     let year: i64 = year.parse().expect("year");

@@ -43,7 +43,11 @@ fn check(lines: &[&[u8]]) {
 
 fn check_refusal(refusal: &Refusal, lines: &[&[u8]]) {
     assert_eq!(refusal.status, 400, "{refusal:?}");
-    let expected = if lines.is_empty() || (lines.len() == 1 && lines[0].is_empty()) { "MISSING_IDEMPOTENCY_KEY" } else { "INVALID_IDEMPOTENCY_KEY" };
+    let expected = if lines.is_empty() || (lines.len() == 1 && lines[0].is_empty()) {
+        "MISSING_IDEMPOTENCY_KEY"
+    } else {
+        "INVALID_IDEMPOTENCY_KEY"
+    };
     assert_eq!(refusal.code, expected, "{lines:?}");
     // The detail names a reason, never the header: a few hundred visible
     // ASCII characters, whatever was sent.

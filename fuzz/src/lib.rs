@@ -26,6 +26,7 @@ pub fn lines(data: &[u8]) -> Vec<&[u8]> {
 /// right-to-left override makes a log line read otherwise than it is).
 pub fn is_safe_to_show(text: &str) -> bool {
     text.chars().all(|c| {
-        !c.is_control() && !matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+        !c.is_control()
+            && !matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
     })
 }

@@ -17,9 +17,7 @@ impl Dialect {
             "mysql" | "mariadb" => Ok(Dialect::MySql),
             "postgres" | "postgresql" => Ok(Dialect::Postgres),
             "sqlite" => Ok(Dialect::Sqlite),
-            _ => {
-                Err(format!("IDEM_DATABASE_URL: unknown scheme `{scheme}`; expected mysql:, postgres: or sqlite:"))
-            }
+            _ => Err(format!("IDEM_DATABASE_URL: unknown scheme `{scheme}`; expected mysql:, postgres: or sqlite:")),
         }
     }
 
