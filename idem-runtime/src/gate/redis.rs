@@ -701,9 +701,11 @@ pub(crate) fn parse(found: Vec<u8>, now_ms: u64) -> Found {
     // write: either way someone else's.
     let done = found.strip_prefix("d:").and_then(|rest| rest.split_once(':')).and_then(|(expires, rest)| {
         let (fingerprint, response) = rest.split_once(':')?;
-        Some((expires.parse::<u64>().ok()?, fingerprint, found.len() - response.len()))
+        // As `done_value` writes it, an `i64`, or not ours.
+        let expires = decimal(expires)?;
+        Some((expires, i64::try_from(expires).ok()?, fingerprint, found.len() - response.len()))
     });
-    let Some((expires, fingerprint, response_at)) = done else { return Found::Running };
+    let Some((expires, expires_ms, fingerprint, response_at)) = done else { return Found::Running };
     if expires <= now_ms {
         return Found::Unavailable;
     }
@@ -711,7 +713,16 @@ pub(crate) fn parse(found: Vec<u8>, now_ms: u64) -> Found {
     // The response is the value's tail: it stays in the reply's buffer.
     let mut response = found;
     response.drain(..response_at);
-    Found::Finished(Answer { fingerprint, response, expires_ms: i64::try_from(expires).unwrap_or(i64::MAX) })
+    Found::Finished(Answer { fingerprint, response, expires_ms })
+}
+
+/// A number as idem writes it into a Redis value: decimal digits, no
+/// sign, no leading zero. `str::parse` also takes `+5` and `05`, which idem
+/// never writes: read as numbers, such foreign values would pass for ours.
+pub(crate) fn decimal(text: &str) -> Option<u64> {
+    let canonical =
+        !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) && (text == "0" || !text.starts_with('0'));
+    if canonical { text.parse().ok() } else { None }
 }
 
 /// The Redis key of `(biz, key)` in `namespace`. Neither the namespace nor
@@ -759,6 +770,21 @@ mod tests {
         for theirs in [&b"d:99999999999999:f:\xff"[..], b"\xfe", b"p:\xc3:f"] {
             assert!(matches!(parse(theirs.to_vec(), 0), Found::Running), "{theirs:?}");
         }
+    }
+
+    /// Regression (found by fuzzing: `fuzz/`, target `redis_cached_value`):
+    /// an expiry with a sign, a leading zero or past `i64` read as a live
+    /// result, though the engine never writes one (and the claim script's
+    /// `%d+` takes no sign): only the value the engine would have written
+    /// reads as its result.
+    #[test]
+    fn only_canonical_expiries_read_as_results() {
+        for theirs in
+            ["d:+99999999999999:f:r", "d:099999999999999:f:r", "d:9223372036854775808:f:r", "d: 99999999999999:f:r"]
+        {
+            assert!(matches!(parse(theirs.into(), 0), Found::Running), "{theirs}");
+        }
+        assert!(matches!(parse("d:9223372036854775807:f:r".into(), 0), Found::Finished(_)));
     }
 
     /// Against a real Redis; skipped when none answers, unless

@@ -29,7 +29,7 @@ use redis::Script;
 use sqlx::Pool;
 
 use super::{Found, Settings, SpentToken, TokenError};
-use crate::gate::redis::{RedisGate, Reply};
+use crate::gate::redis::{RedisGate, Reply, decimal};
 use crate::namespace::Namespace;
 use crate::store::{Backend, TokenId};
 
@@ -216,13 +216,13 @@ pub(crate) fn parse_owner(value: &[u8]) -> Option<(Owner, u64, &str)> {
         "u" => Owner::Used,
         _ => return None,
     };
-    Some((state, expires.parse().ok()?, subject))
+    Some((state, decimal(expires)?, subject))
 }
 
 /// The expiry a live key holds (`<expires_ms>`), if it is still ahead of
 /// `now_ms`.
 pub(crate) fn live_expiry(value: &[u8], now_ms: u64) -> Option<u64> {
-    std::str::from_utf8(value).ok()?.parse::<u64>().ok().filter(|&at| at > now_ms)
+    decimal(std::str::from_utf8(value).ok()?).filter(|&at| at > now_ms)
 }
 
 /// The key a `GETDEL` consumes. Neither the namespace, `biz`, the subject
@@ -289,6 +289,20 @@ mod tests {
         // Then the owner key's: not a value this module wrote.
         assert_eq!(consume(&gate, &pool, &settings, id, now).await.unwrap(), Found::Unknown);
         let _: i64 = redis::cmd("DEL").arg(&live).arg(&owner).query_async(&mut conn).await.unwrap();
+    }
+
+    /// Regression (found by fuzzing: `fuzz/`, target `redis_cached_value`):
+    /// an expiry with a sign or a leading zero read as one, though this
+    /// module never writes one: only what it would have written reads back.
+    #[test]
+    fn only_canonical_expiries_read_back() {
+        for garbage in [&b"u:+1800000000005:alice"[..], b"u:01800000000005:alice", b"i: 5:alice"] {
+            assert_eq!(parse_owner(garbage), None, "{garbage:?}");
+        }
+        for garbage in [&b"+1800000000005"[..], b"01800000000005", b" 1800000000005"] {
+            assert_eq!(live_expiry(garbage, 0), None, "{garbage:?}");
+        }
+        assert_eq!(live_expiry(b"1800000000005", 0), Some(1_800_000_000_005));
     }
 
     #[test]
