@@ -90,7 +90,7 @@ fn value(u: &mut Unstructured<'_>, depth: usize) -> Result<Value> {
         1 => Value::Bool(bool::arbitrary(u)?),
         2 => Value::from(u64::arbitrary(u)?),
         3 => Value::from(i64::arbitrary(u)?),
-        4 => Number::from_f64(f64::arbitrary(u)?).map_or(Value::Null, Value::Number),
+        4 => Number::from_f64(float(u)?).map_or(Value::Null, Value::Number),
         5 => Value::String(String::arbitrary(u)?),
         6 => Value::Array((0..u.int_in_range(0..=MAX_LEN)?).map(|_| value(u, depth + 1)).collect::<Result<_>>()?),
         _ => {
@@ -101,6 +101,12 @@ fn value(u: &mut Unstructured<'_>, depth: usize) -> Result<Value> {
             Value::Object(map)
         }
     })
+}
+
+/// Any float, the edges of the range as often as the rest.
+fn float(u: &mut Unstructured<'_>) -> Result<f64> {
+    const EDGES: [f64; 9] = [0.0, -0.0, 1.0, -1.0, f64::MAX, f64::MIN, f64::MIN_POSITIVE, 5e-324, 1e21];
+    if bool::arbitrary(u)? { Ok(*u.choose(&EDGES)?) } else { f64::arbitrary(u) }
 }
 
 /// `value` with every map filled anew, its entries rotated by the next

@@ -6,6 +6,9 @@
 //! whether some crate in the build enabled serde_json's `preserve_order`,
 //! must not change the hash.
 //!
+//! `-0.0` is written `0.0`: the two are equal as values, and equal values
+//! fingerprint alike.
+//!
 //! A float that is NaN or infinite is refused ([`Error::NonFiniteFloat`]):
 //! serde_json writes all three as `null`, so `Some(f64::NAN)`,
 //! `Some(f64::INFINITY)` and `None` would share a fingerprint and replay each
@@ -114,6 +117,11 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
                 write_canonical(v, out);
             }
             out.push(b']');
+        }
+        // Equal as values, so one spelling: written as they come, equal
+        // arguments would fingerprint apart.
+        Value::Number(n) if n.as_f64().is_some_and(|x| x == 0.0 && x.is_sign_negative()) => {
+            out.extend_from_slice(b"0.0")
         }
         scalar => write_json(out, scalar),
     }
@@ -418,6 +426,21 @@ mod tests {
         let mut fingerprint = Fingerprint::new().arg("order", &order).arg("amount", &u64::MAX).arg("note", "n\u{f6}te");
         fingerprint = fingerprint.arg("b", &()).arg("a", &[1.25f32]);
         assert_eq!(fingerprint.finish().unwrap(), "823d0ad6ce4d31cd78f08898bd03253d82fe87627ccd24c03415362bf21b8ace");
+    }
+
+    /// Regression (found by fuzzing: `fuzz/`, target `canonical_json`):
+    /// `-0.0` and `0.0` are equal as values (serde_json's `Value`, and
+    /// `f64`), but were written `-0.0` and `0.0`: the same arguments had two
+    /// fingerprints, and a retry could be refused as another request.
+    #[test]
+    fn negative_zero_is_zero() {
+        let zero = Fingerprint::new().arg("amount", &0.0).finish().unwrap();
+        assert_eq!(Fingerprint::new().arg("amount", &-0.0).finish().unwrap(), zero);
+        assert_eq!(Fingerprint::new().arg("amount", &-0.0f32).finish().unwrap(), zero);
+        let nested = serde_json::json!({ "lines": [{ "price": -0.0 }] });
+        assert_eq!(canonical_json(&nested), r#"{"lines":[{"price":0.0}]}"#);
+        // Still apart from the integer 0, which is another value.
+        assert_ne!(Fingerprint::new().arg("amount", &0).finish().unwrap(), zero);
     }
 
     #[test]
