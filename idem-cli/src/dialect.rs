@@ -1,4 +1,6 @@
-//! Which SQL the database named by `IDEM_DATABASE_URL` speaks.
+//! Which SQL the database speaks, from the scheme of its URL. Its own file,
+//! needing nothing else of the tool: the fuzz targets in `fuzz/` compile it
+//! with `ident.rs`.
 
 /// Which SQL the database speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,7 +1,8 @@
 //! Table and column names given on the command line: checked as SQL
 //! identifiers and quoted for the database, never pasted into SQL as typed.
 //! The rule is layer 4's (`idem_rules::is_sql_identifier`): `[A-Za-z_][A-Za-z0-9_]{0,63}`, and
-//! a table may be qualified by its schema (`billing.payments`).
+//! a table may be qualified by its schema (`billing.payments`). Needs only
+//! `dialect.rs`: the fuzz targets in `fuzz/` compile the two (and `time.rs`).
 
 use std::fmt;
 

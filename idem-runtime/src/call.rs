@@ -202,7 +202,7 @@ where
             // Redis lost the cached result, and it paid the order first), or
             // lose a deadlock against a duplicate that takes its locks in the
             // other order. If that duplicate committed, its result is the answer.
-            return match records.settle(id).await {
+            return match records.settle(id, claimed).await {
                 Settled::Replay(row) => replay_row(id, row),
                 Settled::Busy | Settled::Unknown => Err(CallError::Body(e)),
             };

@@ -6,6 +6,9 @@
 //! whether some crate in the build enabled serde_json's `preserve_order`,
 //! must not change the hash.
 //!
+//! `-0.0` is written `0.0`: the two are equal as values, and equal values
+//! fingerprint alike.
+//!
 //! A float that is NaN or infinite is refused ([`Error::NonFiniteFloat`]):
 //! serde_json writes all three as `null`, so `Some(f64::NAN)`,
 //! `Some(f64::INFINITY)` and `None` would share a fingerprint and replay each
@@ -47,7 +50,7 @@ impl Fingerprint {
     /// document when its JSON is the JSON of `T::default()` (`None`, `0`,
     /// `false`, `""`, empty), so an argument added to a fn keeps the
     /// fingerprints of the calls made before it existed. Compared as
-    /// canonical bytes, not as `Value`s, which hold `-0.0` equal to `0.0`.
+    /// canonical bytes: what the fingerprint would hash.
     pub fn arg_unless_default<T: Serialize + Default>(mut self, name: &'static str, value: &T) -> Self {
         let Some(v) = self.serialized(name, value) else { return self };
         let is_default = serde_json::to_value(T::default()).is_ok_and(|d| {
@@ -110,8 +113,8 @@ impl Fingerprint {
 }
 
 /// JSON with object keys sorted (by bytes) at every depth and no whitespace.
-#[cfg(test)]
-fn canonical_json(value: &Value) -> String {
+#[cfg(any(test, fuzzing))]
+pub(crate) fn canonical_json(value: &Value) -> String {
     let mut out = Vec::new();
     write_canonical(value, &mut out);
     String::from_utf8(out).expect("serde_json writes UTF-8")
@@ -142,6 +145,11 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
                 write_canonical(v, out);
             }
             out.push(b']');
+        }
+        // Equal as values, so one spelling: written as they come, equal
+        // arguments would fingerprint apart.
+        Value::Number(n) if n.as_f64().is_some_and(|x| x == 0.0 && x.is_sign_negative()) => {
+            out.extend_from_slice(b"0.0")
         }
         scalar => write_json(out, scalar),
     }
@@ -475,8 +483,8 @@ mod tests {
         assert_eq!(after(&None, &false, &"n".into()), sha256_hex(br#"{"amount":1999,"note":"n","order_id":42}"#));
     }
 
-    /// Left out means equal as canonical bytes: `-0.0` is not the default
-    /// `0.0` (their documents differ), and a struct is left out only whole.
+    /// Left out means equal as canonical bytes: `-0.0` is `0.0` there (so
+    /// left out too), `0.5` is not, and a struct is left out only whole.
     #[test]
     fn only_the_exact_default_is_left_out() {
         #[derive(Default, Serialize)]
@@ -487,7 +495,7 @@ mod tests {
         let without = Fingerprint::new().arg("k", &1).finish().unwrap();
         let with = |x: &f64| Fingerprint::new().arg("k", &1).arg_unless_default("x", x).finish().unwrap();
         assert_eq!(with(&0.0), without);
-        assert_ne!(with(&-0.0), without);
+        assert_eq!(with(&-0.0), without);
         assert_ne!(with(&-0.0), with(&0.5));
         let extra = |e: &Extra| Fingerprint::new().arg("k", &1).arg_unless_default("e", e).finish().unwrap();
         assert_eq!(extra(&Extra::default()), without);
@@ -496,6 +504,21 @@ mod tests {
         // A refusal is a refusal, marked or not.
         assert_eq!(refused(Fingerprint::new().arg_unless_default("rate", &Some(f64::NAN))), "rate");
         assert_eq!(refused(Fingerprint::new().arg_unless_default("rate", &f64::INFINITY)), "rate");
+    }
+
+    /// Regression (found by fuzzing: `fuzz/`, target `canonical_json`):
+    /// `-0.0` and `0.0` are equal as values (serde_json's `Value`, and
+    /// `f64`), but were written `-0.0` and `0.0`: the same arguments had two
+    /// fingerprints, and a retry could be refused as another request.
+    #[test]
+    fn negative_zero_is_zero() {
+        let zero = Fingerprint::new().arg("amount", &0.0).finish().unwrap();
+        assert_eq!(Fingerprint::new().arg("amount", &-0.0).finish().unwrap(), zero);
+        assert_eq!(Fingerprint::new().arg("amount", &-0.0f32).finish().unwrap(), zero);
+        let nested = serde_json::json!({ "lines": [{ "price": -0.0 }] });
+        assert_eq!(canonical_json(&nested), r#"{"lines":[{"price":0.0}]}"#);
+        // Still apart from the integer 0, which is another value.
+        assert_ne!(Fingerprint::new().arg("amount", &0).finish().unwrap(), zero);
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub mod cron;
 mod engine;
 mod error;
 mod fingerprint;
+#[cfg(fuzzing)]
+mod fuzz;
 mod gate;
 #[cfg(feature = "axum")]
 pub mod http;
@@ -113,4 +115,12 @@ pub mod __private {
     pub use crate::fingerprint::Fingerprint;
     pub use crate::spec::{Replayable, Spec, assert_replayable};
     pub use crate::steps::run_steps;
+}
+
+/// Not a stable API: the doors the fuzz targets in `fuzz/` open onto the
+/// parsers of outside bytes; only in builds with `--cfg fuzzing`.
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub mod __fuzz {
+    pub use crate::fuzz::*;
 }

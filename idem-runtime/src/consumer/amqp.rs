@@ -353,7 +353,7 @@ impl Consumer {
 }
 
 /// The settling side: one channel (in confirm mode) and its queue.
-struct Rabbit {
+pub(crate) struct Rabbit {
     channel: Channel,
     queue: String,
 }

@@ -346,7 +346,7 @@ impl Consumer {
 }
 
 /// The settling side: the JetStream context, and where dead letters go.
-struct Jet {
+pub(crate) struct Jet {
     context: jetstream::Context,
     stream: String,
     dead_letter_subject: String,

@@ -19,6 +19,10 @@ use super::{Backend, Db, ErrorClass, NewRecord, PROCESSING, Pooling, SUCCEEDED, 
 use crate::clock::Clock;
 use crate::error::Error;
 
+/// Pauses before each of [`Records::settle`]'s probes: at once, then twice
+/// more after a woken duplicate had time to insert.
+const SETTLE_PAUSES: [Duration; 3] = [Duration::ZERO, Duration::from_millis(5), Duration::from_millis(50)];
+
 /// How many attempts a deadlock or serialization failure before the body
 /// runs gets: the first and two retries.
 const CONFLICT_ATTEMPTS: u32 = 3;
@@ -158,14 +162,15 @@ impl<DB: Backend> Records<'_, DB> {
                 e
             }
         };
-        match self.settle(id).await {
+        match self.settle(id, claimed).await {
             Settled::Replay(row) => Ok(Committed::Theirs(row)),
             Settled::Busy => Err(id.in_progress()),
             Settled::Unknown => Err(db_error::<DB>(id, failure)),
         }
     }
 
-    /// After a failure once the body has run: the committed row of the key,
+    /// After a failure once the body has run (`claimed`: under a Redis
+    /// claim, the record not yet inserted): the committed row of the key,
     /// if any. Asked the way a call without a claim asks before its body
     /// (insert the record in a transaction of its own, rolled back), so it
     /// waits for a duplicate still committing, such as the winner of a
@@ -173,21 +178,25 @@ impl<DB: Backend> Records<'_, DB> {
     /// it. Bounded by `lock_wait` on the key, and twice that in all: a
     /// database in trouble must not hold back the call's own error for a
     /// pool's whole wait.
-    pub(crate) async fn settle(&self, id: &RecordKey<'_>) -> Settled {
-        // Twice when the first finds nothing: a duplicate that was waiting
-        // on our rolled-back insert may be overtaken by the probe's own
-        // insert, and only gets the key when the probe rolls back; the
-        // second probe then waits for it. Failing calls pay this, never a
-        // successful one.
+    pub(crate) async fn settle(&self, id: &RecordKey<'_>, claimed: bool) -> Settled {
+        // Again when one finds nothing: a duplicate that was waiting on our
+        // rolled-back insert may be overtaken by the probe's own insert, and
+        // only gets the key when the probe rolls back; a later probe then
+        // waits for it. Without a claim our record went in first, so a
+        // duplicate may have been waiting on it: the pauses leave it time
+        // to insert on a busy machine (seen under partitions: a deadlock's
+        // victim overtook the winner's insert twice in a row). Failing
+        // calls pay this, never a successful one.
+        let pauses = if claimed { &SETTLE_PAUSES[..2] } else { &SETTLE_PAUSES[..] };
         let probe = async {
-            for attempt in 1..=2 {
+            for &pause in pauses {
+                tokio::time::sleep(pause).await;
                 let mut tx = DB::begin_bounded(&self.db.pool, self.lock_wait).await?;
                 let probe = id.record(PROCESSING, None, self.clock.now_ms());
                 let taken = insert(self.db.pooling, &mut tx, id, &probe, Some(self.lock_wait), self.clock).await;
                 rollback(tx).await;
-                match taken? {
-                    Taken::No if attempt == 1 => continue,
-                    taken => return Ok(taken),
+                if let Taken::By(row) = taken? {
+                    return Ok(Taken::By(row));
                 }
             }
             Ok(Taken::No)

@@ -41,7 +41,7 @@ use crate::store::{Backend, TokenId};
 
 mod database;
 #[cfg(feature = "redis")]
-mod redis;
+pub(crate) mod redis;
 pub(crate) mod settings;
 
 /// Length of a token: 24 random bytes (192 bits) in base64url, unpadded.

@@ -86,7 +86,7 @@ pub(super) async fn consume<DB: Backend>(
     for _ in 0..ATTEMPTS {
         if let Some(value) = take(gate, settings, &live).await? {
             // Redis keeps a key to its own clock, a little past ours.
-            let Some(expires_at_ms) = value.parse::<u64>().ok().filter(|&at| at > now_ms) else {
+            let Some(expires_at_ms) = live_expiry(&value, now_ms) else {
                 return Ok(Found::Unknown);
             };
             mark_used(gate, settings, &owner, id.subject, expires_at_ms, now_ms).await;
@@ -94,7 +94,7 @@ pub(super) async fn consume<DB: Backend>(
         }
         let mut get = redis::cmd("GET");
         get.arg(&owner);
-        let Some(value) = answer::<Option<String>>(gate.send(&get).await)? else {
+        let Some(value) = answer::<Option<Vec<u8>>>(gate.send(&get).await)? else {
             return Ok(Found::Unknown);
         };
         let Some((state, expires_at_ms, subject)) = parse_owner(&value) else {
@@ -143,11 +143,13 @@ pub(super) async fn give_back<DB: Backend>(
 }
 
 /// `GETDEL key`, or the script doing the same where the server lacks it.
-async fn take(gate: &RedisGate, settings: &Settings, key: &str) -> Result<Option<String>, TokenError> {
+/// Bytes, not a `String`: a value that is not UTF-8 is not one this module
+/// wrote, not a failed reply (read as a `String`, it answered 503).
+async fn take(gate: &RedisGate, settings: &Settings, key: &str) -> Result<Option<Vec<u8>>, TokenError> {
     if !settings.lua() {
         let mut getdel = redis::cmd("GETDEL");
         getdel.arg(key);
-        match gate.send::<Option<String>>(&getdel).await {
+        match gate.send::<Option<Vec<u8>>>(&getdel).await {
             Reply::Value(value) => return Ok(value),
             // An error reply: the command did not run (Redis before 6.2
             // does not know it), so the script may run in its place.
@@ -192,12 +194,12 @@ async fn namespace<DB: Backend>(gate: &RedisGate, db: &Db<DB>) -> Result<Namespa
 
 /// What the owner key says of its token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Owner {
+pub(crate) enum Owner {
     Issued,
     Used,
 }
 
-fn owner_value(state: Owner, expires_at_ms: u64, subject: &str) -> String {
+pub(crate) fn owner_value(state: Owner, expires_at_ms: u64, subject: &str) -> String {
     let tag = match state {
         Owner::Issued => 'i',
         Owner::Used => 'u',
@@ -205,15 +207,21 @@ fn owner_value(state: Owner, expires_at_ms: u64, subject: &str) -> String {
     format!("{tag}:{expires_at_ms}:{subject}")
 }
 
-fn parse_owner(value: &str) -> Option<(Owner, u64, &str)> {
-    let (tag, rest) = value.split_once(':')?;
+pub(crate) fn parse_owner(value: &[u8]) -> Option<(Owner, u64, &str)> {
+    let (tag, rest) = std::str::from_utf8(value).ok()?.split_once(':')?;
     let (expires, subject) = rest.split_once(':')?;
     let state = match tag {
         "i" => Owner::Issued,
         "u" => Owner::Used,
         _ => return None,
     };
-    Some((state, expires.parse().ok()?, subject))
+    Some((state, decimal(expires)?, subject))
+}
+
+/// The expiry a live key holds (`<expires_ms>`), if it is still ahead of
+/// `now_ms`.
+pub(crate) fn live_expiry(value: &[u8], now_ms: u64) -> Option<u64> {
+    decimal(std::str::from_utf8(value).ok()?).filter(|&at| at > now_ms)
 }
 
 /// The key a `GETDEL` consumes. Neither the namespace, `biz`, the subject
@@ -226,17 +234,87 @@ fn owner_key(namespace: &Namespace, biz: &str, token: &str) -> String {
     format!("idem:{namespace}:tok.owner:{biz}:{token}")
 }
 
+/// A number as idem writes it into a Redis value: decimal digits, no
+/// sign, no leading zero. `str::parse` also takes `+5` and `05`, which idem
+/// never writes: read as numbers, such foreign values would pass for ours.
+fn decimal(text: &str) -> Option<u64> {
+    let canonical =
+        !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) && (text == "0" || !text.starts_with('0'));
+    if canonical { text.parse().ok() } else { None }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn owner_values_read_back() {
-        assert_eq!(parse_owner(&owner_value(Owner::Issued, 42, "alice")), Some((Owner::Issued, 42, "alice")));
-        assert_eq!(parse_owner(&owner_value(Owner::Used, 7, "a.b-c")), Some((Owner::Used, 7, "a.b-c")));
-        for garbage in ["", "x:1:alice", "i:x:alice", "i:1", "u"] {
+        let issued = owner_value(Owner::Issued, 42, "alice");
+        assert_eq!(parse_owner(issued.as_bytes()), Some((Owner::Issued, 42, "alice")));
+        let used = owner_value(Owner::Used, 7, "a.b-c");
+        assert_eq!(parse_owner(used.as_bytes()), Some((Owner::Used, 7, "a.b-c")));
+        for garbage in [&b""[..], b"x:1:alice", b"i:x:alice", b"i:1", b"u", b"i:1:\xff"] {
             assert_eq!(parse_owner(garbage), None, "{garbage:?}");
         }
+    }
+
+    /// Regression (found by fuzzing: `fuzz/`, target `redis_cached_value`):
+    /// a token key holding bytes that are not UTF-8 failed the conversion
+    /// of the reply, so consuming answered "Redis unavailable" (503) and
+    /// the claims backed off. It is a value this module did not write: the
+    /// token is unknown.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn values_that_are_not_utf8_are_unknown_tokens() {
+        let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let client = redis::Client::open(url).expect("redis url");
+        let mut conn = match client.get_multiplexed_async_connection().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "redis unreachable: {e}");
+                eprintln!("skipped: redis unreachable ({e})");
+                return;
+            }
+        };
+        let namespace = Namespace::new("t_unit").unwrap();
+        let clock = Arc::new(crate::clock::Clock::new(false));
+        let gate = Arc::new(RedisGate::new(
+            crate::gate::redis::Target::Single(client),
+            std::time::Duration::from_secs(2),
+            Some(namespace.clone()),
+            crate::gate::redis::DEFAULT_HOT_WINDOW,
+            Arc::clone(&clock),
+        ));
+        // The namespace is fixed: the database is never asked.
+        let pool = sqlx::sqlite::SqlitePoolOptions::new().connect_lazy("sqlite::memory:").unwrap();
+        let pool = crate::store::Db { pool, pooling: crate::store::Pooling::Session };
+        let token = crate::random::token();
+        let id = TokenId { biz: "t_bytes", token: &token, subject: "alice" };
+        let (live, owner) = (live_key(&namespace, id), owner_key(&namespace, id.biz, id.token));
+        let settings = Settings::default();
+        let now = u64::try_from(clock.now_ms()).unwrap();
+        for (key, value) in [(&live, &b"\xff9999999999999"[..]), (&owner, b"i:\xff:alice")] {
+            let _: () =
+                redis::cmd("SET").arg(key).arg(value).arg("PX").arg(60_000).query_async(&mut conn).await.unwrap();
+        }
+        // The live key's bytes: consumed by GETDEL, and no expiry in them.
+        assert_eq!(consume(&gate, &pool, &settings, id, now).await.unwrap(), Found::Unknown);
+        // Then the owner key's: not a value this module wrote.
+        assert_eq!(consume(&gate, &pool, &settings, id, now).await.unwrap(), Found::Unknown);
+        let _: i64 = redis::cmd("DEL").arg(&live).arg(&owner).query_async(&mut conn).await.unwrap();
+    }
+
+    /// Regression (found by fuzzing: `fuzz/`, target `redis_cached_value`):
+    /// an expiry with a sign or a leading zero read as one, though this
+    /// module never writes one: only what it would have written reads back.
+    #[test]
+    fn only_canonical_expiries_read_back() {
+        for garbage in [&b"u:+1800000000005:alice"[..], b"u:01800000000005:alice", b"i: 5:alice"] {
+            assert_eq!(parse_owner(garbage), None, "{garbage:?}");
+        }
+        for garbage in [&b"+1800000000005"[..], b"01800000000005", b" 1800000000005"] {
+            assert_eq!(live_expiry(garbage, 0), None, "{garbage:?}");
+        }
+        assert_eq!(live_expiry(b"1800000000005", 0), Some(1_800_000_000_005));
     }
 
     #[test]
@@ -245,7 +323,7 @@ mod tests {
         let id = TokenId { biz: "pay", token: "T", subject: "alice" };
         assert_eq!(live_key(&ns, id), "idem:n1:tok.live:pay:alice:T");
         assert_eq!(owner_key(&ns, "pay", "T"), "idem:n1:tok.owner:pay:T");
-        // A claim key is `idem:<ns>:<biz>:<key>` with `biz` in [a-z0-9_]: never `tok.live` or `tok.owner`.
-        assert!(!idem_rules::is_valid_biz("tok.live") && !idem_rules::is_valid_biz("tok.owner"));
+        // A claim key is `idem:{<ns>.<shard>}:...`, a brace where these have the namespace.
+        assert!(!live_key(&ns, id).contains('{') && !owner_key(&ns, "pay", "T").contains('{'));
     }
 }

@@ -77,8 +77,8 @@
 //! Redis older than 6.2) end it. One Redis, not a Redis Cluster.
 
 mod reader;
-mod reply;
-mod settler;
+pub(crate) mod reply;
+pub(crate) mod settler;
 
 use std::fmt::Debug;
 use std::future::Future;
@@ -185,6 +185,20 @@ impl Entry {
 
     fn payload(&self) -> Option<&[u8]> {
         self.payload_at.map(|i| self.fields[i].1.as_slice())
+    }
+
+    /// An entry read with the default field names, first delivered (for
+    /// the fuzz targets' door, `crate::fuzz`).
+    #[cfg(fuzzing)]
+    pub(crate) fn with_default_names(raw: RawEntry) -> Self {
+        let names = Names {
+            stream: String::new(),
+            group: String::new(),
+            consumer: String::new(),
+            payload_field: PAYLOAD_FIELD.to_owned(),
+            message_id_field: MESSAGE_ID_FIELD.to_owned(),
+        };
+        Entry::new(raw, 1, &names)
     }
 }
 
