@@ -26,7 +26,6 @@ mod engine;
 mod error;
 mod fingerprint;
 mod gate;
-#[cfg(feature = "axum")]
 pub mod http;
 pub mod key;
 #[cfg(feature = "metrics")]
