@@ -48,7 +48,9 @@ use serde::{Deserialize, Serialize};
 
 use super::framework::{HttpStatus, RequestHeaders, sealed};
 use super::{IdempotencyKey, IdempotencyToken, KeyOrToken, PROBLEM_JSON, ProblemDetails, observe_replay};
+use crate::engine::Idem;
 use crate::error::Error;
+use crate::store::Backend;
 use crate::token::TokenError;
 
 /// The request header carrying the caller's key.
@@ -136,6 +138,14 @@ impl FromRequest for KeyOrToken {
 
     fn from_request(request: &HttpRequest, _: &mut Payload) -> Self::Future {
         ready(Self::from_headers(request.headers()))
+    }
+}
+
+/// Lets the attribute take the engine straight from actix-web's app data:
+/// `engine = idem` with a parameter `idem: web::Data<Idem<DB>>`.
+impl<DB: Backend> AsRef<Idem<DB>> for web::Data<Idem<DB>> {
+    fn as_ref(&self) -> &Idem<DB> {
+        self.get_ref()
     }
 }
 
