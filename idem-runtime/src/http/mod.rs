@@ -1,6 +1,6 @@
 //! HTTP glue: the rules every web framework shares, and thin adapters for
-//! axum (feature `axum`, [`axum`](self::axum); its items are also here at
-//! `idem::http`) and actix-web (feature `actix`, [`actix`](self::actix)).
+//! axum (feature `axum`, [`axum`]; its items are also here at
+//! `idem::http`) and actix-web (feature `actix`, [`actix`]).
 //!
 //! The framework-free part, always built, owns the contract: the
 //! `Idempotency-Key` rule with its quoted form ([`IdempotencyKey`]), the
