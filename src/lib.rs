@@ -61,7 +61,9 @@ pub use idem_macros::{State, idempotent};
 pub use idem_runtime::amqp;
 #[cfg(feature = "cron")]
 pub use idem_runtime::cron;
-#[cfg(feature = "axum")]
+/// HTTP glue: the key, token and principal rules and problem details for
+/// any framework; adapters for axum (feature `axum`) and actix-web
+/// (feature `actix`, `idem::http::actix`).
 pub use idem_runtime::http;
 #[cfg(feature = "metrics")]
 pub use idem_runtime::metrics;

@@ -8,7 +8,6 @@
 use serde_json::Value;
 
 /// A request refused before the handler runs, as the caller sees it.
-#[cfg(feature = "axum")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refusal {
     /// The HTTP status.
@@ -21,38 +20,35 @@ pub struct Refusal {
     pub body: String,
 }
 
-#[cfg(feature = "axum")]
-impl From<crate::http::Problem> for Refusal {
-    fn from(problem: crate::http::Problem) -> Self {
+impl From<crate::http::ProblemDetails> for Refusal {
+    fn from(problem: crate::http::ProblemDetails) -> Self {
         let body = problem.body();
-        Refusal { status: problem.status.as_u16(), code: problem.code, detail: problem.detail, body }
+        Refusal { status: problem.status, code: problem.code, detail: problem.detail, body }
     }
 }
 
-/// Appends `values` to `headers`, one line each, under `name`; `None` when
-/// the `http` crate refuses a value (a server never sees such a request).
+/// Whether an HTTP server would hand these header values on at all (the
+/// `http` crate's rule: no control bytes but tab): `None` otherwise.
 #[cfg(feature = "axum")]
-fn append(headers: &mut http::HeaderMap, name: &http::HeaderName, values: &[&[u8]]) -> Option<()> {
-    for value in values {
-        headers.try_append(name, http::HeaderValue::from_bytes(value).ok()?).ok()?;
-    }
-    Some(())
+fn receivable(values: &[&[u8]]) -> Option<()> {
+    values.iter().all(|v| http::HeaderValue::from_bytes(v).is_ok()).then_some(())
 }
 
-/// The `Idempotency-Key` extractor on a request with these header lines.
+/// The `Idempotency-Key` rule on a request with these header lines, as
+/// every HTTP adapter applies it (the framework-free core).
 #[cfg(feature = "axum")]
 pub fn idempotency_key(values: &[&[u8]]) -> Option<Result<String, Refusal>> {
-    let mut headers = http::HeaderMap::new();
-    append(&mut headers, &crate::http::IDEMPOTENCY_KEY, values)?;
-    Some(crate::http::IdempotencyKey::from_headers(&headers).map(|key| key.0).map_err(Refusal::from))
+    receivable(values)?;
+    let found = crate::http::IdempotencyKey::from_header_values(values.iter().copied());
+    Some(found.map(|key| key.0).map_err(Refusal::from))
 }
 
-/// The `Idempotency-Token` extractor (`Ok(None)`: no such header).
+/// The `Idempotency-Token` rule (`Ok(None)`: no such header).
 #[cfg(feature = "axum")]
 pub fn idempotency_token(values: &[&[u8]]) -> Option<Result<Option<String>, Refusal>> {
-    let mut headers = http::HeaderMap::new();
-    append(&mut headers, &crate::http::IDEMPOTENCY_TOKEN, values)?;
-    Some(crate::http::IdempotencyToken::from_headers(&headers).map(|t| t.map(|t| t.0)).map_err(Refusal::from))
+    receivable(values)?;
+    let found = crate::http::IdempotencyToken::from_header_values(values.iter().copied());
+    Some(found.map(|t| t.map(|t| t.0)).map_err(Refusal::from))
 }
 
 /// `KeyOrToken` on a request with these key and token header lines:
@@ -60,20 +56,18 @@ pub fn idempotency_token(values: &[&[u8]]) -> Option<Result<Option<String>, Refu
 #[cfg(feature = "axum")]
 pub fn key_or_token(keys: &[&[u8]], tokens: &[&[u8]]) -> Option<Result<(bool, String), Refusal>> {
     use crate::http::KeyOrToken;
-    let mut headers = http::HeaderMap::new();
-    append(&mut headers, &crate::http::IDEMPOTENCY_KEY, keys)?;
-    append(&mut headers, &crate::http::IDEMPOTENCY_TOKEN, tokens)?;
-    let found = KeyOrToken::from_headers(&headers).map_err(Refusal::from);
+    receivable(keys)?;
+    receivable(tokens)?;
+    let found = KeyOrToken::from_header_values(keys.iter().copied(), tokens.iter().copied()).map_err(Refusal::from);
     Some(found.map(|found| match found {
         KeyOrToken::Key(key) => (true, key.0),
         KeyOrToken::Token(token) => (false, token.0),
     }))
 }
 
-/// `check_principal`.
-#[cfg(feature = "axum")]
+/// The principal rule.
 pub fn check_principal(principal: &str) -> Result<(), Refusal> {
-    crate::http::check_principal(principal).map_err(Refusal::from)
+    crate::http::validate_principal(principal).map_err(Refusal::from)
 }
 
 /// What the claim gate makes of a value its claim script hands back: a

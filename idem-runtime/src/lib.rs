@@ -26,7 +26,6 @@ mod fingerprint;
 #[cfg(fuzzing)]
 mod fuzz;
 mod gate;
-#[cfg(feature = "axum")]
 pub mod http;
 pub mod key;
 #[cfg(feature = "metrics")]

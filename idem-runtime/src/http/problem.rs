@@ -1,0 +1,341 @@
+//! Problem details (RFC 9457): what every refusal and failure answers, with
+//! a stable `code`, whatever the framework. Each adapter only writes them
+//! out (status, `application/problem+json` body, `Retry-After`).
+
+use std::fmt;
+
+use serde::Serialize;
+
+use super::framework::HttpStatus;
+use crate::error::{Error, KeyError};
+use crate::key::MAX_KEY_LEN;
+use crate::token::TokenError;
+
+/// The media type of error bodies.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+const BAD_REQUEST: u16 = 400;
+const FORBIDDEN: u16 = 403;
+const CONFLICT: u16 = 409;
+const UNPROCESSABLE_ENTITY: u16 = 422;
+const INTERNAL_SERVER_ERROR: u16 = 500;
+const SERVICE_UNAVAILABLE: u16 = 503;
+
+/// What a key may be, for details: the header's rule.
+pub(crate) const KEY_RULE: &str = "keys are 8 to 255 characters from A-Z a-z 0-9 _ . : -, bare or in double quotes";
+
+/// An `application/problem+json` error answer (RFC 9457) with a stable
+/// `code`, its status spelled as the framework spells it: `u16` in the
+/// framework-free core, [`http::Problem`](crate::http::Problem) for axum,
+/// [`http::actix::Problem`](crate::http::actix::Problem) for actix-web.
+/// Built from an [`Error`] or a [`TokenError`] (`Problem::from(&error)`),
+/// by the key and token rules, or by the principal check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProblemDetails<S = u16> {
+    /// The HTTP status.
+    pub status: S,
+    /// Stable, machine-readable code, e.g. `IDEMPOTENCY_KEY_REUSED`.
+    pub code: &'static str,
+    /// Short summary of the kind of problem.
+    pub title: &'static str,
+    /// What happened this time (never the key itself).
+    pub detail: String,
+    /// Seconds for a `Retry-After` header, when asking again may help.
+    pub retry_after: Option<u32>,
+}
+
+/// The JSON body of a problem.
+#[derive(Serialize)]
+struct Body<'a> {
+    #[serde(rename = "type")]
+    kind: String,
+    title: &'a str,
+    status: u16,
+    code: &'a str,
+    detail: &'a str,
+}
+
+impl<S: HttpStatus> ProblemDetails<S> {
+    pub(crate) fn new(status: u16, code: &'static str, title: &'static str, detail: String) -> Self {
+        ProblemDetails { status: S::from_code(status), code, title, detail, retry_after: None }
+    }
+
+    /// A token that is forged, malformed, expired, or issued to another
+    /// caller: 403 `IDEMPOTENCY_TOKEN_INVALID`, alike for all (the caller
+    /// learns nothing about other callers' tokens).
+    pub fn token_invalid() -> Self {
+        ProblemDetails::new(
+            FORBIDDEN,
+            "IDEMPOTENCY_TOKEN_INVALID",
+            "Idempotency token invalid",
+            "the Idempotency-Token is unknown, expired, or was issued to another caller; \
+             ask for a new one; nothing was written"
+                .into(),
+        )
+    }
+
+    /// The `type` URI: `urn:idem:problem:` and the code in kebab case.
+    pub fn type_uri(&self) -> String {
+        format!("urn:idem:problem:{}", self.code.to_ascii_lowercase().replace('_', "-"))
+    }
+
+    /// The JSON body, as sent.
+    pub fn body(&self) -> String {
+        let body = Body {
+            kind: self.type_uri(),
+            title: self.title,
+            status: self.status.code(),
+            code: self.code,
+            detail: &self.detail,
+        };
+        serde_json::to_string(&body).expect("a problem body serializes")
+    }
+
+    /// The same problem, its status spelled by another framework.
+    pub(crate) fn convert<T: HttpStatus>(self) -> ProblemDetails<T> {
+        let ProblemDetails { status, code, title, detail, retry_after } = self;
+        ProblemDetails { status: T::from_code(status.code()), code, title, detail, retry_after }
+    }
+}
+
+impl ProblemDetails {
+    pub(crate) fn missing_key() -> Self {
+        ProblemDetails::new(
+            BAD_REQUEST,
+            "MISSING_IDEMPOTENCY_KEY",
+            "Idempotency-Key header required",
+            "send an Idempotency-Key header of 8 to 255 characters from A-Z a-z 0-9 _ . : -, \
+             and the same value again when retrying"
+                .into(),
+        )
+    }
+
+    pub(crate) fn missing_key_or_token() -> Self {
+        ProblemDetails::new(
+            BAD_REQUEST,
+            "MISSING_IDEMPOTENCY_KEY",
+            "Idempotency-Key or Idempotency-Token header required",
+            "send the Idempotency-Token the server issued for this form, or an Idempotency-Key header of \
+             8 to 255 characters from A-Z a-z 0-9 _ . : -, and the same value again when retrying"
+                .into(),
+        )
+    }
+
+    pub(crate) fn invalid_key(detail: String) -> Self {
+        ProblemDetails::new(BAD_REQUEST, "INVALID_IDEMPOTENCY_KEY", "Invalid idempotency key", detail)
+    }
+
+    /// The header breaks the key rule. `reason` shows an offending character
+    /// only as visible ASCII or a code point (see `KeyError`'s `Display`).
+    pub(crate) fn invalid_header_key(reason: &KeyError) -> Self {
+        ProblemDetails::invalid_key(format!("the Idempotency-Key header is invalid ({reason}); {KEY_RULE}"))
+    }
+
+    pub(crate) fn invalid_principal(title: &'static str, detail: String) -> Self {
+        ProblemDetails::new(BAD_REQUEST, "INVALID_PRINCIPAL", title, detail)
+    }
+
+    /// What an adapter answers for `error`; a server-side failure is logged
+    /// here with its cause, which the body hides from the caller.
+    #[cfg(any(feature = "axum", feature = "actix"))]
+    pub(crate) fn answering(error: &Error) -> Self {
+        let problem = of_error(error);
+        if problem.status >= INTERNAL_SERVER_ERROR {
+            tracing::error!(error = %error, "idempotent request failed");
+        }
+        problem
+    }
+
+    /// As `answering`, for a token's failure.
+    #[cfg(any(feature = "axum", feature = "actix"))]
+    pub(crate) fn answering_token(error: &TokenError) -> Self {
+        let problem = of_token_error(error);
+        if problem.status >= INTERNAL_SERVER_ERROR {
+            tracing::error!(error = %error, "idempotency token failed");
+        }
+        problem
+    }
+}
+
+impl<S> fmt::Display for ProblemDetails<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.code, self.detail)
+    }
+}
+
+fn of_error(error: &Error) -> ProblemDetails {
+    match error {
+        // Not the client's key: the `biz_no` comes from the request's
+        // arguments, the `biz` from the server's code.
+        Error::BizNoTooLong { len, max } => ProblemDetails::new(
+            BAD_REQUEST,
+            "INVALID_BIZ_NO",
+            "Business number too long",
+            format!("the request's business number is {len} bytes long, at most {max} are allowed; nothing was written"),
+        ),
+        Error::InvalidBiz => ProblemDetails::new(
+            INTERNAL_SERVER_ERROR,
+            "IDEMPOTENCY_MISCONFIGURED",
+            "Idempotency misconfigured on the server",
+            "the server names this action in a way idempotency does not accept; nothing was written".into(),
+        ),
+        // The key as the fn rendered it, the caller's scope included.
+        Error::InvalidKey(reason) => ProblemDetails::invalid_key(format!(
+            "the idempotency key, with the scope the server adds to it, is invalid ({reason}); \
+             the whole must be at most {MAX_KEY_LEN} characters from A-Z a-z 0-9 _ . : -"
+        )),
+        Error::InProgress { .. } => ProblemDetails {
+            retry_after: Some(1),
+            ..ProblemDetails::new(
+                CONFLICT,
+                "IDEMPOTENCY_KEY_IN_PROGRESS",
+                "Request with this idempotency key is in progress",
+                "a request with the same idempotency key is still being processed; \
+                 retry later with the same key to receive its result"
+                    .into(),
+            )
+        },
+        Error::KeyReused { .. } => ProblemDetails::new(
+            UNPROCESSABLE_ENTITY,
+            "IDEMPOTENCY_KEY_REUSED",
+            "Idempotency key reused with another request",
+            "this idempotency key was already used for a request with other parameters; \
+             use a new key for a new request"
+                .into(),
+        ),
+        Error::Storage(_) => ProblemDetails::new(
+            SERVICE_UNAVAILABLE,
+            "IDEMPOTENCY_STORAGE_UNAVAILABLE",
+            "Idempotency storage unavailable",
+            "the request could not be completed; retry with the same key: it runs once, or answers with what was recorded".into(),
+        ),
+        Error::Replay { .. } => ProblemDetails::new(
+            INTERNAL_SERVER_ERROR,
+            "IDEMPOTENCY_REPLAY_FAILED",
+            "Stored response cannot be replayed",
+            "the request was already processed, but its stored response can no longer be read".into(),
+        ),
+        Error::Serialize(_) => ProblemDetails::new(
+            INTERNAL_SERVER_ERROR,
+            "IDEMPOTENCY_SERIALIZE_FAILED",
+            "Request cannot be made idempotent",
+            "the request or its result could not be serialized; nothing was written".into(),
+        ),
+        Error::NonFiniteFloat { .. } => ProblemDetails::new(
+            UNPROCESSABLE_ENTITY,
+            "NON_FINITE_NUMBER",
+            "Request holds a number that is not finite",
+            "a number in the request is NaN or infinite, which cannot be told apart from no number; \
+             nothing was written"
+                .into(),
+        ),
+        // The handler's own error type usually answers this one; the
+        // recorded failure is the application's to show, not this layer's.
+        Error::Permanent { .. } => ProblemDetails::new(
+            UNPROCESSABLE_ENTITY,
+            "IDEMPOTENT_REQUEST_FAILED",
+            "Request failed permanently",
+            "the request failed for good and its failure was recorded; \
+             a retry with the same key gets this answer again"
+                .into(),
+        ),
+        Error::InvalidStep { .. } => ProblemDetails::new(
+            INTERNAL_SERVER_ERROR,
+            "IDEMPOTENCY_MISCONFIGURED",
+            "Idempotency misconfigured on the server",
+            "the server calls an outside service in a way idempotency does not accept; nothing was called".into(),
+        ),
+    }
+}
+
+fn of_token_error(error: &TokenError) -> ProblemDetails {
+    match error {
+        TokenError::Refused(_) => ProblemDetails::token_invalid(),
+        TokenError::InvalidSubject { .. } => ProblemDetails::invalid_principal(
+            "Caller identity cannot hold an idempotency token",
+            format!(
+                "the caller's identity cannot hold an idempotency token; it must be 1 to {} \
+                 characters from A-Z a-z 0-9 _ . -",
+                super::principal::MAX_PRINCIPAL_LEN
+            ),
+        ),
+        TokenError::Unavailable(_) | TokenError::Storage(_) => ProblemDetails {
+            retry_after: Some(1),
+            ..ProblemDetails::new(
+                SERVICE_UNAVAILABLE,
+                "IDEMPOTENCY_STORAGE_UNAVAILABLE",
+                "Idempotency storage unavailable",
+                "the idempotency token could not be checked or issued; retry with the same token: \
+                 nothing was decided"
+                    .into(),
+            )
+        },
+        TokenError::Random(_) => ProblemDetails::new(
+            SERVICE_UNAVAILABLE,
+            "IDEMPOTENCY_TOKEN_UNAVAILABLE",
+            "Idempotency token cannot be issued",
+            "no idempotency token could be issued right now; ask again later".into(),
+        ),
+        // `biz` or ttl: the server's code, not the request.
+        TokenError::InvalidBiz | TokenError::InvalidTtl => ProblemDetails::new(
+            INTERNAL_SERVER_ERROR,
+            "IDEMPOTENCY_MISCONFIGURED",
+            "Idempotency misconfigured on the server",
+            "the server names this action or its token lifetime in a way idempotency does not accept; \
+             nothing was written"
+                .into(),
+        ),
+    }
+}
+
+impl<S: HttpStatus> From<&Error> for ProblemDetails<S> {
+    fn from(error: &Error) -> Self {
+        of_error(error).convert()
+    }
+}
+
+impl<S: HttpStatus> From<Error> for ProblemDetails<S> {
+    fn from(error: Error) -> Self {
+        ProblemDetails::from(&error)
+    }
+}
+
+impl<S: HttpStatus> From<&TokenError> for ProblemDetails<S> {
+    fn from(error: &TokenError) -> Self {
+        of_token_error(error).convert()
+    }
+}
+
+impl<S: HttpStatus> From<TokenError> for ProblemDetails<S> {
+    fn from(error: TokenError) -> Self {
+        ProblemDetails::from(&error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression: a bad `biz_no` or `biz` was answered "the idempotency key
+    /// is invalid", blaming the client's key for the server's arguments.
+    #[test]
+    fn biz_errors_do_not_blame_the_key() {
+        let biz_no = ProblemDetails::<u16>::from(&Error::BizNoTooLong { len: 65, max: 64 });
+        assert_eq!(
+            biz_no.detail,
+            "the request's business number is 65 bytes long, at most 64 are allowed; nothing was written"
+        );
+        let biz = ProblemDetails::<u16>::from(&Error::InvalidBiz);
+        let float = ProblemDetails::<u16>::from(&Error::NonFiniteFloat { arg: "amount" });
+        for problem in [biz_no, biz, float] {
+            assert!(!problem.detail.contains("key") && !problem.title.contains("key"), "{problem:?}");
+            assert!(!problem.detail.contains("amount"), "{problem:?}");
+        }
+    }
+
+    #[test]
+    fn storage_details_stay_out_of_the_body() {
+        let error = Error::Storage(sqlx::Error::Protocol("password=hunter2".into()));
+        assert!(!ProblemDetails::<u16>::from(&error).body().contains("hunter2"));
+    }
+}
