@@ -14,12 +14,17 @@
 //! - [`galera`]: a private three-node MariaDB Galera cluster.
 //! - [`soak`]: the fault-injection soak with reconciliation, and the storm
 //!   (`tests/soak.rs`, `tests/cluster.rs`).
+//! - [`nemesis`]: partitions on a schedule between engine processes and
+//!   their servers, and the checker of the calls' history
+//!   (`tests/nemesis.rs`).
 //!
 //! The features mirror the facade's (the root `Cargo.toml` forwards its own
 //! to these): a backend's items exist when the tests were built for it.
 
 pub mod backend;
 pub mod galera;
+#[cfg(all(feature = "redis", any(feature = "mysql", feature = "postgres")))]
+pub mod nemesis;
 mod redis_entries;
 pub mod servers;
 mod services;

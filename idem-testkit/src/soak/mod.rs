@@ -40,6 +40,7 @@ pub use reconcile::{CallEnd, KeyLog, Receipt, SoakError, Tables, Tally, reconcil
 pub use report::Report;
 pub use run::{Ctx, Running, Storm, body, call, distinct_keys, engines, soak, storm};
 pub use schedule::{Config, Fault, Plan, Rng, schedule};
+pub(crate) use schedule::seed_from_env;
 
 use crate::TestBackend;
 
