@@ -21,8 +21,11 @@
 //!   own process's database path was cut ([`Window::touches`], with
 //!   `grace` after the heal);
 //! - no failure the cuts do not explain, on any key: the same storage
-//!   failures only while the database path was cut, and never a `Replay`
-//!   error or anything else;
+//!   failures only while the call's own database path was cut, or beside
+//!   a call of the key whose process's database path was cut during both
+//!   (its transaction, left open on the server, can deadlock with this
+//!   one: a contention the engine cannot settle); never a `Replay` error
+//!   or anything else;
 //! - `InProgress` only while a call could have been running: another call
 //!   `a` of the key started before this one ended, and this one started
 //!   before `a`'s hold ended. `a`'s hold ends with `a`, unless a cut of
@@ -68,6 +71,8 @@ pub struct Verdict {
     pub failures_while_cut: u64,
     /// ... of which to a duplicate of a committed call.
     pub failures_after_commit: u64,
+    /// Storage failures beside a concurrent call whose database path was cut.
+    pub failures_by_partner: u64,
     /// Keys called by more than one process.
     pub keys_shared: u64,
     /// Keys with calls of two processes running at once.
@@ -181,6 +186,19 @@ impl<'w> Cuts<'w> {
         self.touching(call.proc, Path::Db, call.start_us, call.end_us, bounds.grace_us).next().is_some()
     }
 
+    /// A call of the key running beside `call` while its own process's
+    /// database path was cut: its transaction, left open on the server by
+    /// the cut, can deadlock with `call`'s or be waited for past the bound.
+    fn cut_partner<'c>(&self, call: &Call, calls: &[&'c Call], bounds: &Bounds) -> Option<&'c Call> {
+        calls.iter().copied().find(|a| {
+            !std::ptr::eq(*a, call)
+                && a.start_us < call.end_us
+                && self.touching(a.proc, Path::Db, a.start_us, a.end_us, bounds.grace_us).any(|w| {
+                    w.touches(call.start_us, call.end_us, bounds.grace_us)
+                })
+        })
+    }
+
     /// Until when `call` may have held its key (see the module's docs).
     fn hold_end(&self, call: &Call, bounds: &Bounds) -> i64 {
         let mut end = call.end_us;
@@ -261,9 +279,21 @@ fn check_key(key: &str, calls: &[&Call], truth: &Truth<'_>, cuts: &Cuts<'_>, bou
                 let kind = failure.kind();
                 bad.push(format!("{key}: a duplicate of a committed call answered {kind}: {}", line(call)));
             }
+            Answer::Storage | Answer::BodyDb | Answer::Timeout if cuts.cut_partner(call, calls, bounds).is_some() => {
+                verdict.failures_by_partner += 1;
+            }
             failure => {
                 let kind = failure.kind();
-                bad.push(format!("{key}: {kind} with its database path whole: {}", line(call)));
+                let around: Vec<String> = calls
+                    .iter()
+                    .filter(|a| !std::ptr::eq(**a, *call) && a.start_us < call.end_us && call.start_us < a.end_us)
+                    .map(|a| line(a))
+                    .collect();
+                bad.push(format!(
+                    "{key}: {kind} with no database path cut, its own or a concurrent call's: {}\n  concurrent: {}",
+                    line(call),
+                    around.join("\n  concurrent: ")
+                ));
             }
         }
     }

@@ -1,9 +1,9 @@
 //! One engine process: the test binary run again with [`CHILD_ENV`] set
 //! (by [`super::run`]), its own `Idem` over the run's database and Redis,
 //! both reached through its own proxies. It connects, says `IDEM-READY`,
-//! waits for a line on stdin (all processes start together), makes its
-//! calls from several tasks, appends each to its history file, and says
-//! `IDEM-DONE <calls>`.
+//! waits for `go <start µs>` on stdin (all processes share the start),
+//! makes its calls from several tasks, each when it is due, appends each
+//! to its history file, and says `IDEM-DONE <calls>`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -41,6 +41,7 @@ pub struct Orders {
     pub calls_per_proc: usize,
     pub keys: usize,
     pub tasks: usize,
+    pub interval_us: i64,
     pub history: PathBuf,
 }
 
@@ -52,6 +53,7 @@ impl Orders {
             calls_per_proc: self.calls_per_proc,
             keys: self.keys,
             tasks: self.tasks,
+            interval: Duration::from_micros(self.interval_us as u64),
             deadline: Duration::MAX,
             seed: self.seed,
         }
@@ -101,7 +103,10 @@ async fn child<B: NemesisBackend>(orders: Orders) {
     }
     drop(warm);
     println!("IDEM-READY");
-    wait_for_line().await;
+    let start_us: i64 = match wait_for_line().await.split_once(' ') {
+        Some(("go", at)) => at.trim().parse().expect("a start time"),
+        _ => panic!("expected `go <start µs>`"),
+    };
 
     let ctx = Arc::new(Ctx::new(orders.run.clone()));
     let plans = Arc::new(calls(&orders.config(), orders.proc));
@@ -111,10 +116,16 @@ async fn child<B: NemesisBackend>(orders: Orders) {
     for t in 0..orders.tasks {
         let (idem, ctx, plans, recorder, next) = (idem.clone(), ctx.clone(), plans.clone(), recorder.clone(), next.clone());
         let mut rng = stream(orders.seed, 0x7A5C_0000 + (orders.proc * 1_000 + t) as u64);
-        let proc = orders.proc;
+        let (proc, interval_us) = (orders.proc, orders.interval_us);
         tasks.push(tokio::spawn(async move {
             let mut made = 0;
-            while let Some(plan) = plans.get(next.fetch_add(1, SeqCst)).copied() {
+            loop {
+                let i = next.fetch_add(1, SeqCst);
+                let Some(plan) = plans.get(i).copied() else { break };
+                let due = start_us + i as i64 * interval_us - now_us();
+                if due > 0 {
+                    tokio::time::sleep(Duration::from_micros(due as u64)).await;
+                }
                 for _ in 0..=RETRIES {
                     let call = one_call::<B>(&idem, &ctx, plan, proc).await;
                     recorder.append(&call);
@@ -143,6 +154,10 @@ async fn one_call<B: NemesisBackend>(idem: &Idem<B::Db>, ctx: &Ctx, plan: Plan, 
     let answered = tokio::time::timeout(CALL_DEADLINE, idem::observe(pay::<B>(idem, key.clone(), amount, ctx, plan)));
     let answered = answered.await;
     let end_us = now_us();
+    let detail = match &answered {
+        Ok((Err(e), _)) => Some(format!("{e:?}")),
+        _ => None,
+    };
     let answer = match answered {
         Err(_elapsed) => Answer::Timeout,
         Ok((Ok(receipt), outcome)) => {
@@ -162,17 +177,18 @@ async fn one_call<B: NemesisBackend>(idem: &Idem<B::Db>, ctx: &Ctx, plan: Plan, 
             other => Answer::Other(format!("{other:?}")),
         },
     };
-    Call { proc, key, amount, start_us, end_us, answer }
+    Call { proc, key, amount, start_us, end_us, answer, detail }
 }
 
 /// Waits for a line on stdin; a closed stdin (the parent died) ends the
 /// process rather than letting it call on.
-async fn wait_for_line() {
+async fn wait_for_line() -> String {
     let read = tokio::task::spawn_blocking(|| {
         let mut line = String::new();
-        std::io::stdin().read_line(&mut line).map(|n| n > 0)
+        std::io::stdin().read_line(&mut line).map(|n| (n > 0).then_some(line))
     });
-    if !matches!(read.await, Ok(Ok(true))) {
-        std::process::exit(3);
+    match read.await {
+        Ok(Ok(Some(line))) => line,
+        _ => std::process::exit(3),
     }
 }

@@ -57,10 +57,11 @@ impl EngineProcess {
         }
     }
 
-    /// Lets a process waiting for its go start.
-    pub fn go(&mut self) {
+    /// Lets a process waiting for its go start at `start_us` (wall clock).
+    pub fn go(&mut self, start_us: i64) {
         let stdin = self.stdin.as_mut().expect("stdin");
-        stdin.write_all(b"go\n").and_then(|()| stdin.flush()).expect("write to an engine process");
+        let line = format!("go {start_us}\n");
+        stdin.write_all(line.as_bytes()).and_then(|()| stdin.flush()).expect("write to an engine process");
     }
 
     /// Waits for the process to exit (it has said it is done); blocking.

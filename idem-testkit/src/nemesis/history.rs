@@ -29,6 +29,9 @@ pub struct Call {
     pub start_us: i64,
     pub end_us: i64,
     pub answer: Answer,
+    /// The error's text, for a failure: what a violation's report shows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 /// What a call was answered, as the caller could tell.

@@ -44,7 +44,7 @@ impl Summary {
              processes cut at once: {widths}; process-path windows={windows}\n  \
              answers: {answers}\n  \
              allowed: in_progress while another ran={ipr}, within a hold={iph}; storage failures while its db path \
-             was cut={fc} (to duplicates of committed calls={fac})\n  \
+             was cut={fc} (to duplicates of committed calls={fac}), beside a call whose db path was cut={fbp}\n  \
              keys called by several processes={shared}, by two at once={conc}; calls after their key committed={after}\n  \
              tables: ledger rows={ledger}, idem_record rows={records}; violations={bad}",
             label = cfg.label,
@@ -65,6 +65,7 @@ impl Summary {
             iph = v.in_progress_held,
             fc = v.failures_while_cut,
             fac = v.failures_after_commit,
+            fbp = v.failures_by_partner,
             shared = v.keys_shared,
             conc = v.keys_concurrent,
             after = v.after_commit,

@@ -70,6 +70,7 @@ pub async fn run<B: NemesisBackend>(cfg: &Config, child_test: &str) -> Option<Su
                 calls_per_proc: cfg.calls_per_proc,
                 keys: cfg.keys,
                 tasks: cfg.tasks,
+                interval_us: cfg.interval.as_micros() as i64,
                 history: history(proc),
             };
             EngineProcess::spawn(child_test, &orders)
@@ -78,19 +79,21 @@ pub async fn run<B: NemesisBackend>(cfg: &Config, child_test: &str) -> Option<Su
     let paths = Arc::new(paths);
     println!("nemesis {} {}: seed {} (IDEM_NEMESIS_SEED replays the schedule)", cfg.label, B::NAME, cfg.seed);
 
-    let children = blocking(move || {
+    // Every process starts on the same instant, a little ahead.
+    let (children, t0) = blocking(move || {
         let mut children = children;
         let ready_by = Instant::now() + Duration::from_secs(60);
         for child in &mut children {
             child.expect("IDEM-READY", ready_by);
         }
+        let t0 = now_us() + 100_000;
         for child in &mut children {
-            child.go();
+            child.go(t0);
         }
-        children
+        (children, t0)
     })
     .await;
-    let (t0, started) = (now_us(), Instant::now());
+    let started = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
     let log = Arc::new(Mutex::new(Log::default()));
     let lanes = [Path::Redis, Path::Db]

@@ -21,13 +21,19 @@ pub struct Config {
     pub keys: usize,
     /// Tasks calling at once in each process.
     pub tasks: usize,
+    /// First call `i` of every process is due `i × interval` after the
+    /// start, on the shared clock: the processes call the same stretch of
+    /// keys at the same time, and one a cut held back catches up at the
+    /// heal, in a burst, as clients do.
+    pub interval: Duration,
     /// How long the calls may take in all before the run is a failure.
     pub deadline: Duration,
     pub seed: u64,
 }
 
 impl Config {
-    /// The default-suite size: 4 processes × 700 first calls over 700 keys.
+    /// The default-suite size: 4 processes × 700 first calls over 700
+    /// keys, in about 28 s.
     pub fn short(label: &'static str) -> Self {
         Self {
             label,
@@ -35,14 +41,23 @@ impl Config {
             calls_per_proc: 700,
             keys: 700,
             tasks: 6,
+            interval: Duration::from_millis(40),
             deadline: Duration::from_secs(90),
             seed: seed_from_env("IDEM_NEMESIS_SEED"),
         }
     }
 
-    /// The `--ignored` size: 4 processes × 5,000 first calls over 5,000 keys.
+    /// The `--ignored` size: 4 processes × 5,000 first calls over 5,000
+    /// keys, in about 3 minutes.
     pub fn full(label: &'static str) -> Self {
-        Self { calls_per_proc: 5_000, keys: 5_000, tasks: 8, deadline: Duration::from_secs(900), ..Self::short(label) }
+        Self {
+            calls_per_proc: 5_000,
+            keys: 5_000,
+            tasks: 8,
+            interval: Duration::from_millis(36),
+            deadline: Duration::from_secs(900),
+            ..Self::short(label)
+        }
     }
 }
 
