@@ -4,7 +4,8 @@
 use idem_testkit::nemesis::{Answer, Bounds, Call, Cut, Path, Verdict, Window, check};
 use idem_testkit::soak::{Receipt, Tables};
 
-const BOUNDS: Bounds = Bounds { lease_us: 1_000_000, redis_timeout_us: 500_000, grace_us: 500_000, redis_grace_us: 1_500_000 };
+const BOUNDS: Bounds =
+    Bounds { lease_us: 1_000_000, redis_timeout_us: 500_000, grace_us: 500_000, redis_grace_us: 1_500_000 };
 
 /// The stored result of key `k` for `amount`, payment `id`.
 fn receipt(k: &str, amount: i64, id: i64) -> String {
@@ -54,10 +55,8 @@ fn only(found: Vec<String>, prefix: &str) {
 /// k executed at 0..10 (process 0), replayed at 20..30 (process 1).
 fn healthy() -> (Vec<Call>, Tables) {
     let r = receipt("k", 100, 1);
-    let calls = vec![
-        call(0, "k", 100, 0, 10, Answer::Executed(r.clone())),
-        call(1, "k", 100, 20, 30, Answer::Replayed(r)),
-    ];
+    let calls =
+        vec![call(0, "k", 100, 0, 10, Answer::Executed(r.clone())), call(1, "k", 100, 20, 30, Answer::Replayed(r))];
     (calls, tables(&[("k", 100, 1)], &[]))
 }
 

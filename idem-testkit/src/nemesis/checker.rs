@@ -132,7 +132,8 @@ impl<'t> Truth<'t> {
 }
 
 fn check_tables(truth: &Truth<'_>, bad: &mut Vec<String>) {
-    let keys: BTreeSet<&str> = truth.ledger.keys().chain(truth.records.keys()).chain(truth.orders.keys()).copied().collect();
+    let keys: BTreeSet<&str> =
+        truth.ledger.keys().chain(truth.records.keys()).chain(truth.orders.keys()).copied().collect();
     for k in keys {
         let rows = truth.ledger.get(k).map_or(&[][..], Vec::as_slice);
         if rows.len() > 1 {
@@ -193,9 +194,9 @@ impl<'w> Cuts<'w> {
         calls.iter().copied().find(|a| {
             !std::ptr::eq(*a, call)
                 && a.start_us < call.end_us
-                && self.touching(a.proc, Path::Db, a.start_us, a.end_us, bounds.grace_us).any(|w| {
-                    w.touches(call.start_us, call.end_us, bounds.grace_us)
-                })
+                && self
+                    .touching(a.proc, Path::Db, a.start_us, a.end_us, bounds.grace_us)
+                    .any(|w| w.touches(call.start_us, call.end_us, bounds.grace_us))
         })
     }
 

@@ -114,7 +114,8 @@ async fn child<B: NemesisBackend>(orders: Orders) {
     let next = Arc::new(AtomicUsize::new(0));
     let mut tasks = Vec::new();
     for t in 0..orders.tasks {
-        let (idem, ctx, plans, recorder, next) = (idem.clone(), ctx.clone(), plans.clone(), recorder.clone(), next.clone());
+        let (idem, ctx, plans, recorder, next) =
+            (idem.clone(), ctx.clone(), plans.clone(), recorder.clone(), next.clone());
         let mut rng = stream(orders.seed, 0x7A5C_0000 + (orders.proc * 1_000 + t) as u64);
         let (proc, interval_us) = (orders.proc, orders.interval_us);
         tasks.push(tokio::spawn(async move {

@@ -17,8 +17,11 @@ impl NemesisBackend for MySql {
     }
 
     fn pool_via(port: u16, database: &str, size: u32) -> Pool<sqlx::MySql> {
-        let options =
-            MySqlConnectOptions::from_str(&mysql_url()).expect("mysql url").host("127.0.0.1").port(port).database(database);
+        let options = MySqlConnectOptions::from_str(&mysql_url())
+            .expect("mysql url")
+            .host("127.0.0.1")
+            .port(port)
+            .database(database);
         MySqlPoolOptions::new().max_connections(size).acquire_timeout(ACQUIRE_TIMEOUT).connect_lazy_with(options)
     }
 }

@@ -17,8 +17,11 @@ impl NemesisBackend for Postgres {
     }
 
     fn pool_via(port: u16, database: &str, size: u32) -> Pool<sqlx::Postgres> {
-        let options =
-            PgConnectOptions::from_str(&pg_url()).expect("postgres url").host("127.0.0.1").port(port).database(database);
+        let options = PgConnectOptions::from_str(&pg_url())
+            .expect("postgres url")
+            .host("127.0.0.1")
+            .port(port)
+            .database(database);
         PgPoolOptions::new().max_connections(size).acquire_timeout(ACQUIRE_TIMEOUT).connect_lazy_with(options)
     }
 }
