@@ -120,14 +120,14 @@ async fn accept_loop(listener: TcpListener, upstream: SocketAddr, tap: Arc<watch
     }
 }
 
-/// Forwards both ways until either side closes or the connection is reset.
+/// Forwards both ways until both sides close or the connection is reset.
 async fn connection(mut client: TcpStream, mut server: TcpStream, mut watch: watch::Receiver<Tap>, born: u64) {
     let _ = (client.set_nodelay(true), server.set_nodelay(true));
-    let ended = {
+    {
         let (client_read, client_write) = client.split();
         let (server_read, server_write) = server.split();
-        let up = pump(client_read, server_write, watch.clone(), Direction::Up);
-        let down = pump(server_read, client_write, watch.clone(), Direction::Down);
+        let up = pump(client_read, server_write, watch.clone(), Direction::Up, born);
+        let down = pump(server_read, client_write, watch.clone(), Direction::Down, born);
         let reset_seen = async {
             loop {
                 if watch.borrow_and_update().resets != born || watch.changed().await.is_err() {
@@ -136,25 +136,22 @@ async fn connection(mut client: TcpStream, mut server: TcpStream, mut watch: wat
             }
         };
         tokio::select! {
-            _ = async { tokio::join!(up, down) } => End::Closed,
-            () = reset_seen => End::Reset,
+            _ = async { tokio::join!(up, down) } => {}
+            () = reset_seen => {}
         }
-    };
-    if ended == End::Reset {
+    }
+    // Whichever branch ended it: a reset resets, both ways.
+    if watch.borrow().resets != born {
         reset(client);
         reset(server);
     }
 }
 
-#[derive(PartialEq, Eq)]
-enum End {
-    Closed,
-    Reset,
-}
-
 /// Copies one direction chunk by chunk, each chunk let through only when
-/// the mode allows it; shuts the writing side down on end of file.
-async fn pump<R, W>(mut from: R, mut to: W, mut watch: watch::Receiver<Tap>, direction: Direction)
+/// the mode allows it; shuts the writing side down on end of file. A
+/// reset (a connection born before it) forwards nothing more, not even
+/// what it held: the heal that resets must not deliver a held reply.
+async fn pump<R, W>(mut from: R, mut to: W, mut watch: watch::Receiver<Tap>, direction: Direction, born: u64)
 where
     R: AsyncReadExt + Unpin,
     W: AsyncWriteExt + Unpin,
@@ -167,8 +164,11 @@ where
         };
         let read_at = Instant::now();
         loop {
-            let mode = watch.borrow_and_update().mode;
-            let held = match mode {
+            let tap = *watch.borrow_and_update();
+            if tap.resets != born {
+                return;
+            }
+            let held = match tap.mode {
                 Mode::Blackhole => true,
                 Mode::BlackholeReplies => direction == Direction::Down,
                 Mode::Delay(by) => {
@@ -183,6 +183,10 @@ where
             if watch.changed().await.is_err() {
                 return;
             }
+        }
+        // A reset may have come during a delay.
+        if watch.borrow().resets != born {
+            return;
         }
         if to.write_all(&buffer[..n]).await.is_err() {
             break;
