@@ -87,13 +87,25 @@ async fn each_mode_holds_delays_loses_or_resets_open_connections() {
     assert!(took >= Duration::from_millis(400) && took < Duration::from_millis(1500), "{took:?}");
     proxy.set(Mode::Pass);
 
-    // Replies lost: the request lands, its answer never comes; the reset
-    // at the heal ends the connection.
+    // Replies lost: the requests land, their answers never come; the reset
+    // at the heal ends the connections, the held replies undelivered (on
+    // sixteen at once: whether a held reply slips out is a race).
+    let mut more = Vec::new();
+    for _ in 0..15 {
+        more.push(TcpStream::connect(("127.0.0.1", proxy.port())).await.unwrap());
+    }
     proxy.set(Mode::BlackholeReplies);
     assert!(ask(&mut conn, b'd', SHORT).await.is_none());
-    assert_eq!(received.load(SeqCst), 4, "the request reached the server");
+    for other in &mut more {
+        assert!(ask(other, b'd', Duration::from_millis(10)).await.is_none());
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(received.load(SeqCst), 3 + 16, "the requests reached the server");
     proxy.reset_all(Mode::Pass);
     was_reset(read_one(&mut conn, SHORT).await);
+    for other in &mut more {
+        was_reset(read_one(other, SHORT).await);
+    }
 
     // Drop: open connections reset, new ones refused until the heal.
     let mut conn = TcpStream::connect(("127.0.0.1", proxy.port())).await.unwrap();
