@@ -16,7 +16,7 @@ use sqlx::Transaction;
 
 use super::NemesisBackend;
 use super::history::{Answer, Call, Recorder, now_us};
-use super::schedule::{Config, RETRIES, calls, stream};
+use super::schedule::{Config, RETRIES, calls, retry_pause, stream};
 use crate::soak::{Ctx, Plan, Receipt, SoakBackend, SoakError, body};
 
 /// Set in a child's environment: its [`Orders`], as JSON.
@@ -127,14 +127,14 @@ async fn child<B: NemesisBackend>(orders: Orders) {
                 if due > 0 {
                     tokio::time::sleep(Duration::from_micros(due as u64)).await;
                 }
-                for _ in 0..=RETRIES {
+                for n in 0..=RETRIES {
                     let call = one_call::<B>(&idem, &ctx, plan, proc).await;
                     recorder.append(&call);
                     made += 1;
                     if call.answer.is_final() {
                         break;
                     }
-                    tokio::time::sleep(rng.millis(20, 100)).await;
+                    tokio::time::sleep(retry_pause(n, &mut rng)).await;
                 }
             }
             made

@@ -150,10 +150,10 @@ pub async fn run<B: NemesisBackend>(cfg: &Config, child_test: &str) -> Option<Su
         dir.display(),
         bad.iter().take(40).cloned().collect::<Vec<_>>().join("\n")
     );
-    let missing = summary.missing();
-    assert!(missing.is_empty(), "the run never went through: {}", missing.join(", "));
     B::drop_private(admin, &db_name).await;
     remove(dir);
+    let missing = summary.missing();
+    assert!(missing.is_empty(), "the run never went through: {}", missing.join(", "));
     Some(summary)
 }
 

@@ -62,8 +62,17 @@ impl Config {
 }
 
 /// How many times a call that got no final answer (`InProgress`, a
-/// storage error, a timeout) is sent again, each time as a new history entry.
-pub const RETRIES: usize = 4;
+/// storage error, a timeout) is sent again, each time as a new history
+/// entry, after a pause that doubles from 25 ms ([`retry_pause`]): about
+/// 3 s in all, past any claim a cut can leave behind.
+pub const RETRIES: usize = 7;
+
+/// The pause before retry `n` (from 0): 25 ms doubling up to 800 ms, with
+/// up to half again at random.
+pub fn retry_pause(n: usize, rng: &mut Rng) -> Duration {
+    let base = 25u64 << n.min(5);
+    Duration::from_millis(base + rng.below(base / 2 + 1))
+}
 
 /// The first calls of process `proc`, in order. All processes walk the
 /// keys front to back at about the same pace, so most calls land on a key
