@@ -18,6 +18,9 @@
 //!   switch, cut and hold (`tests/failover/`).
 //! - [`soak`]: the fault-injection soak with reconciliation, and the storm
 //!   (`tests/soak.rs`, `tests/cluster.rs`).
+//! - [`nemesis`]: partitions on a schedule between engine processes and
+//!   their servers, and the checker of the calls' history
+//!   (`tests/nemesis.rs`).
 //!
 //! The features mirror the facade's (the root `Cargo.toml` forwards its own
 //! to these): a backend's items exist when the tests were built for it.
@@ -28,6 +31,8 @@ pub mod galera;
 pub mod pg_cluster;
 #[cfg(feature = "postgres")]
 pub mod pgbouncer;
+#[cfg(all(feature = "redis", any(feature = "mysql", feature = "postgres")))]
+pub mod nemesis;
 mod redis_entries;
 pub mod servers;
 mod services;

@@ -135,6 +135,11 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// Its loopback port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     pub fn client(&self) -> redis::Client {
         redis::Client::open(self.url()).expect("redis url")
     }

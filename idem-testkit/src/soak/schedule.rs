@@ -41,7 +41,12 @@ impl Config {
 
 /// `IDEM_SOAK_SEED`, or one from the clock (printed, so a schedule can be replayed).
 fn seed() -> u64 {
-    std::env::var("IDEM_SOAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+    seed_from_env("IDEM_SOAK_SEED")
+}
+
+/// The seed in the environment variable `var`, or one from the clock.
+pub(crate) fn seed_from_env(var: &str) -> u64 {
+    std::env::var(var).ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
         nanos as u64
     })
