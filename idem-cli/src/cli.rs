@@ -36,14 +36,20 @@ pub struct Global {
     /// The Redis of the claims and cached results (optional).
     #[arg(long, env = "IDEM_REDIS_URL", global = true, hide_env_values = true)]
     pub redis_url: Option<String>,
-    /// The namespace of the Redis keys (`idem:<namespace>:<biz>:<key>`), if
-    /// the application sets one; by default the one in table `idem_meta`.
-    #[arg(long, env = "IDEM_REDIS_NAMESPACE", global = true)]
+    /// The namespace of the Redis keys (`idem:{<namespace>.<shard>}:...`),
+    /// if the application sets one; by default the one in table `idem_meta`.
+    #[arg(long, env = "IDEM_REDIS_NAMESPACE", global = true, hide_env_values = true)]
     pub namespace: Option<String>,
     /// PostgreSQL only: the database is reached through a pooler in
     /// transaction mode (PgBouncer, RDS Proxy, Supavisor). Statements then
     /// go unnamed, each in a transaction of its own.
-    #[arg(long, env = "IDEM_TRANSACTION_POOLER", global = true, value_parser = clap::builder::BoolishValueParser::new())]
+    #[arg(
+        long,
+        env = "IDEM_TRANSACTION_POOLER",
+        global = true,
+        hide_env_values = true,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
     pub transaction_pooler: bool,
 }
 

@@ -478,5 +478,10 @@ fn no_database_is_a_usage_error_and_an_unreachable_one_a_failure() {
     assert_eq!(run(Some("oracle://x")), Some(3));
     let help = Command::new(env!("CARGO_BIN_EXE_idem")).arg("--help").output().unwrap();
     assert_eq!(help.status.code(), Some(0));
-    assert!(String::from_utf8_lossy(&help.stdout).contains("idem reconcile --biz pay --table payments"));
+    let shown = String::from_utf8_lossy(&help.stdout);
+    assert!(shown.contains("idem reconcile --biz pay --table payments"));
+    // Environment variables are named, never shown with a value (set or not).
+    for var in ["IDEM_DATABASE_URL", "IDEM_REDIS_URL", "IDEM_REDIS_NAMESPACE", "IDEM_TRANSACTION_POOLER"] {
+        assert!(shown.contains(&format!("[env: {var}]")), "{var}: {shown}");
+    }
 }

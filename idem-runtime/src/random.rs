@@ -2,11 +2,8 @@
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::clock;
-use crate::fingerprint::push_lower_hex;
 
 /// Appends 128 bits as 32 lowercase hex digits that no other call of this
 /// process returns (the low half is a counter) nor, in practice, any other
@@ -14,13 +11,16 @@ use crate::fingerprint::push_lower_hex;
 /// time of the call, so that a forked child or a clone of a memory snapshot,
 /// which copy the counter, still draw their own). Claims take one on every
 /// call, replays included: no hashing and no allocation here.
+#[cfg(any(feature = "redis", test))]
 pub(crate) fn push_token(out: &mut String) {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
     static PROCESS: OnceLock<u64> = OnceLock::new();
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let process = *PROCESS.get_or_init(random_u64);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let high = process ^ clock::now_nanos() as u64; // the low 64 bits: they change every call
-    push_lower_hex(out, &(u128::from(high) << 64 | u128::from(n)).to_be_bytes());
+    crate::fingerprint::push_lower_hex(out, &(u128::from(high) << 64 | u128::from(n)).to_be_bytes());
 }
 
 /// A [`push_token`] of its own.

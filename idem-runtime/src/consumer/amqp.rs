@@ -78,6 +78,9 @@
 //! this module holds what RabbitMQ does differently (a retry is a
 //! republished copy carrying its count; the broker dead-letters).
 
+/// The RabbitMQ client the runner takes its [`Channel`](lapin::Channel) from, re-exported so the
+/// versions match: `idem::amqp::lapin::Connection::connect(..)`.
+pub use lapin;
 use std::fmt::Debug;
 use std::future::{Future, poll_fn};
 use std::pin::Pin;

@@ -51,7 +51,7 @@ const TOKEN_BYTES: usize = 24;
 /// Longest subject: the principal rule of `idem::http::check_principal`.
 pub const MAX_SUBJECT_LEN: usize = 64;
 pub use settings::DEFAULT_USED_FOR;
-pub(crate) use settings::Settings;
+
 /// How many times a token is drawn when the one drawn is already taken
 /// (never seen with 192 bits; bounded all the same).
 const ISSUE_ATTEMPTS: usize = 3;

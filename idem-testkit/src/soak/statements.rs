@@ -8,6 +8,7 @@ use sqlx::Transaction;
 use super::{Ctx, Plan, Receipt, SoakBackend, SoakError, body};
 
 /// The SQL of the statements every backend runs in the same shape.
+#[cfg(any(feature = "mysql", feature = "postgres"))]
 pub(crate) struct SoakQueries {
     /// Pays the order `(run, k)` if it is pending (binds: run, k).
     pub pay_order: &'static str,
@@ -28,6 +29,7 @@ pub(crate) struct SoakQueries {
 }
 
 /// Writes the [`SoakBackend`] methods that differ only in SQL text.
+#[cfg(any(feature = "mysql", feature = "postgres"))]
 macro_rules! soak_statements {
     ($q:expr) => {
         async fn tables(pool: &::sqlx::Pool<Self::Db>, run: &str) -> $crate::soak::Tables {
@@ -72,6 +74,7 @@ macro_rules! soak_statements {
         }
     };
 }
+#[cfg(any(feature = "mysql", feature = "postgres"))]
 pub(crate) use soak_statements;
 
 /// The soak's call: [`body`] under `#[idempotent]`.
