@@ -40,6 +40,7 @@ pub use faults::{INJECTED_PANIC, RedisSetup, Tag, quiet_injected_panics, redis_f
 pub use reconcile::{CallEnd, KeyLog, Receipt, SoakError, Tables, Tally, reconcile};
 pub use report::Report;
 pub use run::{Ctx, Running, Storm, body, call, distinct_keys, engines, soak, storm};
+#[cfg(any(feature = "mysql", feature = "postgres"))]
 pub(crate) use schedule::seed_from_env;
 pub use schedule::{Config, Fault, Plan, Rng, schedule};
 
