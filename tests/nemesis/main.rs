@@ -46,12 +46,11 @@ mod postgres {
 
     use super::run;
 
-    /// Out of the default suite while it finds what it finds about one run
-    /// in ten: the victim of a deadlock between a call without a claim and
-    /// one with a claim answered with the body's error while the winner
-    /// committed (docs/guarantees.md, "Partitions on a schedule").
+    /// Regression: found the victim of a deadlock between a call without a
+    /// claim and one with a claim answered with the body's error while the
+    /// winner committed, about one run in ten (docs/guarantees.md,
+    /// "Partitions on a schedule").
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "fails about one run in ten on a real finding (a deadlock victim answered with its error): see docs/guarantees.md"]
     async fn short_partitions_keep_exactly_once() {
         run::<Postgres>(Config::short("short")).await;
     }
