@@ -429,12 +429,16 @@ macro_rules! runner_suite {
                 // 2 starts just after S7: its window reaches back to S-0.5.
                 sleep_until(at(7, 500)).await;
                 let c = start(2, CATCH_UP);
+                // Each stops once it has settled S11; one a busy machine made
+                // late may settle (skip or run) a slot or two after it.
                 for task in [a, b, c] {
-                    assert_eq!(task.await.unwrap().last_slot, Some(at(LAST, 0)));
+                    assert!(task.await.unwrap().last_slot >= Some(at(LAST, 0)));
                 }
 
                 let pool = engines[0].pool();
                 let rows: Vec<(i64, i64)> = sqlx::query_as($per_slot).bind(&run).fetch_all(pool).await.unwrap();
+                assert!(rows.iter().all(|r| r.1 == 1), "a slot ran twice: {rows:?}");
+                let rows: Vec<(i64, i64)> = rows.into_iter().filter(|r| r.0 <= t0 + LAST).collect();
                 let expected: Vec<(i64, i64)> = (0..=LAST).map(|i| (t0 + i, 1)).collect();
                 assert_eq!(rows, expected, "each slot S0..S11 ran exactly once");
 
@@ -443,7 +447,7 @@ macro_rules! runner_suite {
                 for instance in 0..INSTANCES {
                     let slots: Vec<(i64, SlotOutcome, bool)> = seen
                         .iter()
-                        .filter(|s| s.instance == instance)
+                        .filter(|s| s.instance == instance && s.slot - t0 <= LAST)
                         .map(|s| (s.slot - t0, s.outcome, s.catch_up))
                         .collect();
                     assert_eq!(slots.iter().map(|s| s.0).collect::<Vec<_>>(), (0..=LAST).collect::<Vec<_>>());
