@@ -28,11 +28,11 @@
 pub mod backend;
 pub mod forwarder;
 pub mod galera;
+#[cfg(all(feature = "redis", any(feature = "mysql", feature = "postgres")))]
+pub mod nemesis;
 pub mod pg_cluster;
 #[cfg(feature = "postgres")]
 pub mod pgbouncer;
-#[cfg(all(feature = "redis", any(feature = "mysql", feature = "postgres")))]
-pub mod nemesis;
 mod redis_entries;
 pub mod servers;
 mod services;
