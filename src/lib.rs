@@ -61,6 +61,11 @@ pub use idem_macros::{State, idempotent};
 pub use idem_runtime::amqp;
 #[cfg(feature = "cron")]
 pub use idem_runtime::cron;
+/// gRPC glue for tonic (feature `tonic`): the key from `idempotency-key`
+/// metadata, `idem::Error` as `tonic::Status`, replays marked in the
+/// response metadata.
+#[cfg(feature = "tonic")]
+pub use idem_runtime::grpc;
 /// HTTP glue: the key, token and principal rules and problem details for
 /// any framework; adapters for axum (feature `axum`) and actix-web
 /// (feature `actix`, `idem::http::actix`).

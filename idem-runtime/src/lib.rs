@@ -4,7 +4,7 @@
 //! Use it through the `idem` crate.
 //!
 //! Calls go one way: entry point ([`__private::run`], or the adapters in
-//! `http` and `consumer`) → call flow (`call`) → gate (`gate`) → record
+//! `http`, `grpc` and `consumer`) → call flow (`call`) → gate (`gate`) → record
 //! protocol (`store::record`) → backend (`store::{sqlite, mysql, postgres}`).
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -26,6 +26,8 @@ mod fingerprint;
 #[cfg(fuzzing)]
 mod fuzz;
 mod gate;
+#[cfg(feature = "tonic")]
+pub mod grpc;
 pub mod http;
 pub mod key;
 #[cfg(feature = "metrics")]

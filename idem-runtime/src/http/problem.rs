@@ -137,7 +137,7 @@ impl ProblemDetails {
 
     /// What an adapter answers for `error`; a server-side failure is logged
     /// here with its cause, which the body hides from the caller.
-    #[cfg(any(feature = "axum", feature = "actix"))]
+    #[cfg(any(feature = "axum", feature = "actix", feature = "tonic"))]
     pub(crate) fn answering(error: &Error) -> Self {
         let problem = of_error(error);
         if problem.status >= INTERNAL_SERVER_ERROR {
@@ -147,7 +147,7 @@ impl ProblemDetails {
     }
 
     /// As `answering`, for a token's failure.
-    #[cfg(any(feature = "axum", feature = "actix"))]
+    #[cfg(any(feature = "axum", feature = "actix", feature = "tonic"))]
     pub(crate) fn answering_token(error: &TokenError) -> Self {
         let problem = of_token_error(error);
         if problem.status >= INTERNAL_SERVER_ERROR {
