@@ -256,7 +256,7 @@ fn of_token_error(error: &TokenError) -> ProblemDetails {
             format!(
                 "the caller's identity cannot hold an idempotency token; it must be 1 to {} \
                  characters from A-Z a-z 0-9 _ . -",
-                super::principal::MAX_PRINCIPAL_LEN
+                crate::token::MAX_SUBJECT_LEN
             ),
         ),
         TokenError::Unavailable(_) | TokenError::Storage(_) => ProblemDetails {
