@@ -313,7 +313,7 @@ impl<DB: Backend> Idem<DB> {
     /// Creates the `idem_record` table and its indexes if absent, and
     /// `idem_meta`, where a database without a namespace gets a new random
     /// one (see [`Idem::redis_namespace`]). With the feature `outbox`, also
-    /// `idem_outbox` (see [`outbox`](crate::outbox)).
+    /// `idem_outbox` (see the `outbox` module).
     pub async fn migrate(&self) -> Result<(), Error> {
         DB::migrate(&self.inner.db, Namespace::generate().as_str()).await?;
         self.inner.clock.measure(&self.inner.db.pool).await;
