@@ -2,11 +2,14 @@
 //! the `idem` crate, whose documentation of [`idempotent`] is the reference.
 //!
 //! Pipeline: `attr` parses the arguments, `key` the key template, `ttl`
-//! the durations, `sig` checks the fn against them, `expand` writes code.
+//! the durations, `sig` checks the fn against them, `expand` writes code
+//! (`async_trait` first takes a method `#[async_trait]` expanded back to an
+//! `async fn`, and boxes the result again).
 //! `state` parses, checks and writes the derive.
 
 use proc_macro::TokenStream;
 
+mod async_trait;
 mod attr;
 mod expand;
 mod key;
