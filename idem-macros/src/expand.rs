@@ -48,6 +48,24 @@
 //!     (__idem_steps, __idem_out)
 //! })
 //! ```
+//!
+//! With `join`, the transaction stays a parameter (the caller passes it);
+//! the call goes to `run_joined` with it, and the body gets a savepoint of
+//! it where it would get the engine's transaction:
+//!
+//! ```ignore
+//! ::idem::__private::run_joined(/* the same arguments */, tx, move |mut __idem_tx| async move {
+//!     let __idem_out: Result<Receipt, PayError> = {
+//!         let tx: &mut Transaction<'_, MySql> = &mut __idem_tx;
+//!         async move { body }.await
+//!     };
+//!     (__idem_tx, __idem_out)
+//! })
+//! ```
+//!
+//! A method of an `#[async_trait]` impl arrives as a fn returning
+//! `Pin<Box<dyn Future<..>>>`: `async_trait` unboxes it before the rewrite
+//! and boxes the result again (its own Input/Output at its top).
 
 use proc_macro2::{Span, TokenStream};
 use quote::{ToTokens, quote, quote_spanned};
@@ -287,6 +305,25 @@ mod tests {
         let body = two_phase.iter().position(|i| i == "__IDEM_SPEC").unwrap();
         assert!(!two_phase[signature..body].iter().any(|i| i == "Steps"), "{two_phase:?}");
         assert!(!two_phase.windows(2).any(|w| w[0] == "arg" && w[1] == "steps"));
+    }
+
+    /// Guards `join` against the plain mode: the caller's transaction stays
+    /// in the signature and goes to `run_joined`, ahead of the body.
+    #[test]
+    fn join_hands_the_callers_transaction_to_run_joined() {
+        let joined = expanded(quote!(key = "o_<order_id>", ttl = "1h", biz = "pay", join));
+        assert!(joined.iter().any(|i| i == "run_joined"), "{joined:?}");
+        assert!(!joined.iter().any(|i| i == "run" || i == "compile_error"), "{joined:?}");
+        let signature = joined.iter().position(|i| i == "pay").unwrap();
+        let body = joined.iter().position(|i| i == "__IDEM_SPEC").unwrap();
+        assert!(joined[signature..body].iter().any(|i| i == "Transaction"), "the caller passes it: {joined:?}");
+        assert!(joined.windows(2).any(|w| w == ["__idem_biz_no", "tx"]), "{joined:?}");
+        assert!(!joined.windows(2).any(|w| w[0] == "arg" && w[1] == "tx"), "never fingerprinted");
+
+        let plain = expanded(quote!(key = "o_<order_id>", ttl = "1h", biz = "pay"));
+        let signature = plain.iter().position(|i| i == "pay").unwrap();
+        let body = plain.iter().position(|i| i == "__IDEM_SPEC").unwrap();
+        assert!(!plain[signature..body].iter().any(|i| i == "Transaction"), "the engine supplies it: {plain:?}");
     }
 
     /// Only the marked parameter goes in by `arg_unless_default`; the
