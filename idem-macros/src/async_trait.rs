@@ -211,11 +211,28 @@ mod tests {
     #[test]
     fn leaves_every_other_fn_alone() {
         let others: [ItemFn; 4] = [
-            syn::parse_quote!(async fn pay(order_id: u64) -> Result<u64, E> { Ok(order_id) }),
-            syn::parse_quote!(fn pay(order_id: u64) -> Result<u64, E> { Ok(order_id) }),
+            syn::parse_quote!(
+                async fn pay(order_id: u64) -> Result<u64, E> {
+                    Ok(order_id)
+                }
+            ),
+            syn::parse_quote!(
+                fn pay(order_id: u64) -> Result<u64, E> {
+                    Ok(order_id)
+                }
+            ),
             // A boxed future, but built otherwise.
-            syn::parse_quote!(fn pay() -> Pin<Box<dyn Future<Output = Result<u64, E>> + Send>> { Box::pin(ready(Ok(1))) }),
-            syn::parse_quote!(fn pay() -> Pin<Box<dyn Future<Output = Result<u64, E>>>> { let f = async move { Ok(1) }; Box::pin(f) }),
+            syn::parse_quote!(
+                fn pay() -> Pin<Box<dyn Future<Output = Result<u64, E>> + Send>> {
+                    Box::pin(ready(Ok(1)))
+                }
+            ),
+            syn::parse_quote!(
+                fn pay() -> Pin<Box<dyn Future<Output = Result<u64, E>>>> {
+                    let f = async move { Ok(1) };
+                    Box::pin(f)
+                }
+            ),
         ];
         for mut func in others {
             let before = shown(&func);

@@ -4,8 +4,8 @@ use idem_rules::{MAX_BIZ_LEN, MAX_BIZ_NO_LEN, MAX_KEY_LEN, is_valid_biz};
 use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
 use syn::meta::ParseNestedMeta;
-use syn::spanned::Spanned;
 use syn::parse::Parser;
+use syn::spanned::Spanned;
 use syn::{Expr, Ident, LitStr, Path, Token};
 
 use crate::key::{Piece, Template, parse_template};
@@ -223,7 +223,10 @@ mod tests {
         assert_eq!(a.join.unwrap().to_string(), "join");
         assert!(err(quote!(key = "k", ttl = "1s", biz = "b", join = true)).contains("`join` takes no value"));
         assert!(err(quote!(key = "k", ttl = "1s", biz = "b", join, join)).contains("duplicate argument `join`"));
-        assert!(err(quote!(key = "k", ttl = "1s", biz = "b", join, steps)).contains("`join` and `steps` exclude each other"));
+        assert!(
+            err(quote!(key = "k", ttl = "1s", biz = "b", join, steps))
+                .contains("`join` and `steps` exclude each other")
+        );
         assert!(err(quote!(key = "k", ttl = "1s", biz = "b", lease = "5s", join)).contains("remove `lease`"));
         assert!(err(quote!(jion)).contains("`steps`, `join`"));
     }
