@@ -50,7 +50,7 @@ pub fn unbox(func: &mut ItemFn) -> Option<Boxed> {
     let inner = boxed_async_block(&func.block)?.clone();
     let boxed = Boxed { output: std::mem::replace(&mut func.sig.output, output), block: func.block.clone() };
     func.sig.asyncness = Some(Token![async](func.sig.fn_token.span));
-    func.block = Box::new(inner);
+    *func.block = inner;
     Some(boxed)
 }
 
@@ -158,7 +158,7 @@ fn drop_unnamed_lifetimes(sig: &mut Signature) {
 
 #[cfg(test)]
 mod tests {
-    use quote::{ToTokens, quote};
+    use quote::ToTokens;
 
     use super::*;
 
