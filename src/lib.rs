@@ -53,6 +53,11 @@
 //!
 //! Redis is an accelerator: down, slow or flushed, every guarantee holds
 //! through the database; only speed is lost.
+//!
+//! A fn marked `join` runs inside a transaction its caller holds instead
+//! (a savepoint around the body, the record committing with the caller),
+//! and `#[idempotent]` works on methods of `#[async_trait]` impls: see
+//! [`idempotent`].
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

@@ -5,12 +5,13 @@ use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
 use syn::meta::ParseNestedMeta;
 use syn::parse::Parser;
+use syn::spanned::Spanned;
 use syn::{Expr, Ident, LitStr, Path, Token};
 
 use crate::key::{Piece, Template, parse_template};
 use crate::ttl::duration;
 
-const ARGUMENTS: &str = "`key`, `ttl`, `biz`, `lease`, `biz_no`, `engine`, `crate`, `steps`";
+const ARGUMENTS: &str = "`key`, `ttl`, `biz`, `lease`, `biz_no`, `engine`, `crate`, `steps`, `join`";
 /// A Redis claim outlives most bodies by far, and a body outliving it still
 /// commits once (the record decides), so a generous default costs nothing.
 const DEFAULT_LEASE_MS: u64 = 30_000;
@@ -29,6 +30,9 @@ pub struct Args {
     /// `steps`: the two-phase mode for calls to outside services, the
     /// argument's own token (for spans) when given.
     pub steps: Option<Ident>,
+    /// `join`: the body joins the transaction the caller passes; the
+    /// argument's own token when given.
+    pub join: Option<Ident>,
 }
 
 pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
@@ -40,6 +44,7 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
     let mut engine = None;
     let mut krate = None;
     let mut steps = None;
+    let mut join = None;
 
     let parser = syn::meta::parser(|meta| {
         let name = meta.path.get_ident().map(ToString::to_string).unwrap_or_default();
@@ -48,11 +53,12 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
             "key" => set(&mut key, &meta, &name, || template(value()?, MAX_KEY_LEN)),
             "ttl" => set(&mut ttl, &meta, &name, || duration(value()?, "ttl")),
             "biz" => set(&mut biz, &meta, &name, || biz_name(value()?)),
-            "lease" => set(&mut lease, &meta, &name, || duration(value()?, "lease")),
+            "lease" => set(&mut lease, &meta, &name, || Ok((duration(value()?, "lease")?, meta.path.span()))),
             "biz_no" => set(&mut biz_no, &meta, &name, || template(value()?, MAX_BIZ_NO_LEN)),
             "engine" => set(&mut engine, &meta, &name, || meta.value()?.parse::<Expr>()),
             "crate" => set(&mut krate, &meta, &name, || crate_path(value()?)),
             "steps" => set(&mut steps, &meta, &name, || flag(&meta)),
+            "join" => set(&mut join, &meta, &name, || flag(&meta)),
             _ => {
                 let shown = meta.path.to_token_stream().to_string().replace(' ', "");
                 Err(meta.error(format!("unknown argument `{shown}`; expected one of {ARGUMENTS}")))
@@ -69,15 +75,32 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
             ),
         )
     };
+    if let (Some(join), Some(steps)) = (&join, &steps) {
+        let mut error = syn::Error::new_spanned(
+            join,
+            "`join` and `steps` exclude each other: `steps` commits phases of its own around outside calls, \
+             which a transaction the caller holds cannot contain",
+        );
+        error.combine(syn::Error::new_spanned(steps, "`steps` given here"));
+        return Err(error);
+    }
+    if let (Some(_), Some((_, at))) = (&join, &lease) {
+        return Err(syn::Error::new(
+            *at,
+            "`lease` bounds a Redis claim, and `join` takes none (the record in the caller's transaction \
+             keeps duplicates out): remove `lease`",
+        ));
+    }
     Ok(Args {
         key: key.ok_or_else(|| missing("key", "the key template"))?,
         ttl_ms: ttl.ok_or_else(|| missing("ttl", "how long the record protects the key"))?,
         biz: biz.ok_or_else(|| missing("biz", "the business action"))?,
-        lease_ms: lease.unwrap_or(DEFAULT_LEASE_MS),
+        lease_ms: lease.map_or(DEFAULT_LEASE_MS, |(ms, _)| ms),
         biz_no,
         engine,
         krate: krate.unwrap_or_else(|| syn::parse_quote!(::idem)),
         steps,
+        join,
     })
 }
 
@@ -107,12 +130,13 @@ fn template(lit: LitStr, max: usize) -> syn::Result<(LitStr, Template)> {
     Ok((lit, t))
 }
 
-/// A bare word (`steps`), which takes no value.
+/// A bare word (`steps`, `join`), which takes no value.
 fn flag(meta: &ParseNestedMeta<'_>) -> syn::Result<Ident> {
+    let word = meta.path.get_ident().cloned().ok_or_else(|| meta.error("expected a bare word"))?;
     if !meta.input.is_empty() && !meta.input.peek(Token![,]) {
-        return Err(meta.error("`steps` takes no value: write `steps` alone"));
+        return Err(meta.error(format!("`{word}` takes no value: write `{word}` alone")));
     }
-    meta.path.get_ident().cloned().ok_or_else(|| meta.error("expected `steps`"))
+    Ok(word)
 }
 
 fn biz_name(lit: LitStr) -> syn::Result<LitStr> {
@@ -190,6 +214,21 @@ mod tests {
         assert!(err(quote!(key = "k", ttl = "1s", biz = "b", steps(x))).contains("`steps` takes no value"));
         assert!(err(quote!(key = "k", ttl = "1s", biz = "b", steps, steps)).contains("duplicate argument `steps`"));
         assert!(err(quote!(stesp)).contains("`crate`, `steps`"));
+    }
+
+    #[test]
+    fn join_is_a_bare_word_without_steps_or_lease() {
+        assert!(parse(quote!(key = "k", ttl = "1s", biz = "b")).unwrap().join.is_none());
+        let a = parse(quote!(key = "k", ttl = "1s", biz = "b", join)).unwrap();
+        assert_eq!(a.join.unwrap().to_string(), "join");
+        assert!(err(quote!(key = "k", ttl = "1s", biz = "b", join = true)).contains("`join` takes no value"));
+        assert!(err(quote!(key = "k", ttl = "1s", biz = "b", join, join)).contains("duplicate argument `join`"));
+        assert!(
+            err(quote!(key = "k", ttl = "1s", biz = "b", join, steps))
+                .contains("`join` and `steps` exclude each other")
+        );
+        assert!(err(quote!(key = "k", ttl = "1s", biz = "b", lease = "5s", join)).contains("remove `lease`"));
+        assert!(err(quote!(jion)).contains("`steps`, `join`"));
     }
 
     #[test]

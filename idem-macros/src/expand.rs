@@ -48,11 +48,30 @@
 //!     (__idem_steps, __idem_out)
 //! })
 //! ```
+//!
+//! With `join`, the transaction stays a parameter (the caller passes it);
+//! the call goes to `run_joined` with it, and the body gets a savepoint of
+//! it where it would get the engine's transaction:
+//!
+//! ```ignore
+//! ::idem::__private::run_joined(/* the same arguments */, tx, move |mut __idem_tx| async move {
+//!     let __idem_out: Result<Receipt, PayError> = {
+//!         let tx: &mut Transaction<'_, MySql> = &mut __idem_tx;
+//!         async move { body }.await
+//!     };
+//!     (__idem_tx, __idem_out)
+//! })
+//! ```
+//!
+//! A method of an `#[async_trait]` impl arrives as a fn returning
+//! `Pin<Box<dyn Future<..>>>`: `async_trait` unboxes it before the rewrite
+//! and boxes the result again (its own Input/Output at its top).
 
 use proc_macro2::{Span, TokenStream};
 use quote::{ToTokens, quote, quote_spanned};
 use syn::ItemFn;
 
+use crate::async_trait;
 use crate::attr::{self, Args};
 use crate::key::{Piece, Template};
 use crate::sig::{self, Checked, Fingerprinted};
@@ -62,18 +81,35 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         Ok(f) => f,
         Err(e) => {
             // Not a fn at all: keep the item as written for the IDE's sake.
+            let message = if syn::parse2::<syn::ItemImpl>(item.clone()).is_ok() {
+                "#[idempotent] goes on a method, not on its impl: put it on the `async fn` inside \
+                 (under `#[async_trait]` too, which stays on the impl)"
+            } else {
+                "#[idempotent] applies to an `async fn`"
+            };
             let mut out = item;
-            out.extend(syn::Error::new(e.span(), "#[idempotent] applies to an `async fn`").into_compile_error());
+            out.extend(syn::Error::new(e.span(), message).into_compile_error());
             return out;
         }
     };
+    // A method of an `#[async_trait]` impl arrives expanded already.
+    let boxed = async_trait::unbox(&mut func);
     let checked = attr::parse(args).and_then(|args| sig::check(&mut func, &args).map(|c| (args, c)));
     match checked {
-        Ok((args, checked)) => rewrite(func, &args, checked),
+        Ok((args, checked)) => {
+            rewrite(&mut func, &args, checked);
+            if let Some(boxed) = boxed {
+                async_trait::rebox(&mut func, boxed);
+            }
+            quote!(#func)
+        }
         Err(e) => {
             // Emit the fn as written beside the error, so callers still
             // type-check; minus `#[idem(..)]`, which only this macro knows.
             // `allow`: the engine parameter goes unused in the fn as written.
+            if let Some(boxed) = boxed {
+                async_trait::restore(&mut func, boxed);
+            }
             let func = strip_param_attrs(func);
             let mut out = e.into_compile_error();
             out.extend(quote!(#[allow(unused_variables)] #func));
@@ -91,10 +127,11 @@ fn strip_param_attrs(mut func: ItemFn) -> ItemFn {
     func
 }
 
-fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
+fn rewrite(func: &mut ItemFn, args: &Args, checked: Checked) {
     let Checked { engine, tx, tx_index, steps, steps_index, fingerprinted, ret } = checked;
-    // The engine supplies these: callers never pass them.
-    let supplied = [tx_index, steps_index];
+    // The engine supplies these: callers never pass them (but for `join`'s
+    // transaction, which is the caller's).
+    let supplied = [tx_index.filter(|_| args.join.is_none()), steps_index];
     if supplied.iter().any(Option::is_some) {
         func.sig.inputs = std::mem::take(&mut func.sig.inputs)
             .into_iter()
@@ -122,10 +159,20 @@ fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
         let method = syn::Ident::new(if *unless_default { "arg_unless_default" } else { "arg" }, *span);
         quote_spanned!(*span=> .#method(#label, &#name))
     });
-    // The plain mode hands the body the transaction; `steps`, the step context.
+    // The plain mode hands the body the transaction; `steps`, the step
+    // context; `join`, a savepoint of the caller's transaction, which goes
+    // in as an argument.
+    let mut callers_tx = None;
     let (entry, handed, bind) = match steps {
         Some((pat, ty)) => (quote!(run_steps), quote!(__idem_steps), Some(quote!(let #pat: #ty = &mut __idem_steps;))),
-        None => (quote!(run), quote!(__idem_tx), tx.map(|(pat, ty)| quote!(let #pat: #ty = &mut __idem_tx;))),
+        None => {
+            let entry = if args.join.is_some() { quote!(run_joined) } else { quote!(run) };
+            if let (Some(_), Some((syn::Pat::Ident(name), _))) = (&args.join, &tx) {
+                let name = &name.ident;
+                callers_tx = Some(quote!(#name,));
+            }
+            (entry, quote!(__idem_tx), tx.map(|(pat, ty)| quote!(let #pat: #ty = &mut __idem_tx;)))
+        }
     };
     let block = &func.block;
     let ret_span = syn::spanned::Spanned::span(&ret);
@@ -151,6 +198,7 @@ fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
             __idem_key,
             __idem_fingerprint,
             __idem_biz_no,
+            #callers_tx
             move |mut #handed| async move {
                 let __idem_out: #ret = {
                     #bind
@@ -162,7 +210,6 @@ fn rewrite(mut func: ItemFn, args: &Args, checked: Checked) -> TokenStream {
         #awaited
     });
     func.block = syn::parse2(body).expect("generated block parses");
-    quote!(#func)
 }
 
 /// `tokens`, every one of them at `span`.
@@ -258,6 +305,25 @@ mod tests {
         let body = two_phase.iter().position(|i| i == "__IDEM_SPEC").unwrap();
         assert!(!two_phase[signature..body].iter().any(|i| i == "Steps"), "{two_phase:?}");
         assert!(!two_phase.windows(2).any(|w| w[0] == "arg" && w[1] == "steps"));
+    }
+
+    /// Guards `join` against the plain mode: the caller's transaction stays
+    /// in the signature and goes to `run_joined`, ahead of the body.
+    #[test]
+    fn join_hands_the_callers_transaction_to_run_joined() {
+        let joined = expanded(quote!(key = "o_<order_id>", ttl = "1h", biz = "pay", join));
+        assert!(joined.iter().any(|i| i == "run_joined"), "{joined:?}");
+        assert!(!joined.iter().any(|i| i == "run" || i == "compile_error"), "{joined:?}");
+        let signature = joined.iter().position(|i| i == "pay").unwrap();
+        let body = joined.iter().position(|i| i == "__IDEM_SPEC").unwrap();
+        assert!(joined[signature..body].iter().any(|i| i == "Transaction"), "the caller passes it: {joined:?}");
+        assert!(joined.windows(2).any(|w| w == ["__idem_biz_no", "tx"]), "{joined:?}");
+        assert!(!joined.windows(2).any(|w| w[0] == "arg" && w[1] == "tx"), "never fingerprinted");
+
+        let plain = expanded(quote!(key = "o_<order_id>", ttl = "1h", biz = "pay"));
+        let signature = plain.iter().position(|i| i == "pay").unwrap();
+        let body = plain.iter().position(|i| i == "__IDEM_SPEC").unwrap();
+        assert!(!plain[signature..body].iter().any(|i| i == "Transaction"), "the engine supplies it: {plain:?}");
     }
 
     /// Only the marked parameter goes in by `arg_unless_default`; the

@@ -2,11 +2,14 @@
 //! the `idem` crate, whose documentation of [`idempotent`] is the reference.
 //!
 //! Pipeline: `attr` parses the arguments, `key` the key template, `ttl`
-//! the durations, `sig` checks the fn against them, `expand` writes code.
+//! the durations, `sig` checks the fn against them, `expand` writes code
+//! (`async_trait` first takes a method `#[async_trait]` expanded back to an
+//! `async fn`, and boxes the result again).
 //! `state` parses, checks and writes the derive.
 
 use proc_macro::TokenStream;
 
+mod async_trait;
 mod attr;
 mod expand;
 mod key;
@@ -37,6 +40,7 @@ mod ttl;
 /// | `engine = <expr>` | no | where the engine comes from when it is not a parameter: `self.idem`, `app.idem` |
 /// | `crate = "path"` | no | the path to the `idem` crate, when it is renamed or re-exported (default `::idem`; see below) |
 /// | `steps` | no | the two-phase mode for calls to outside services: the body takes the step context `steps: &mut idem::Steps<DB>` in place of the transaction (see below) |
+/// | `join` | no | the body joins the transaction the *caller* passes, in a savepoint; the record commits when the caller commits (see below). Not with `steps` or `lease` |
 ///
 /// # Key templates
 ///
@@ -79,7 +83,8 @@ mod ttl;
 /// - The transaction: a parameter of type `&mut sqlx::Transaction<'_, DB>`.
 ///   It is removed from the signature; the engine opens the transaction, the
 ///   body runs in it together with the record insert, and it commits once.
-///   A fn may have no transaction parameter.
+///   A fn may have no transaction parameter. With `join` it stays: the
+///   caller passes its own (see below).
 /// - Every other parameter is part of the fingerprint (SHA-256 of a canonical
 ///   JSON object keyed by parameter name, keys sorted at every depth) and must
 ///   implement `serde::Serialize`, unless marked `#[idem(skip)]`. The same key
@@ -154,6 +159,69 @@ mod ttl;
 /// in this mode: the transaction opens after the steps
 /// (`steps.transaction()`), so none stays open across an outside call. See
 /// `idem::steps` for phases, fencing, takeover and recovery.
+///
+/// # Joining the caller's transaction (`join`)
+///
+/// A service layer that opens one transaction and calls several operations
+/// in it passes that transaction on:
+///
+/// ```ignore
+/// #[idempotent(key = "order_<order_id>_pay", ttl = "24h", biz = "pay", join)]
+/// async fn pay(idem: &Idem<MySql>, tx: &mut Transaction<'_, MySql>, order_id: u64, amount: i64)
+///     -> Result<Receipt, PayError>
+/// { ... }
+///
+/// let mut tx = pool.begin().await?;
+/// sqlx::query("SELECT status FROM orders WHERE id = ? FOR UPDATE").bind(42).execute(&mut *tx).await?;
+/// let receipt = pay(&idem, &mut tx, 42, 1999).await?; // the caller passes it
+/// ship(&mut tx, 42).await?;
+/// tx.commit().await?; // the record commits here, or not at all
+/// ```
+///
+/// The record goes into the caller's transaction first, inside a savepoint
+/// around the body: a body that fails (or panics, or whose call is dropped)
+/// rolls back its own writes only, the caller's stay; the record commits
+/// when, and only if, the caller commits. So `Ok` means "done in your
+/// transaction", not "committed": a caller that rolls back (or whose commit
+/// fails) leaves no record, and the next call executes. The body runs on
+/// the caller's connection, so rows the caller locked (`FOR UPDATE`) never
+/// block it.
+///
+/// Nothing goes to Redis or the local cache, since this call never learns
+/// whether the caller commits: no claim, no cached result (a committed
+/// result already in the local cache does answer). A duplicate in another
+/// transaction waits on the record's unique index (bounded by
+/// `Builder::lock_wait`) and replays the result once the caller commits, or
+/// answers `idem::Error::InProgress` past the bound; the bound never stays
+/// on the caller's session. The same key called again in the same
+/// transaction replays the first result. The transaction must be on the
+/// engine's database: the record is written where the transaction is.
+///
+/// # Methods of `#[async_trait]` impls
+///
+/// `#[idempotent]` works on the methods of an `#[async_trait]` impl (tonic
+/// services are written this way, with `#[tonic::async_trait]`), `&self`
+/// and `engine = self.idem` included. `#[async_trait]` stays on the impl
+/// and `#[idempotent]` goes on the method: async-trait expands first and
+/// `#[idempotent]` rewrites the future inside the boxed one it wrote. The
+/// trait declares the method as callers call it, so without the engine's
+/// transaction (with `join`, with the caller's):
+///
+/// ```ignore
+/// #[async_trait]
+/// trait Payments {
+///     async fn pay(&self, order_id: u64) -> Result<Receipt, PayError>;
+/// }
+///
+/// #[async_trait]
+/// impl Payments for Service {
+///     #[idempotent(key = "order_<order_id>_pay", ttl = "24h", biz = "pay", engine = self.idem)]
+///     async fn pay(&self, tx: &mut Transaction<'_, MySql>, order_id: u64) -> Result<Receipt, PayError> { ... }
+/// }
+/// ```
+///
+/// `#[idempotent]` on the impl itself is refused with an error that says
+/// where it goes. Native `async fn` in traits needs nothing special.
 ///
 /// # The same code without the attribute
 ///

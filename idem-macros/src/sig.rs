@@ -1,7 +1,8 @@
 //! Checks the annotated fn against the arguments: async, returns `Result`,
 //! has an engine, and every placeholder names one of its parameters. Finds
-//! the transaction parameter (supplied by the engine), or in `steps` mode
-//! the step context, and the parameters that go into the fingerprint.
+//! the transaction parameter (supplied by the engine, or in `join` mode by
+//! the caller), or in `steps` mode the step context, and the parameters
+//! that go into the fingerprint.
 
 use std::collections::BTreeSet;
 
@@ -176,6 +177,16 @@ pub fn check(func: &mut ItemFn, args: &Args) -> syn::Result<Checked> {
                 "`steps` needs the step context as a parameter, e.g. `steps: &mut idem::Steps<MySql>`",
             ));
         }
+    }
+
+    if let Some(word) = &args.join
+        && tx.is_none()
+    {
+        errors.push(syn::Error::new_spanned(
+            word,
+            "`join` runs the body in the transaction the caller passes: add it as a parameter, \
+             e.g. `tx: &mut Transaction<'_, MySql>`",
+        ));
     }
 
     let engine: Option<Expr> = match (&args.engine, &engine_param) {

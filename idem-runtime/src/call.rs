@@ -3,6 +3,9 @@
 //! record table (layer 3) one question per phase, and reports the outcome.
 //!
 //! entry point → **call flow** → gate → record protocol → backend
+//!
+//! A call inside a transaction its caller holds (`join`) has its own flow,
+//! [`joined`], without the gate.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -24,6 +27,8 @@ use crate::spec::Spec;
 use crate::store::pooling::around_body;
 use crate::store::record::{Committed, Opened, RecordKey, Settled, rollback};
 use crate::store::{Backend, SUCCEEDED, StoredRecord};
+
+pub(crate) mod joined;
 
 /// Why a call did not return a value: the engine's reason, or the body's.
 enum CallError<E> {
@@ -72,6 +77,17 @@ where
         Ok(()) => call(engine, spec, &key, fingerprint, biz_no.as_deref(), body).instrument(span.clone()).await,
         Err(e) => Err(e.into()),
     };
+    answer(spec, &span, timer, result)
+}
+
+/// Reports how a call ended (its span, the outcome, the metrics) and hands
+/// the caller its result.
+fn answer<T, E: From<Error>>(
+    spec: &'static Spec,
+    span: &tracing::Span,
+    timer: Timer,
+    result: Result<Done<T>, CallError<E>>,
+) -> Result<T, E> {
     let outcome = match &result {
         Ok(done) => done.outcome,
         Err(CallError::Idem(e)) => Outcome::of(e),

@@ -112,6 +112,7 @@ pub mod redis_layout {
 /// Not a stable API: what the code written by `#[idempotent]` calls.
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::call::joined::run_joined;
     pub use crate::call::run;
     pub use crate::fingerprint::Fingerprint;
     pub use crate::spec::{Replayable, Spec, assert_replayable};

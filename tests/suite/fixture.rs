@@ -171,6 +171,21 @@ pub(crate) async fn pay(
     Ok(Receipt { key: k, amount, run })
 }
 
+/// `pay` inside the caller's transaction: the same `biz`, key and
+/// arguments, so each replays the other's record.
+#[idempotent(key = "<k>", ttl = "1h", biz = "t_pay", join)]
+pub(crate) async fn pay_in(
+    idem: &Idem<Db>,
+    tx: &mut Transaction<'_, Db>,
+    k: String,
+    amount: i64,
+    #[idem(skip)] probe: &Probe,
+    #[idem(skip)] mode: Mode,
+) -> Result<Receipt, TestError> {
+    let run = body(tx, &k, amount, probe, mode).await?;
+    Ok(Receipt { key: k, amount, run })
+}
+
 #[idempotent(key = "<k>", ttl = "1s", biz = "t_ttl")]
 pub(crate) async fn pay_short_ttl(
     idem: &Idem<Db>,

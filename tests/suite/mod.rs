@@ -20,6 +20,8 @@ mod deploy_results;
 mod deploy_signature;
 mod expiry;
 mod failures;
+mod joined;
+mod joined_races;
 mod keys;
 mod leases;
 mod namespaces;
@@ -27,6 +29,7 @@ mod redis_faults;
 mod replay;
 mod status;
 mod storms;
+mod trait_methods;
 
 use idem_testkit::TestBackend;
 

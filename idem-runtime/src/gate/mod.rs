@@ -151,6 +151,12 @@ impl Gate {
         self.memory.enter(biz, key, wait).await
     }
 
+    /// The committed result of `(biz, key)` the local cache holds, if any;
+    /// asks nobody and claims nothing.
+    pub(crate) fn cached(&self, biz: &str, key: &str) -> Option<Arc<Answer>> {
+        self.local.as_ref()?.get(biz, key)
+    }
+
     /// A committed result of `(biz, key)`: kept in the local cache, if any.
     pub(crate) fn remember(&self, biz: &str, key: &str, answer: &Arc<Answer>) {
         if let Some(local) = &self.local {

@@ -180,9 +180,22 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// own lock waits are left alone. Nothing to end by default.
     fn end_bound(
         pooling: Pooling,
-        tx: &mut Transaction<'static, Self>,
+        tx: &mut Transaction<'_, Self>,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send {
         let _ = (pooling, tx);
+        async { Ok(()) }
+    }
+
+    /// Bounds the record statements that follow in `tx`, a transaction the
+    /// caller opened (the `join` mode), as [`begin_bounded`](RecordSql::begin_bounded)
+    /// bounds one of our own, until [`end_bound`](RecordSql::end_bound).
+    /// Nothing to set by default (the bound rides on each statement).
+    fn bound_within(
+        pooling: Pooling,
+        tx: &mut Transaction<'_, Self>,
+        wait: Duration,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send {
+        let _ = (pooling, tx, wait);
         async { Ok(()) }
     }
 
@@ -197,7 +210,7 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// transaction stays usable.
     fn insert(
         pooling: Pooling,
-        tx: &mut Transaction<'static, Self>,
+        tx: &mut Transaction<'_, Self>,
         rec: &NewRecord<'_>,
         wait: Option<Duration>,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
@@ -207,7 +220,7 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// the end of the body, as when the record goes in last).
     fn mark_succeeded(
         pooling: Pooling,
-        tx: &mut Transaction<'static, Self>,
+        tx: &mut Transaction<'_, Self>,
         rec: &NewRecord<'_>,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
@@ -318,7 +331,7 @@ macro_rules! record_queries {
     ($q:expr) => {
         async fn insert(
             pooling: $crate::store::Pooling,
-            tx: &mut ::sqlx::Transaction<'static, Self>,
+            tx: &mut ::sqlx::Transaction<'_, Self>,
             rec: &$crate::store::NewRecord<'_>,
             wait: Option<::std::time::Duration>,
         ) -> Result<bool, ::sqlx::Error> {
@@ -343,7 +356,7 @@ macro_rules! record_queries {
 
         async fn mark_succeeded(
             pooling: $crate::store::Pooling,
-            tx: &mut ::sqlx::Transaction<'static, Self>,
+            tx: &mut ::sqlx::Transaction<'_, Self>,
             rec: &$crate::store::NewRecord<'_>,
         ) -> Result<(), ::sqlx::Error> {
             ::sqlx::query($q.mark_succeeded)

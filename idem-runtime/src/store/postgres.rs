@@ -77,6 +77,17 @@ async fn migration(db: &Db<Postgres>) -> Result<Transaction<'static, Postgres>, 
     Ok(tx)
 }
 
+/// Bounds lock waits for the rest of the transaction (`is_local`), after
+/// saving the session's own value for [`RecordSql::end_bound`]. Built from
+/// an integer only; `lock_timeout` takes at most `i32::MAX` ms (24 days).
+fn set_lock_bound(wait: Duration) -> String {
+    let ms = wait.as_millis().clamp(1, i32::MAX as u128);
+    format!(
+        "SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true); \
+         SET LOCAL lock_timeout = {ms}"
+    )
+}
+
 const LOCK_NOT_AVAILABLE: &str = "55P03";
 const DEADLOCK_DETECTED: &str = "40P01";
 const SERIALIZATION_FAILURE: &str = "40001";
@@ -99,19 +110,19 @@ impl RecordSql for Postgres {
     }
 
     async fn begin_bounded(pool: &Pool<Self>, wait: Duration) -> Result<Transaction<'static, Self>, sqlx::Error> {
-        // `lock_timeout` is set per transaction (`is_local`), after saving
-        // the session's own value; sent with `BEGIN`, this costs no round
-        // trip of its own. Built from an integer only.
-        // `lock_timeout` takes at most `i32::MAX` ms (24 days).
-        let ms = wait.as_millis().clamp(1, i32::MAX as u128);
-        pool.begin_with(AssertSqlSafe(format!(
-            "BEGIN; SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true); \
-             SET LOCAL lock_timeout = {ms}"
-        )))
-        .await
+        // Sent with `BEGIN`, the bound costs no round trip of its own.
+        pool.begin_with(AssertSqlSafe(format!("BEGIN; {}", set_lock_bound(wait)))).await
     }
 
-    async fn end_bound(pooling: Pooling, tx: &mut Transaction<'static, Self>) -> Result<(), sqlx::Error> {
+    async fn bound_within(pooling: Pooling, tx: &mut Transaction<'_, Self>, wait: Duration) -> Result<(), sqlx::Error> {
+        // Simple protocol (several statements, nothing prepared), which a
+        // pooler in transaction mode passes too. In the caller's savepoint:
+        // rolling it back undoes the bound as well.
+        let _ = pooling;
+        sqlx::raw_sql(AssertSqlSafe(set_lock_bound(wait))).execute(&mut **tx).await.map(drop)
+    }
+
+    async fn end_bound(pooling: Pooling, tx: &mut Transaction<'_, Self>) -> Result<(), sqlx::Error> {
         sqlx::query("SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true)")
             .persistent(pooling.persistent())
             .execute(&mut **tx)

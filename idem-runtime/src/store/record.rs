@@ -10,6 +10,9 @@
 //! - [`Records::settle`], after any failure once the body ran: the row a
 //!   duplicate committed, if any.
 //! - [`Records::read_live`]: a duplicate's question when the gate says busy.
+//! - [`Records::join`] and [`Records::finish_joined`]: the same record,
+//!   first, in a savepoint of a transaction the caller holds (the `join`
+//!   mode); it commits when the caller commits.
 
 use std::time::Duration;
 
@@ -220,6 +223,75 @@ impl<DB: Backend> Records<'_, DB> {
     }
 }
 
+/// What [`Records::join`] found.
+pub(crate) enum Joined<'t, DB: Backend> {
+    /// Run the body in this savepoint of the caller's transaction; our
+    /// record (processing) is in it.
+    Go(Transaction<'t, DB>),
+    /// A row holds the key: committed, or written earlier in the caller's
+    /// own transaction. Nothing of ours is left in the caller's transaction.
+    Taken(StoredRecord),
+}
+
+/// The `join` mode: the record in a transaction the caller holds.
+impl<DB: Backend> Records<'_, DB> {
+    /// Opens a savepoint in the caller's transaction and inserts the record
+    /// there first, so a duplicate in another transaction waits on the
+    /// unique index before its body runs (bounded by `lock_wait`, and the
+    /// bound ended before the body). On a taken key or an error the
+    /// savepoint is rolled back, leaving the caller's transaction usable.
+    /// A deadlock cannot be retried here: the transaction is the caller's.
+    pub(crate) async fn join<'t>(
+        &self,
+        tx: &'t mut Transaction<'_, DB>,
+        id: &RecordKey<'_>,
+    ) -> Result<Joined<'t, DB>, Error> {
+        let pooling = self.db.pooling;
+        let mut savepoint = sqlx::Acquire::begin(tx).await.map_err(|e| db_error::<DB>(id, e))?;
+        let record = id.record(PROCESSING, None, self.clock.now_ms());
+        let inserted = async {
+            DB::bound_within(pooling, &mut savepoint, self.lock_wait).await?;
+            let taken = insert(pooling, &mut savepoint, id, &record, Some(self.lock_wait), self.clock).await?;
+            if let Taken::No = taken {
+                DB::end_bound(pooling, &mut savepoint).await?;
+            }
+            Ok(taken)
+        }
+        .await;
+        match inserted {
+            Ok(Taken::No) => Ok(Joined::Go(savepoint)),
+            Ok(Taken::By(row)) => {
+                rollback(savepoint).await;
+                Ok(Joined::Taken(row))
+            }
+            Err(e) => {
+                rollback(savepoint).await;
+                Err(db_error::<DB>(id, e))
+            }
+        }
+    }
+
+    /// Stores `response` in the record [`join`](Records::join) inserted and
+    /// releases the savepoint: the record now stands or falls with the
+    /// caller's commit.
+    pub(crate) async fn finish_joined(
+        &self,
+        mut savepoint: Transaction<'_, DB>,
+        id: &RecordKey<'_>,
+        response: &str,
+    ) -> Result<(), Error> {
+        let record = id.record(SUCCEEDED, Some(response), self.clock.now_ms());
+        let done = match DB::mark_succeeded(self.db.pooling, &mut savepoint, &record).await {
+            Ok(()) => savepoint.commit().await,
+            Err(e) => {
+                rollback(savepoint).await;
+                Err(e)
+            }
+        };
+        done.map_err(|e| db_error::<DB>(id, e))
+    }
+}
+
 /// Whether the record insert found the key already taken.
 enum Taken {
     No,
@@ -231,7 +303,7 @@ enum Taken {
 /// duplicate still in flight.
 async fn insert<DB: Backend>(
     pooling: Pooling,
-    tx: &mut Transaction<'static, DB>,
+    tx: &mut Transaction<'_, DB>,
     id: &RecordKey<'_>,
     record: &NewRecord<'_>,
     wait: Option<Duration>,
@@ -258,7 +330,7 @@ async fn insert<DB: Backend>(
 /// Rolls `tx` back. A failed rollback leaves nothing to undo: the server
 /// rolls back when the connection goes, and sqlx discards a connection in a
 /// broken state.
-pub(crate) async fn rollback<DB: Backend>(tx: Transaction<'static, DB>) {
+pub(crate) async fn rollback<DB: Backend>(tx: Transaction<'_, DB>) {
     if let Err(e) = tx.rollback().await {
         tracing::debug!(error = %e, "rollback failed");
     }
