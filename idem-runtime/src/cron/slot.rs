@@ -19,7 +19,7 @@ pub struct Slot {
 }
 
 impl Slot {
-    /// The job's name, as given to [`Runner::new`].
+    /// The job's name, as given to [`Runner::new`](super::Runner::new).
     pub fn job(&self) -> &str {
         &self.job
     }
@@ -97,7 +97,7 @@ impl SlotOutcome {
     }
 }
 
-/// What the runner did with one slot; passed to [`Runner::on_slot`].
+/// What the runner did with one slot; passed to [`Runner::on_slot`](super::Runner::on_slot).
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct SlotReport {
@@ -111,12 +111,12 @@ pub struct SlotReport {
     pub error: Option<String>,
 }
 
-/// Why [`Runner::run`] returned, and where a restart resumes.
+/// Why [`Runner::run`](super::Runner::run) returned, and where a restart resumes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Stopped {
     /// The last slot settled (run, replayed, failed or skipped; not a
-    /// cancelled one): pass it to [`Runner::resume_after`] on the next start.
+    /// cancelled one): pass it to [`Runner::resume_after`](super::Runner::resume_after) on the next start.
     pub last_slot: Option<SystemTime>,
     /// `true` when the schedule has no slot left (a pattern with a year that
     /// passed); `false` when shut down.

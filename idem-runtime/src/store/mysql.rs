@@ -32,13 +32,14 @@ const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
     KEY idx_idem_record_expires_at (expires_at)
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4";
 
+// Purges walk the expiry index (`ORDER BY expires_at`), oldest first.
 const Q: Queries = Queries {
     insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
     mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ?, expires_at = ? WHERE biz_type = ? AND idem_key = ?",
     read_locking: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ? LOCK IN SHARE MODE",
     read_plain: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ? AND expires_at <= ?",
-    purge_expired: "DELETE FROM idem_record WHERE expires_at <= ? LIMIT ?",
+    purge_expired: "DELETE FROM idem_record WHERE expires_at <= ? ORDER BY expires_at LIMIT ?",
     meta_ddl: "CREATE TABLE IF NOT EXISTS idem_meta (
         name VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY,
         value VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL
@@ -65,7 +66,7 @@ const TQ: TokenQueries = TokenQueries {
     consume: "UPDATE idem_token SET used_at = ?, keep_until = ? WHERE biz_type = ? AND token = ? AND subject = ? AND used_at IS NULL AND expires_at > ?",
     read: "SELECT subject, used_at, expires_at, keep_until FROM idem_token WHERE biz_type = ? AND token = ?",
     give_back: "UPDATE idem_token SET used_at = NULL, keep_until = expires_at WHERE biz_type = ? AND token = ? AND subject = ? AND used_at = ?",
-    purge_expired: "DELETE FROM idem_token WHERE keep_until <= ? LIMIT ?",
+    purge_expired: "DELETE FROM idem_token WHERE keep_until <= ? ORDER BY keep_until LIMIT ?",
 };
 
 /// The largest `innodb_lock_wait_timeout` the server takes (2^30 s).
@@ -285,7 +286,7 @@ const CQ: super::calls::CallQueries = super::calls::CallQueries {
     steps_read: "SELECT step, response FROM idem_step WHERE call_id = ?",
     steps_delete: "DELETE FROM idem_step WHERE call_id = ?",
     stuck: "SELECT idem_key, biz_no, fence, lease_until, created_at FROM idem_call WHERE biz_type = ? AND status = 0 AND lease_until <= ? ORDER BY lease_until LIMIT ?",
-    purge_expired: "DELETE FROM idem_call WHERE expires_at <= ? AND status <> 0 LIMIT ?",
+    purge_expired: "DELETE FROM idem_call WHERE expires_at <= ? AND status <> 0 ORDER BY expires_at LIMIT ?",
 };
 
 impl super::calls::CallSql for MySql {

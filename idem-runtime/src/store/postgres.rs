@@ -36,13 +36,18 @@ const DDL: [&str; 3] = [
 // `ON CONFLICT DO NOTHING`: a unique violation would abort the whole
 // transaction, body included; this way a taken key reports 0 rows and the
 // transaction can still replace an expired row.
+// Purges walk the expiry index (`ORDER BY expires_at`) and delete by the ids
+// found (`= ANY (ARRAY(..))`; `IN (subquery)` is planned as a hash join over
+// a scan of the whole table): a batch reads only expired rows, and one with
+// nothing to delete is one index probe however many records live. A row a
+// call holds (`SKIP LOCKED`) is left for the next batch.
 const Q: Queries = Queries {
     insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (biz_type, idem_key) DO NOTHING",
     mark_succeeded: "UPDATE idem_record SET status = $1, response = $2, updated_at = $3, expires_at = $4 WHERE biz_type = $5 AND idem_key = $6",
     read_locking: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
     read_plain: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = $1 AND idem_key = $2 AND expires_at <= $3",
-    purge_expired: "DELETE FROM idem_record WHERE id IN (SELECT id FROM idem_record WHERE expires_at <= $1 LIMIT $2)",
+    purge_expired: "DELETE FROM idem_record WHERE id = ANY (ARRAY(SELECT id FROM idem_record WHERE expires_at <= $1 ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED))",
     meta_ddl: "CREATE TABLE IF NOT EXISTS idem_meta (name VARCHAR(64) PRIMARY KEY, value VARCHAR(255) NOT NULL)",
     init_namespace: "INSERT INTO idem_meta (name, value) VALUES ('namespace', $1) ON CONFLICT (name) DO NOTHING",
 };
@@ -67,7 +72,7 @@ const TQ: TokenQueries = TokenQueries {
     consume: "UPDATE idem_token SET used_at = $1, keep_until = $2 WHERE biz_type = $3 AND token = $4 AND subject = $5 AND used_at IS NULL AND expires_at > $6",
     read: "SELECT subject, used_at, expires_at, keep_until FROM idem_token WHERE biz_type = $1 AND token = $2",
     give_back: "UPDATE idem_token SET used_at = NULL, keep_until = expires_at WHERE biz_type = $1 AND token = $2 AND subject = $3 AND used_at = $4",
-    purge_expired: "DELETE FROM idem_token WHERE (biz_type, token) IN (SELECT biz_type, token FROM idem_token WHERE keep_until <= $1 LIMIT $2)",
+    purge_expired: "DELETE FROM idem_token WHERE ctid = ANY (ARRAY(SELECT ctid FROM idem_token WHERE keep_until <= $1 ORDER BY keep_until LIMIT $2 FOR UPDATE SKIP LOCKED))",
 };
 
 /// A migration's transaction, holding the migration lock.
@@ -210,7 +215,7 @@ const OQ: OutboxQueries = OutboxQueries {
     insert: "INSERT INTO idem_outbox (message_id, destination, aggregate_key, payload, headers, biz_type, idem_key, status, attempts, next_attempt_at, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, 0, 0, $8, $9) ON CONFLICT (message_id) DO NOTHING",
     pick: "SELECT id, message_id, destination, aggregate_key, payload, headers, attempts, created_at FROM idem_outbox o WHERE status = 0 AND next_attempt_at <= $1 AND NOT EXISTS (SELECT 1 FROM idem_outbox p WHERE p.aggregate_key = o.aggregate_key AND p.status IN (0, 2) AND p.id < o.id) ORDER BY id LIMIT $2 FOR UPDATE OF o SKIP LOCKED",
     mark_failed: "UPDATE idem_outbox SET status = $1, attempts = $2, next_attempt_at = $3, last_error = $4 WHERE id = $5",
-    purge_sent: "DELETE FROM idem_outbox WHERE id IN (SELECT id FROM idem_outbox WHERE status = 1 AND sent_at <= $1 ORDER BY sent_at LIMIT $2)",
+    purge_sent: "DELETE FROM idem_outbox WHERE id = ANY (ARRAY(SELECT id FROM idem_outbox WHERE status = 1 AND sent_at <= $1 ORDER BY sent_at LIMIT $2))",
     list_dead: "SELECT id, message_id, destination, aggregate_key, payload, headers, attempts, created_at, last_error, biz_type, idem_key FROM idem_outbox WHERE status = 2 ORDER BY id LIMIT $1",
     retry_dead: "UPDATE idem_outbox SET status = 0, attempts = 0, next_attempt_at = $1, last_error = NULL WHERE message_id = $2 AND status = 2",
     discard_dead: "DELETE FROM idem_outbox WHERE message_id = $1 AND status = 2",
@@ -290,7 +295,7 @@ const CQ: super::calls::CallQueries = super::calls::CallQueries {
     steps_read: "SELECT step, response FROM idem_step WHERE call_id = $1",
     steps_delete: "DELETE FROM idem_step WHERE call_id = $1",
     stuck: "SELECT idem_key, biz_no, fence, lease_until, created_at FROM idem_call WHERE biz_type = $1 AND status = 0 AND lease_until <= $2 ORDER BY lease_until LIMIT $3",
-    purge_expired: "DELETE FROM idem_call WHERE id IN (SELECT id FROM idem_call WHERE expires_at <= $1 AND status <> 0 LIMIT $2)",
+    purge_expired: "DELETE FROM idem_call WHERE id = ANY (ARRAY(SELECT id FROM idem_call WHERE expires_at <= $1 AND status <> 0 ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED))",
 };
 
 impl super::calls::CallSql for Postgres {

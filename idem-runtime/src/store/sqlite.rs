@@ -32,7 +32,7 @@ const Q: Queries = Queries {
     read_locking: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
     read_plain: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
     delete_expired: "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ? AND expires_at <= ?",
-    purge_expired: "DELETE FROM idem_record WHERE id IN (SELECT id FROM idem_record WHERE expires_at <= ? LIMIT ?)",
+    purge_expired: "DELETE FROM idem_record WHERE id IN (SELECT id FROM idem_record WHERE expires_at <= ? ORDER BY expires_at LIMIT ?)",
     meta_ddl: "CREATE TABLE IF NOT EXISTS idem_meta (name TEXT NOT NULL PRIMARY KEY, value TEXT NOT NULL)",
     init_namespace: "INSERT INTO idem_meta (name, value) VALUES ('namespace', ?) ON CONFLICT (name) DO NOTHING",
 };
@@ -56,7 +56,7 @@ const TQ: TokenQueries = TokenQueries {
     consume: "UPDATE idem_token SET used_at = ?, keep_until = ? WHERE biz_type = ? AND token = ? AND subject = ? AND used_at IS NULL AND expires_at > ?",
     read: "SELECT subject, used_at, expires_at, keep_until FROM idem_token WHERE biz_type = ? AND token = ?",
     give_back: "UPDATE idem_token SET used_at = NULL, keep_until = expires_at WHERE biz_type = ? AND token = ? AND subject = ? AND used_at = ?",
-    purge_expired: "DELETE FROM idem_token WHERE rowid IN (SELECT rowid FROM idem_token WHERE keep_until <= ? LIMIT ?)",
+    purge_expired: "DELETE FROM idem_token WHERE rowid IN (SELECT rowid FROM idem_token WHERE keep_until <= ? ORDER BY keep_until LIMIT ?)",
 };
 
 // Primary result codes; extended codes keep them in the low byte.
@@ -217,7 +217,7 @@ const CQ: super::calls::CallQueries = super::calls::CallQueries {
     steps_read: "SELECT step, response FROM idem_step WHERE call_id = ?",
     steps_delete: "DELETE FROM idem_step WHERE call_id = ?",
     stuck: "SELECT idem_key, biz_no, fence, lease_until, created_at FROM idem_call WHERE biz_type = ? AND status = 0 AND lease_until <= ? ORDER BY lease_until LIMIT ?",
-    purge_expired: "DELETE FROM idem_call WHERE id IN (SELECT id FROM idem_call WHERE expires_at <= ? AND status <> 0 LIMIT ?)",
+    purge_expired: "DELETE FROM idem_call WHERE id IN (SELECT id FROM idem_call WHERE expires_at <= ? AND status <> 0 ORDER BY expires_at LIMIT ?)",
 };
 
 impl super::calls::CallSql for Sqlite {

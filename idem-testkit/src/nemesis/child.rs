@@ -74,10 +74,10 @@ async fn pay<B: SoakBackend>(
     body::<B>(tx, &k, amount, ctx, plan).await
 }
 
-/// The lease of [`pay`], for the checker.
+/// The lease of `pay`, for the checker.
 pub const LEASE: Duration = Duration::from_secs(1);
 
-/// The child's entry: does nothing unless [`CHILD_ENV`] is set. Call it
+/// The child's entry: does nothing unless `CHILD_ENV` is set. Call it
 /// from a `#[test]` the parent names in [`super::run`].
 pub fn child_process() {
     let Ok(orders) = std::env::var(CHILD_ENV) else { return };

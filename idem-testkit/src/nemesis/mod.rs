@@ -3,12 +3,12 @@
 //! machine only.
 //!
 //! Several engine processes (children of the test: the test binary run
-//! again, [`child`]) each have their own `Idem` over one private database
+//! again, `child`) each have their own `Idem` over one private database
 //! and one private `redis-server`, and reach both through TCP proxies of
 //! the parent's ([`proxy`]), one per process and path. They call one
 //! annotated fn whose body pays an order and writes a ledger row in the
 //! call's transaction; the keys overlap across processes ([`calls`]).
-//! Meanwhile the nemesis ([`cuts`]) follows a seeded schedule ([`Lane`]):
+//! Meanwhile the nemesis (`cuts`) follows a seeded schedule ([`Lane`]):
 //! it black-holes, delays, loses the replies of, or resets the paths of
 //! one, several or all processes to Redis and to the database, and heals
 //! them. Every call is appended to its process's history (key, arguments,

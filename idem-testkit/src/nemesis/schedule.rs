@@ -63,7 +63,7 @@ impl Config {
 
 /// How many times a call that got no final answer (`InProgress`, a
 /// storage error, a timeout) is sent again, each time as a new history
-/// entry, after a pause that doubles from 25 ms ([`retry_pause`]): about
+/// entry, after a pause that doubles from 25 ms (`retry_pause`): about
 /// 3 s in all, past any claim a cut can leave behind.
 pub const RETRIES: usize = 7;
 
