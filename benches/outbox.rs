@@ -16,11 +16,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::nats::async_nats::{self, jetstream};
-use idem::outbox::nats::NatsPublisher;
-use idem::outbox::rabbit::RabbitPublisher;
-use idem::outbox::{Event, MessageId, Publisher, Relay};
-use idem::{Idem, idempotent};
+use idempotency::nats::async_nats::{self, jetstream};
+use idempotency::outbox::nats::NatsPublisher;
+use idempotency::outbox::rabbit::RabbitPublisher;
+use idempotency::outbox::{Event, MessageId, Publisher, Relay};
+use idempotency::{Idem, idempotent};
 use lapin::options::QueueDeleteOptions;
 use lapin::{Connection, ConnectionProperties};
 use serde::{Deserialize, Serialize};
@@ -40,12 +40,12 @@ struct OrderPaid {
 #[derive(Debug)]
 #[allow(dead_code)] // shown through Debug
 enum BenchError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
 }
 
-impl From<idem::Error> for BenchError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for BenchError {
+    fn from(e: idempotency::Error) -> Self {
         BenchError::Idem(e)
     }
 }
@@ -56,8 +56,8 @@ impl From<sqlx::Error> for BenchError {
     }
 }
 
-impl idem::amqp::AsIdemError for BenchError {
-    fn idem_error(&self) -> Option<&idem::Error> {
+impl idempotency::amqp::AsIdemError for BenchError {
+    fn idem_error(&self) -> Option<&idempotency::Error> {
         match self {
             BenchError::Idem(e) => Some(e),
             BenchError::Db(_) => None,
@@ -73,8 +73,11 @@ async fn pay(
     destination: String,
 ) -> Result<i64, BenchError> {
     sqlx::query("INSERT INTO bench_payments (order_id) VALUES (?)").bind(order_id).execute(&mut **tx).await?;
-    idem::outbox::queue(tx, Event::json(destination, &OrderPaid { order_id })?.aggregate(format!("order-{order_id}")))
-        .await?;
+    idempotency::outbox::queue(
+        tx,
+        Event::json(destination, &OrderPaid { order_id })?.aggregate(format!("order-{order_id}")),
+    )
+    .await?;
     Ok(order_id)
 }
 
@@ -139,7 +142,7 @@ async fn fill(idem: &Idem<MySql>, destination: &str, n: usize) {
         for i in chunk {
             let id = MessageId::derive("bench_fill", &format!("e{i}"), 0).unwrap();
             let event = Event::raw(destination, format!("{{\"order_id\":{i}}}")).aggregate(format!("order-{i}")).id(id);
-            idem::outbox::queue(&mut tx, event).await.unwrap();
+            idempotency::outbox::queue(&mut tx, event).await.unwrap();
         }
         tx.commit().await.unwrap();
     }
@@ -250,7 +253,7 @@ async fn rabbit_latency() -> Latencies {
     let channel = conn.create_channel().await.unwrap();
     let queue = "bench.outbox.latency";
     let _ = channel.queue_delete(queue.into(), QueueDeleteOptions::default()).await;
-    idem::amqp::declare_with_dead_letter(&channel, queue).await.unwrap();
+    idempotency::amqp::declare_with_dead_letter(&channel, queue).await.unwrap();
     let clock = Arc::new(Clock::default());
     let (stop_relay, relay_stopped) = oneshot::channel::<()>();
     let relay = tokio::spawn(Relay::new(&idem, RabbitPublisher::new(amqp_url())).run(async move {
@@ -259,7 +262,7 @@ async fn rabbit_latency() -> Latencies {
     let (stop_consumer, consumer_stopped) = oneshot::channel::<()>();
     let (engine, seen) = (idem.clone(), clock.clone());
     let consumer = tokio::spawn(
-        idem::amqp::Consumer::new(conn.create_channel().await.unwrap(), queue).concurrency(4).run_with_id(
+        idempotency::amqp::Consumer::new(conn.create_channel().await.unwrap(), queue).concurrency(4).run_with_id(
             async move {
                 let _ = consumer_stopped.await;
             },
@@ -285,7 +288,7 @@ async fn nats_latency() -> Latencies {
     let client = async_nats::connect(nats_url()).await.expect("nats");
     let js = jetstream::new(client.clone());
     let _ = js.delete_stream("BENCH_OUTBOX").await;
-    idem::nats::declare_with_dead_letter(&js, "BENCH_OUTBOX", &["bench.outbox.latency"]).await.unwrap();
+    idempotency::nats::declare_with_dead_letter(&js, "BENCH_OUTBOX", &["bench.outbox.latency"]).await.unwrap();
     let clock = Arc::new(Clock::default());
     let (stop_relay, relay_stopped) = oneshot::channel::<()>();
     let relay = tokio::spawn(Relay::new(&idem, NatsPublisher::new(client.clone())).run(async move {
@@ -294,7 +297,7 @@ async fn nats_latency() -> Latencies {
     let (stop_consumer, consumer_stopped) = oneshot::channel::<()>();
     let (engine, seen) = (idem.clone(), clock.clone());
     let consumer =
-        tokio::spawn(idem::nats::Consumer::new(js.clone(), "BENCH_OUTBOX", "bench").concurrency(4).run_with_id(
+        tokio::spawn(idempotency::nats::Consumer::new(js.clone(), "BENCH_OUTBOX", "bench").concurrency(4).run_with_id(
             async move {
                 let _ = consumer_stopped.await;
             },
@@ -330,7 +333,7 @@ async fn main() {
         let conn = Connection::connect(&amqp_url(), ConnectionProperties::default()).await.expect("rabbitmq");
         let channel = conn.create_channel().await.unwrap();
         let _ = channel.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await;
-        idem::amqp::declare_with_dead_letter(&channel, &queue).await.unwrap();
+        idempotency::amqp::declare_with_dead_letter(&channel, &queue).await.unwrap();
         let rate = throughput(&format!("t_rabbit_{relays}_{batch}"), &queue, relays, batch, || async {
             RabbitPublisher::new(amqp_url())
         })
@@ -344,7 +347,7 @@ async fn main() {
         let stream = format!("BENCH_T{relays}X{batch}");
         let subject = format!("bench.outbox.t{relays}x{batch}");
         let _ = js.delete_stream(&stream).await;
-        idem::nats::declare_with_dead_letter(&js, &stream, &[subject.as_str()]).await.unwrap();
+        idempotency::nats::declare_with_dead_letter(&js, &stream, &[subject.as_str()]).await.unwrap();
         let rate = throughput(&format!("t_nats_{relays}_{batch}"), &subject, relays, batch, || async {
             NatsPublisher::new(client.clone())
         })

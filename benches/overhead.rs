@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Barrier;
 
@@ -37,12 +37,12 @@ struct Receipt {
 #[derive(Debug)]
 #[allow(dead_code)] // shown through Debug when a bench call fails
 enum BenchError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
 }
 
-impl From<idem::Error> for BenchError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for BenchError {
+    fn from(e: idempotency::Error) -> Self {
         BenchError::Idem(e)
     }
 }
@@ -437,7 +437,7 @@ macro_rules! backend {
             }
 
             /// Call `i` of a replay row: one of the ten finished keys
-            /// `<run>_0` to `<run>_9` again, through `idem`.
+            /// `<run>_0` to `<run>_9` again, through `idempotency`.
             async fn replay_one(idem: &Idem<$db>, run: &str, i: usize, executions: &AtomicUsize, row: &str) {
                 let n = i % 10;
                 if let Err(e) = pay(idem, run, n, (n as i64 % ORDERS) + 1, executions).await {
@@ -445,7 +445,7 @@ macro_rules! backend {
                 }
             }
 
-            /// The least a first call with a claim can cost, with no idem code
+            /// The least a first call with a claim can cost, with no idempotency code
             /// at all: the claim script, the body's transaction with the record
             /// insert, and the cache write spawned off the caller's path.
             pub async fn floor(
@@ -537,7 +537,7 @@ macro_rules! backend {
                     idem.migrate().await.expect("migrate");
                     let client = claims.nodes();
                     let label = claims.label();
-                    let run_id = idem_testkit::unique(label);
+                    let run_id = idempotency_testkit::unique(label);
                     let executions = Arc::new(AtomicUsize::new(0));
 
                     let tasks = phase.tasks();
@@ -655,7 +655,7 @@ macro_rules! backend {
 
                     // replay-local: the same finished keys from the process's own cache
                     if !matches!(claims, Claims::Cluster(..)) {
-                        let cache = idem::LocalCache::new(10_000, 64 << 20).max_age(Duration::from_secs(600));
+                        let cache = idempotency::LocalCache::new(10_000, 64 << 20).max_age(Duration::from_secs(600));
                         let builder = Idem::builder(pool.clone()).local_cache(cache);
                         let local = match claims {
                             Claims::Single(c) => builder.redis(c.clone()).build(),
@@ -703,7 +703,7 @@ macro_rules! backend {
                                 let t = Instant::now();
                                 let r = pay(&idem, &tag, 0, 1, &e).await;
                                 assert!(
-                                    matches!(r, Ok(_) | Err(BenchError::Idem(idem::Error::InProgress { .. }))),
+                                    matches!(r, Ok(_) | Err(BenchError::Idem(idempotency::Error::InProgress { .. }))),
                                     "{r:?}"
                                 );
                                 t.elapsed()
@@ -743,7 +743,7 @@ backend!(
     MySql,
     "mariadb",
     true,
-    idem_testkit::mysql_url(),
+    idempotency_testkit::mysql_url(),
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT IGNORE INTO bench_orders (id, status) WITH RECURSIVE n (i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) SELECT i, 'PENDING' FROM n",
     "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = ? AND status = 'PENDING'",
@@ -755,7 +755,7 @@ backend!(
     Postgres,
     "postgres",
     false,
-    idem_testkit::pg_url(),
+    idempotency_testkit::pg_url(),
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT INTO bench_orders (id, status) SELECT i, 'PENDING' FROM generate_series(1, $1) AS i ON CONFLICT DO NOTHING",
     "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = $1 AND status = 'PENDING'",
@@ -773,12 +773,12 @@ fn main() {
     let started = Instant::now();
     let mut passes = vec![Claims::None];
     let runtime = Phase::Concurrent.runtime();
-    match redis::Client::open(idem_testkit::redis_url()) {
+    match redis::Client::open(idempotency_testkit::redis_url()) {
         Ok(c) if runtime.block_on(c.get_multiplexed_async_connection()).is_ok() => passes.push(Claims::Single(c)),
         _ => println!("skipped: redis unreachable (rows with Redis left out)"),
     }
     // A private 3-master cluster on loopback ports, stopped when dropped.
-    let cluster = idem_testkit::servers::RedisCluster::start();
+    let cluster = idempotency_testkit::servers::RedisCluster::start();
     if let Some(cluster) = &cluster {
         let nodes = cluster.urls().into_iter().map(|u| redis::Client::open(u).expect("node url")).collect();
         passes.push(Claims::Cluster(Box::new(cluster.client()), nodes));
@@ -796,7 +796,7 @@ fn main() {
     // Full runs only, or with IDEM_BENCH_GALERA=1, so the quick run stays
     // under a minute.
     let galera = !quick() || std::env::var("IDEM_BENCH_GALERA").is_ok_and(|v| v == "1");
-    if galera && let Some(galera) = idem_testkit::galera::Cluster::start() {
+    if galera && let Some(galera) = idempotency_testkit::galera::Cluster::start() {
         let single: Vec<Claims> = passes.iter().filter(|p| !matches!(p, Claims::Cluster(..))).cloned().collect();
         for phase in [Phase::OneTask, Phase::Concurrent] {
             phase.runtime().block_on(mariadb::run_on(&mut rows, &single, galera.nodes[0].url(), "galera", phase));

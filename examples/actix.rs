@@ -40,10 +40,10 @@ use actix_web::dev::Payload;
 use actix_web::http::StatusCode;
 use actix_web::middleware::from_fn;
 use actix_web::{App, FromRequest, HttpRequest, HttpResponse, HttpServer, Responder, ResponseError, web};
-use idem::http::actix::{Path, Problem, check_principal, replay_header};
-use idem::http::{IdempotencyKey, IdempotencyToken, KeyOrToken};
-use idem::state::{Advanced, advance};
-use idem::{Backend, Idem, TokenError, idempotent, transition};
+use idempotency::http::actix::{Path, Problem, check_principal, replay_header};
+use idempotency::http::{IdempotencyKey, IdempotencyToken, KeyOrToken};
+use idempotency::state::{Advanced, advance};
+use idempotency::{Backend, Idem, TokenError, idempotent, transition};
 use serde::{Deserialize, Serialize};
 use sqlx::{AssertSqlSafe, Transaction};
 
@@ -61,7 +61,7 @@ struct PayToken {
 }
 
 /// The order's state column and its allowed moves (layer 4).
-#[derive(Clone, Copy, Debug, PartialEq, idem::State)]
+#[derive(Clone, Copy, Debug, PartialEq, idempotency::State)]
 #[state(table = "orders", id = "id", column = "status")]
 #[state(transitions(Pending -> Paid, Paid -> Refunded, Pending -> Closed))]
 enum OrderStatus {
@@ -99,7 +99,7 @@ impl Responder for PayResponse {
 /// never recorded, so the same request may be sent again.
 #[derive(Debug)]
 enum ApiError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     /// The token is refused (403) or cannot be checked (503).
     Token(TokenError),
     /// The order exists but can no longer be paid (closed, refunded).
@@ -108,8 +108,8 @@ enum ApiError {
     BadAmount,
 }
 
-impl From<idem::Error> for ApiError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for ApiError {
+    fn from(e: idempotency::Error) -> Self {
         ApiError::Idem(e)
     }
 }

@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idem::amqp::{Action, Consumer, Settled};
-use idem::{Idem, Outcome, idempotent};
+use idempotency::amqp::{Action, Consumer, Settled};
+use idempotency::{Idem, Outcome, idempotent};
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use serde::{Deserialize, Serialize};
@@ -42,7 +42,7 @@ struct Deducted {
 
 #[derive(Debug)]
 enum StockError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
     UnknownSku(String),
 }
@@ -59,8 +59,8 @@ impl std::fmt::Display for StockError {
 
 impl std::error::Error for StockError {}
 
-impl From<idem::Error> for StockError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for StockError {
+    fn from(e: idempotency::Error) -> Self {
         StockError::Idem(e)
     }
 }
@@ -74,8 +74,8 @@ impl From<sqlx::Error> for StockError {
 /// What the consumer settles by: a database that is down (`Storage`) is
 /// waited out and requeued without spending a retry; a reused or invalid
 /// key goes to the dead-letter queue; the body's own errors are retried.
-impl idem::amqp::AsIdemError for StockError {
-    fn idem_error(&self) -> Option<&idem::Error> {
+impl idempotency::amqp::AsIdemError for StockError {
+    fn idem_error(&self) -> Option<&idempotency::Error> {
         match self {
             StockError::Idem(e) => Some(e),
             StockError::Db(_) | StockError::UnknownSku(_) => None,
@@ -224,7 +224,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // The queue, its dead-letter exchange `order.paid.dlx` and queue `order.paid.dlq`.
     let channel = conn.create_channel().await?;
-    let names = idem::amqp::declare_with_dead_letter(&channel, QUEUE).await?;
+    let names = idempotency::amqp::declare_with_dead_letter(&channel, QUEUE).await?;
     channel.queue_purge(QUEUE.into(), QueuePurgeOptions::default()).await?;
     channel.queue_purge(names.dead_letter_queue.as_str().into(), QueuePurgeOptions::default()).await?;
 

@@ -1,6 +1,6 @@
 //! `cargo run --example cron --features cron`: three scheduler instances
 //! (three engines, three pools, one SQLite database file) run the same
-//! `idem::cron::Runner` on a schedule firing every 2 seconds. Each slot
+//! `idempotency::cron::Runner` on a schedule firing every 2 seconds. Each slot
 //! settles once, whichever instance wins; the others report it done or in
 //! progress elsewhere. The third instance starts 5 seconds late and catches
 //! up the slots it missed within its 4-second window.
@@ -11,8 +11,8 @@
 
 use std::time::Duration;
 
-use idem::cron::{Runner, SlotReport};
-use idem::{Idem, idempotent};
+use idempotency::cron::{Runner, SlotReport};
+use idempotency::{Idem, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{Sqlite, Transaction};
@@ -26,12 +26,12 @@ struct Settlement {
 #[derive(Debug)]
 #[allow(dead_code)] // shown through Debug in the slot reports
 enum JobError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
 }
 
-impl From<idem::Error> for JobError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for JobError {
+    fn from(e: idempotency::Error) -> Self {
         JobError::Idem(e)
     }
 }

@@ -34,9 +34,9 @@ mod proto;
 use std::str::FromStr;
 use std::time::Duration;
 
-use idem::grpc::{self, check_principal};
-use idem::http::IdempotencyKey;
-use idem::{Idem, idempotent};
+use idempotency::grpc::{self, check_principal};
+use idempotency::http::IdempotencyKey;
+use idempotency::{Idem, idempotent};
 use proto::{PayReply, PayRequest, Payments, PaymentsClient, PaymentsServer};
 use sqlx::{AssertSqlSafe, Sqlite, Transaction};
 use tonic::transport::server::TcpIncoming;
@@ -47,14 +47,14 @@ use tonic::{Request, Response, Status};
 /// same request may be sent again.
 #[derive(Debug)]
 enum PayError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     /// The order exists but can no longer be paid.
     NotPayable(i64),
     BadAmount,
 }
 
-impl From<idem::Error> for PayError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for PayError {
+    fn from(e: idempotency::Error) -> Self {
         PayError::Idem(e)
     }
 }
@@ -67,7 +67,7 @@ impl From<sqlx::Error> for PayError {
 }
 
 /// The status each failure answers: the engine's by its table
-/// (`idem::grpc`), the business rules' with codes of their own.
+/// (`idempotency::grpc`), the business rules' with codes of their own.
 impl From<PayError> for Status {
     fn from(e: PayError) -> Self {
         match e {

@@ -27,7 +27,7 @@
 //! `IDEMPOTENCY_KEY_REUSED`, and with `-H 'X-User-Id: alice:x'` 400
 //! `INVALID_PRINCIPAL`. A client that sends a fresh key with its retry
 //! defeats the record, not the order's own state (layer 4,
-//! `idem::state`): the second body finds the order already paid and answers
+//! `idempotency::state`): the second body finds the order already paid and answers
 //! 200 with the first payment, writing nothing.
 //!
 //! For clients that must not make up their own keys, the form asks for a
@@ -55,9 +55,9 @@ use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router, middleware};
-use idem::http::{IdempotencyKey, IdempotencyToken, KeyOrToken, Problem, check_principal, replay_header};
-use idem::state::{Advanced, advance};
-use idem::{Backend, Idem, TokenError, idempotent, transition};
+use idempotency::http::{IdempotencyKey, IdempotencyToken, KeyOrToken, Problem, check_principal, replay_header};
+use idempotency::state::{Advanced, advance};
+use idempotency::{Backend, Idem, TokenError, idempotent, transition};
 use serde::{Deserialize, Serialize};
 use sqlx::{AssertSqlSafe, Transaction};
 
@@ -75,7 +75,7 @@ struct PayToken {
 }
 
 /// The order's state column and its allowed moves (layer 4).
-#[derive(Clone, Copy, Debug, PartialEq, idem::State)]
+#[derive(Clone, Copy, Debug, PartialEq, idempotency::State)]
 #[state(table = "orders", id = "id", column = "status")]
 #[state(transitions(Pending -> Paid, Paid -> Refunded, Pending -> Closed))]
 enum OrderStatus {
@@ -111,7 +111,7 @@ impl IntoResponse for PayResponse {
 /// never recorded, so the same request may be sent again.
 #[derive(Debug)]
 enum ApiError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     /// The token is refused (403) or cannot be checked (503).
     Token(TokenError),
     /// The order exists but can no longer be paid (closed, refunded).
@@ -120,8 +120,8 @@ enum ApiError {
     BadAmount,
 }
 
-impl From<idem::Error> for ApiError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for ApiError {
+    fn from(e: idempotency::Error) -> Self {
         ApiError::Idem(e)
     }
 }
@@ -364,7 +364,7 @@ fn purge_periodically<DB: Backend>(idem: Idem<DB>) {
 #[cfg(feature = "metrics")]
 fn metrics_route() -> Result<Router, Box<dyn std::error::Error>> {
     let handle = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
-    idem::metrics::describe();
+    idempotency::metrics::describe();
     // Histograms are summarised on upkeep, which nothing else runs here.
     let upkeep = handle.clone();
     tokio::spawn(async move {

@@ -12,9 +12,9 @@
 
 use std::time::{Duration, Instant};
 
-use idem::nats::async_nats::{self, jetstream};
-use idem::outbox::{Event, Relay, nats::NatsPublisher};
-use idem::{Idem, idempotent};
+use idempotency::nats::async_nats::{self, jetstream};
+use idempotency::outbox::{Event, Relay, nats::NatsPublisher};
+use idempotency::{Idem, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{Sqlite, Transaction};
 
@@ -28,13 +28,13 @@ struct OrderPaid {
 #[derive(Debug)]
 #[allow(dead_code)] // shown through Debug and Display
 enum AppError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
     CardDeclined,
 }
 
-impl From<idem::Error> for AppError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for AppError {
+    fn from(e: idempotency::Error) -> Self {
         AppError::Idem(e)
     }
 }
@@ -53,8 +53,8 @@ impl std::fmt::Display for AppError {
 
 impl std::error::Error for AppError {}
 
-impl idem::nats::AsIdemError for AppError {
-    fn idem_error(&self) -> Option<&idem::Error> {
+impl idempotency::nats::AsIdemError for AppError {
+    fn idem_error(&self) -> Option<&idempotency::Error> {
         match self {
             AppError::Idem(e) => Some(e),
             _ => None,
@@ -79,7 +79,8 @@ async fn pay(
         .execute(&mut **tx)
         .await?;
     let paid = OrderPaid { order_id, sku: "book".into(), qty: 1 };
-    let id = idem::outbox::queue(tx, Event::json(SUBJECT, &paid)?.aggregate(format!("order-{order_id}"))).await?;
+    let id =
+        idempotency::outbox::queue(tx, Event::json(SUBJECT, &paid)?.aggregate(format!("order-{order_id}"))).await?;
     println!("pay {order_id}: queued {id}");
     if !card_ok {
         return Err(AppError::CardDeclined);
@@ -111,7 +112,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let url = std::env::var("IDEM_NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".into());
     let client = async_nats::connect(&url).await.map_err(|e| format!("NATS at {url}: {e} (start nats-server -js)"))?;
     let js = jetstream::new(client.clone());
-    idem::nats::declare_with_dead_letter(&js, "EXAMPLE_ORDERS", &[SUBJECT]).await?;
+    idempotency::nats::declare_with_dead_letter(&js, "EXAMPLE_ORDERS", &[SUBJECT]).await?;
 
     // Two services, two databases.
     let payments = Idem::sqlite_memory().await?;
@@ -135,7 +136,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let (stop_consumer, consumer_stopped) = tokio::sync::oneshot::channel::<()>();
     let consumer_engine = stock.clone();
     let consumer = tokio::spawn(
-        idem::nats::Consumer::new(js.clone(), "EXAMPLE_ORDERS", "stock")
+        idempotency::nats::Consumer::new(js.clone(), "EXAMPLE_ORDERS", "stock")
             .on_settle(|s| println!("consumer: {:?} ({:?}), delivery {}", s.action, s.outcome, s.delivered))
             .run_with_id(
                 async move {

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem::{Idem, StepKey, Steps, idempotent};
+use idempotency::{Idem, StepKey, Steps, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::Sqlite;
 
@@ -41,7 +41,7 @@ struct Declined {
 
 #[derive(Debug)]
 enum ChargeError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
     Provider(String),
 }
@@ -58,8 +58,8 @@ impl std::fmt::Display for ChargeError {
 
 impl std::error::Error for ChargeError {}
 
-impl From<idem::Error> for ChargeError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for ChargeError {
+    fn from(e: idempotency::Error) -> Self {
         ChargeError::Idem(e)
     }
 }
@@ -132,7 +132,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     provider.decline_amount(500);
     for _ in 0..2 {
         match charge(&idem, &provider, 2, 500).await {
-            Err(ChargeError::Idem(idem::Error::Permanent { failure, .. })) => {
+            Err(ChargeError::Idem(idempotency::Error::Permanent { failure, .. })) => {
                 let declined: Declined = failure.decode()?;
                 println!("  failed for good: {declined:?}");
             }

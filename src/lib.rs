@@ -3,15 +3,15 @@
 //! jobs firing on several instances, webhooks called again.
 //!
 //! ```no_run
-//! use idem::{Idem, idempotent};
+//! use idempotency::{Idem, idempotent};
 //! use sqlx::{Sqlite, Transaction};
 //!
 //! #[derive(serde::Serialize, serde::Deserialize)]
 //! struct Receipt { order_id: u64, amount: i64 }
 //!
 //! #[derive(Debug)]
-//! enum PayError { Idem(idem::Error), Db(sqlx::Error) }
-//! impl From<idem::Error> for PayError { fn from(e: idem::Error) -> Self { PayError::Idem(e) } }
+//! enum PayError { Idem(idempotency::Error), Db(sqlx::Error) }
+//! impl From<idempotency::Error> for PayError { fn from(e: idempotency::Error) -> Self { PayError::Idem(e) } }
 //! impl From<sqlx::Error> for PayError { fn from(e: sqlx::Error) -> Self { PayError::Db(e) } }
 //!
 //! #[idempotent(key = "order_<order_id>_pay", ttl = "24h", biz = "pay")]
@@ -61,29 +61,29 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-pub use idem_macros::{State, idempotent};
+pub use idempotency_macros::{State, idempotent};
 #[cfg(feature = "amqp")]
-pub use idem_runtime::amqp;
+pub use idempotency_runtime::amqp;
 #[cfg(feature = "cron")]
-pub use idem_runtime::cron;
+pub use idempotency_runtime::cron;
 /// gRPC glue for tonic (feature `tonic`): the key from `idempotency-key`
-/// metadata, `idem::Error` as `tonic::Status`, replays marked in the
+/// metadata, `idempotency::Error` as `tonic::Status`, replays marked in the
 /// response metadata.
 #[cfg(feature = "tonic")]
-pub use idem_runtime::grpc;
+pub use idempotency_runtime::grpc;
 /// HTTP glue: the key, token and principal rules and problem details for
 /// any framework; adapters for axum (feature `axum`) and actix-web
-/// (feature `actix`, `idem::http::actix`).
-pub use idem_runtime::http;
+/// (feature `actix`, `idempotency::http::actix`).
+pub use idempotency_runtime::http;
 #[cfg(feature = "metrics")]
-pub use idem_runtime::metrics;
+pub use idempotency_runtime::metrics;
 #[cfg(feature = "nats")]
-pub use idem_runtime::nats;
+pub use idempotency_runtime::nats;
 #[cfg(feature = "outbox")]
-pub use idem_runtime::outbox;
+pub use idempotency_runtime::outbox;
 #[cfg(feature = "redis-streams")]
-pub use idem_runtime::redis_streams;
-pub use idem_runtime::{
+pub use idempotency_runtime::redis_streams;
+pub use idempotency_runtime::{
     Backend, Builder, Error, Idem, InvalidNamespace, KeyError, LocalCache, Namespace, Outcome, Status, col, observe,
     state, transition,
 };
@@ -92,29 +92,29 @@ pub use idem_runtime::{
 /// (e.g. an `Idempotency-Key` header). The attribute checks its templates
 /// against the same rules at compile time.
 pub mod key {
-    pub use idem_runtime::key::{
+    pub use idempotency_runtime::key::{
         MAX_BIZ_NO_LEN, MAX_KEY_LEN, MIN_HEADER_KEY_LEN, validate_biz_no, validate_header_key, validate_key,
     };
 }
 
 /// Issued one-time tokens ([`Idem::tokens`]): the rules a token and its
 /// subject follow, and why one is refused.
-pub use idem_runtime::token;
-pub use idem_runtime::{Consumption, IssuedToken, SpentToken, TokenError, Tokens};
+pub use idempotency_runtime::token;
+pub use idempotency_runtime::{Consumption, IssuedToken, SpentToken, TokenError, Tokens};
 
 /// Calls to outside services (`#[idempotent(..., steps)]`): phases, fencing,
 /// recovery. The step context is [`Steps`].
-pub use idem_runtime::steps;
-pub use idem_runtime::{Failure, StepKey, Steps, StuckCall};
+pub use idempotency_runtime::steps;
+pub use idempotency_runtime::{Failure, StepKey, Steps, StuckCall};
 
 /// Not a stable API: where Redis keeps claims and cached results (the
 /// tests read and forge them).
 #[doc(hidden)]
 #[cfg(feature = "redis")]
-pub use idem_runtime::redis_layout;
+pub use idempotency_runtime::redis_layout;
 
 /// Not a stable API: what the code written by `#[idempotent]` calls.
 #[doc(hidden)]
 pub mod __private {
-    pub use idem_runtime::__private::*;
+    pub use idempotency_runtime::__private::*;
 }

@@ -16,9 +16,9 @@ use actix_web::http::StatusCode;
 use actix_web::middleware::from_fn;
 use actix_web::{App, FromRequest, HttpRequest, HttpResponse, HttpServer, Responder, ResponseError, web};
 use http_contract::{ApiError, Framework, Gate, NOT_PAYABLE_BODY, PayReq, PayResponse, UserId};
-use idem::http::IdempotencyKey;
-use idem::http::actix::{Path, check_principal, replay_header};
-use idem::{Idem, idempotent};
+use idempotency::http::IdempotencyKey;
+use idempotency::http::actix::{Path, check_principal, replay_header};
+use idempotency::{Idem, idempotent};
 use sqlx::Transaction;
 
 impl Responder for PayResponse {

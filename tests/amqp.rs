@@ -1,4 +1,4 @@
-//! `idem::amqp` end to end: RabbitMQ (`IDEM_AMQP_URL`), MariaDB
+//! `idempotency::amqp` end to end: RabbitMQ (`IDEM_AMQP_URL`), MariaDB
 //! (`IDEM_MYSQL_URL`) and Redis (`IDEM_REDIS_URL`). Every test uses its own
 //! queues, SKUs and order ids, so they run in parallel and again.
 
@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use idem::amqp::{Action, AsIdemError, Consumer, DeadLetter, Reason, Settled};
-use idem::{Idem, Outcome, idempotent};
+use idempotency::amqp::{Action, AsIdemError, Consumer, DeadLetter, Reason, Settled};
+use idempotency::{Idem, Outcome, idempotent};
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
     ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -44,13 +44,13 @@ const PANICS: i64 = -7;
 #[derive(Debug)]
 #[allow(dead_code)] // the fields show in assertion messages through Debug
 enum StockError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
     UnknownSku(String),
 }
 
-impl From<idem::Error> for StockError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for StockError {
+    fn from(e: idempotency::Error) -> Self {
         StockError::Idem(e)
     }
 }
@@ -62,7 +62,7 @@ impl From<sqlx::Error> for StockError {
 }
 
 impl AsIdemError for StockError {
-    fn idem_error(&self) -> Option<&idem::Error> {
+    fn idem_error(&self) -> Option<&idempotency::Error> {
         match self {
             StockError::Idem(e) => Some(e),
             _ => None,
@@ -176,7 +176,7 @@ async fn rabbitmq() -> Option<Connection> {
             return Some(conn);
         }
     }
-    idem_testkit::skip("rabbitmq");
+    idempotency_testkit::skip("rabbitmq");
     None
 }
 
@@ -191,7 +191,7 @@ struct Env {
     sku: String,
 }
 
-/// The work queue declared by `idem::amqp::declare_with_dead_letter`.
+/// The work queue declared by `idempotency::amqp::declare_with_dead_letter`.
 async fn env(stock: i64) -> Option<Env> {
     env_with(stock, FieldTable::default()).await
 }
@@ -201,15 +201,15 @@ async fn env(stock: i64) -> Option<Env> {
 /// same names.
 async fn env_with(stock: i64, queue_args: FieldTable) -> Option<Env> {
     let conn = rabbitmq().await?;
-    let pool = idem_testkit::reach("mysql", || async {
-        MySqlPoolOptions::new().max_connections(8).connect(&idem_testkit::mysql_url()).await.ok()
+    let pool = idempotency_testkit::reach("mysql", || async {
+        MySqlPoolOptions::new().max_connections(8).connect(&idempotency_testkit::mysql_url()).await.ok()
     })
     .await?;
-    let redis = idem_testkit::redis_client().await?;
+    let redis = idempotency_testkit::redis_client().await?;
     let idem = Idem::builder(pool).redis(redis.clone()).build();
     idem.migrate().await.expect("migrate");
     sqlx::raw_sql(DDL).execute(idem.pool()).await.expect("stock tables");
-    let sku = idem_testkit::unique("sku");
+    let sku = idempotency_testkit::unique("sku");
     sqlx::query("INSERT INTO idem_amqp_stock (sku, qty) VALUES (?, ?)")
         .bind(&sku)
         .bind(stock)
@@ -219,9 +219,9 @@ async fn env_with(stock: i64, queue_args: FieldTable) -> Option<Env> {
 
     let channel = conn.create_channel().await.expect("channel");
     channel.confirm_select(ConfirmSelectOptions::default()).await.expect("confirms");
-    let queue = idem_testkit::unique("idem.test.order.paid");
+    let queue = idempotency_testkit::unique("idem.test.order.paid");
     let names = if queue_args.inner().is_empty() {
-        idem::amqp::declare_with_dead_letter(&channel, &queue).await.expect("declare queues")
+        idempotency::amqp::declare_with_dead_letter(&channel, &queue).await.expect("declare queues")
     } else {
         declare_with_args(&channel, &queue, queue_args).await
     };
@@ -430,7 +430,7 @@ fn message_id(d: &lapin::message::Delivery) -> Option<String> {
 }
 
 fn retries_header(d: &lapin::message::Delivery) -> Option<AMQPValue> {
-    d.properties.headers().as_ref().and_then(|h| h.inner().get(idem::amqp::RETRIES_HEADER).cloned())
+    d.properties.headers().as_ref().and_then(|h| h.inner().get(idempotency::amqp::RETRIES_HEADER).cloned())
 }
 
 fn dead_lettered_by_the_broker(d: &lapin::message::Delivery) -> bool {
@@ -613,7 +613,7 @@ async fn poison_and_key_reused_are_dead_lettered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_key_is_dead_lettered_and_nothing_written() {
     let Some(env) = env(100).await else { return };
-    let reference = format!("bad ref {}", idem_testkit::unique("r"));
+    let reference = format!("bad ref {}", idempotency_testkit::unique("r"));
     let payload =
         serde_json::to_vec(&Restocked { reference: reference.clone(), sku: env.sku.clone(), qty: 5 }).unwrap();
     env.publish(&payload, "invalid-key").await;
@@ -662,7 +662,7 @@ async fn invalid_key_is_dead_lettered_and_nothing_written() {
 async fn failing_body_is_retried_up_to_the_bound_then_dead_lettered() {
     let Some(env) = env(100).await else { return };
     let order = order_id();
-    let unknown = idem_testkit::unique("no-such-sku");
+    let unknown = idempotency_testkit::unique("no-such-sku");
     env.publish(&event(order, &unknown, 1), "failing").await;
 
     let calls = Arc::new(AtomicUsize::new(0));
@@ -780,7 +780,7 @@ async fn refused_retry_copy_is_counted_then_dead_lettered() {
     args.insert("x-max-length".into(), AMQPValue::LongInt(1));
     args.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
     let Some(env) = env_with(100, args).await else { return };
-    let unknown = idem_testkit::unique("no-such-sku");
+    let unknown = idempotency_testkit::unique("no-such-sku");
     env.publish(&event(order_id(), &unknown, 1), "failing").await;
 
     // While the failing body holds, its delivery is unacked (not counted by
@@ -835,7 +835,7 @@ async fn refused_retry_copy_is_counted_then_dead_lettered() {
 async fn handler_returning_ok_is_acked_whatever_the_outcome() {
     let Some(env) = env(100).await else { return };
     let order = order_id();
-    let unknown = idem_testkit::unique("no-such-sku");
+    let unknown = idempotency_testkit::unique("no-such-sku");
     env.publish(&event(order, &env.sku, 2), "first").await;
     env.publish(&event(order, &env.sku, 5), "reused").await;
     env.publish(&event(order_id(), &unknown, 1), "failing").await;

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use idem::{Idem, Outcome, idempotent, observe};
+use idempotency::{Idem, Outcome, idempotent, observe};
 use serde::{Deserialize, Serialize};
 use sqlx::{Sqlite, Transaction};
 
@@ -17,7 +17,7 @@ struct Line {
 }
 
 /// Writes one row per call that runs; the result is the id. (A body error
-/// is a storage error here: `idem::Error: From<sqlx::Error>`.)
+/// is a storage error here: `idempotency::Error: From<sqlx::Error>`.)
 #[idempotent(key = "quote_<id>", ttl = "1h", biz = "t_quote")]
 async fn quote(
     idem: &Idem<Sqlite>,
@@ -26,7 +26,7 @@ async fn quote(
     amount: Option<f64>,
     lines: Vec<Line>,
     rates: BTreeMap<String, f32>,
-) -> Result<i64, idem::Error> {
+) -> Result<i64, idempotency::Error> {
     sqlx::query("INSERT INTO quotes (id) VALUES (?)").bind(id).execute(&mut **tx).await?;
     Ok(id)
 }
@@ -38,7 +38,7 @@ async fn book(
     tx: &mut Transaction<'_, Sqlite>,
     id: i64,
     reference: String,
-) -> Result<i64, idem::Error> {
+) -> Result<i64, idempotency::Error> {
     sqlx::query("INSERT INTO quotes (id) VALUES (?)").bind(id).execute(&mut **tx).await?;
     Ok(id)
 }
@@ -64,11 +64,11 @@ fn line(price: f64, discount: Option<f32>) -> Line {
 }
 
 /// Asserts the call was refused naming `arg`, as `Outcome::Rejected`.
-fn assert_refused(called: (Result<i64, idem::Error>, Option<Outcome>), arg: &str) {
+fn assert_refused(called: (Result<i64, idempotency::Error>, Option<Outcome>), arg: &str) {
     match called {
-        (Err(idem::Error::NonFiniteFloat { arg: got }), Some(Outcome::Rejected)) => {
+        (Err(idempotency::Error::NonFiniteFloat { arg: got }), Some(Outcome::Rejected)) => {
             assert_eq!(got, arg);
-            let shown = idem::Error::NonFiniteFloat { arg: got }.to_string();
+            let shown = idempotency::Error::NonFiniteFloat { arg: got }.to_string();
             assert_eq!(
                 shown,
                 format!(
@@ -117,7 +117,7 @@ async fn some_nan_does_not_replay_none() {
     }
     let other = observe(quote(&idem, 7, Some(1.5), vec![], BTreeMap::new())).await;
     assert!(
-        matches!(other, (Err(idem::Error::KeyReused { biz: "t_quote", ref key }), Some(Outcome::KeyReused)) if key == "quote_7"),
+        matches!(other, (Err(idempotency::Error::KeyReused { biz: "t_quote", ref key }), Some(Outcome::KeyReused)) if key == "quote_7"),
         "{other:?}"
     );
     let same = observe(quote(&idem, 7, None, vec![], BTreeMap::new())).await;
@@ -132,17 +132,17 @@ async fn biz_no_longer_than_its_column_is_rejected() {
     let idem = engine().await;
     let refused = observe(book(&idem, 1, "n".repeat(65))).await;
     assert!(
-        matches!(refused, (Err(idem::Error::BizNoTooLong { len: 65, max: 64 }), Some(Outcome::Rejected))),
+        matches!(refused, (Err(idempotency::Error::BizNoTooLong { len: 65, max: 64 }), Some(Outcome::Rejected))),
         "{refused:?}"
     );
     assert!(!refused.0.unwrap_err().is_retryable());
     // Multi-byte characters count in bytes, as the column does.
     let refused = observe(book(&idem, 2, "é".repeat(33))).await;
-    assert!(matches!(refused.0, Err(idem::Error::BizNoTooLong { len: 66, max: 64 })), "{refused:?}");
+    assert!(matches!(refused.0, Err(idempotency::Error::BizNoTooLong { len: 66, max: 64 })), "{refused:?}");
     assert_eq!(rows(&idem).await, (0, 0), "no body ran, no record was written");
 
     let ran = observe(book(&idem, 3, "n".repeat(64))).await;
     assert!(matches!(ran, (Ok(3), Some(Outcome::Executed))), "{ran:?}");
     assert_eq!(rows(&idem).await, (1, 1));
-    assert_eq!(idem::key::MAX_BIZ_NO_LEN, 64);
+    assert_eq!(idempotency::key::MAX_BIZ_NO_LEN, 64);
 }

@@ -8,10 +8,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem_testkit::Location;
-use idem_testkit::servers::RedisCluster;
-use idem_testkit::soak::{self, Config, RedisSetup, SoakBackend, Tag};
-use idem_testkit::unique;
+use idempotency_testkit::Location;
+use idempotency_testkit::servers::RedisCluster;
+use idempotency_testkit::soak::{self, Config, RedisSetup, SoakBackend, Tag};
+use idempotency_testkit::unique;
 
 const INSTANCES: usize = 4;
 
@@ -30,7 +30,7 @@ fn results_on_node(cluster: &RedisCluster, i: usize, places: &[Location]) -> Vec
             for hash in hashes {
                 let value: Option<Vec<u8>> =
                     cluster.query_node(i, redis::cmd("HGET").arg(&hash).arg(&at.field[..])).expect("HGET");
-                if let Some((_, _, response)) = value.and_then(idem::redis_layout::parse_result) {
+                if let Some((_, _, response)) = value.and_then(idempotency::redis_layout::parse_result) {
                     found.push((at.claim.clone(), response));
                 }
             }
@@ -68,7 +68,7 @@ async fn four_instances<B: SoakBackend>() {
     let namespace = engines[0].redis_namespace().await.expect("namespace").expect("migrated");
     let places: Vec<Location> = stored
         .keys()
-        .map(|k| idem::redis_layout::locate(namespace.as_str(), soak::BIZ, k).expect("namespace"))
+        .map(|k| idempotency::redis_layout::locate(namespace.as_str(), soak::BIZ, k).expect("namespace"))
         .collect();
     // A claim becomes its result after the commit, off the
     // caller's path: poll until every key holds one.
@@ -101,13 +101,13 @@ async fn four_instances<B: SoakBackend>() {
 mod mysql {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn four_instances_share_a_redis_cluster() {
-        super::four_instances::<idem_testkit::backend::MySql>().await;
+        super::four_instances::<idempotency_testkit::backend::MySql>().await;
     }
 }
 
 mod postgres {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn four_instances_share_a_redis_cluster() {
-        super::four_instances::<idem_testkit::backend::Postgres>().await;
+        super::four_instances::<idempotency_testkit::backend::Postgres>().await;
     }
 }

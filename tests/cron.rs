@@ -1,7 +1,7 @@
 //! Cron jobs on MariaDB and PostgreSQL. By hand: three scheduler instances
 //! (three engines, three pools, one database) fire the same 20 slots; each
 //! slot runs exactly once, and a late backfill of a past slot does not run
-//! it again. With `idem::cron::Runner`: three instances on a one-second
+//! it again. With `idempotency::cron::Runner`: three instances on a one-second
 //! schedule for 30 slots, one of them stopped for 10 slots; every slot runs
 //! once, missed slots within the window are caught up once, older ones are
 //! skipped; a job cancelled at shutdown runs on the next start, once; and
@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::{Idem, Outcome, idempotent};
+use idempotency::{Idem, Outcome, idempotent};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Barrier;
 
@@ -23,12 +23,12 @@ struct Settlement {
 #[derive(Debug)]
 #[allow(dead_code)] // the fields show in assertion messages through Debug
 enum JobError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
 }
 
-impl From<idem::Error> for JobError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for JobError {
+    fn from(e: idempotency::Error) -> Self {
         JobError::Idem(e)
     }
 }
@@ -71,7 +71,7 @@ macro_rules! cron_suite {
                     sqlx::raw_sql($ddl).execute(&pool).await.expect("cron table");
                     let mut builder = Idem::builder(pool);
                     if redis {
-                        builder = builder.redis(idem_testkit::redis_client().await?);
+                        builder = builder.redis(idempotency_testkit::redis_client().await?);
                     }
                     let idem = builder.build();
                     idem.migrate().await.expect("migrate");
@@ -82,7 +82,7 @@ macro_rules! cron_suite {
 
             async fn three_instances_twenty_slots(redis: bool) {
                 let Some(engines) = engines(redis).await else { return };
-                let run = idem_testkit::unique("cron");
+                let run = idempotency_testkit::unique("cron");
                 let mut executed = 0;
                 for slot in 0..SLOTS {
                     let barrier = Arc::new(Barrier::new(INSTANCES as usize));
@@ -91,7 +91,7 @@ macro_rules! cron_suite {
                         let (idem, run, barrier) = (idem.clone(), run.clone(), barrier.clone());
                         fired.push(tokio::spawn(async move {
                             barrier.wait().await;
-                            idem::observe(settle(&idem, run, slot, instance as u32)).await
+                            idempotency::observe(settle(&idem, run, slot, instance as u32)).await
                         }));
                     }
                     let mut winners = Vec::new();
@@ -104,7 +104,7 @@ macro_rules! cron_suite {
                             }
                             Some(Outcome::Replayed) => winners.push(result.unwrap()),
                             Some(Outcome::InProgress) => {
-                                assert!(matches!(result, Err(JobError::Idem(idem::Error::InProgress { .. }))))
+                                assert!(matches!(result, Err(JobError::Idem(idempotency::Error::InProgress { .. }))))
                             }
                             other => panic!("slot {slot}: {other:?} {result:?}"),
                         }
@@ -120,7 +120,7 @@ macro_rules! cron_suite {
                 assert_eq!((rows, slots), (SLOTS as i64, SLOTS as i64), "each slot ran once");
 
                 // A late backfill of slot 3 from another instance replays it.
-                let (late, outcome) = idem::observe(settle(&engines[2], run.clone(), 3, 2)).await;
+                let (late, outcome) = idempotency::observe(settle(&engines[2], run.clone(), 3, 2)).await;
                 assert_eq!(outcome, Some(Outcome::Replayed));
                 assert_eq!(late.unwrap().slot, 3);
                 let rows: i64 = sqlx::query_scalar($count).bind(&run).fetch_one(pool).await.unwrap();
@@ -143,8 +143,8 @@ macro_rules! cron_suite {
 cron_suite!(
     mysql,
     MySql,
-    idem_testkit::reach("mysql", || async {
-        sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&idem_testkit::mysql_url()).await.ok()
+    idempotency_testkit::reach("mysql", || async {
+        sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&idempotency_testkit::mysql_url()).await.ok()
     }),
     "CREATE TABLE IF NOT EXISTS cron_runs (id BIGINT AUTO_INCREMENT PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL, KEY (run))",
     "INSERT INTO cron_runs (run, slot, instance) VALUES (?, ?, ?)",
@@ -155,8 +155,8 @@ cron_suite!(
 cron_suite!(
     postgres,
     Postgres,
-    idem_testkit::reach("postgres", || async {
-        sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&idem_testkit::pg_url()).await.ok()
+    idempotency_testkit::reach("postgres", || async {
+        sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&idempotency_testkit::pg_url()).await.ok()
     }),
     "SELECT pg_advisory_xact_lock(7306232718293613); CREATE TABLE IF NOT EXISTS cron_runs (id BIGSERIAL PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL)",
     "INSERT INTO cron_runs (run, slot, instance) VALUES ($1, $2, $3)",
@@ -176,7 +176,7 @@ const RUNNER_SLOTS: i64 = 30;
 struct Seen {
     instance: u32,
     slot: i64,
-    outcome: idem::cron::SlotOutcome,
+    outcome: idempotency::cron::SlotOutcome,
     catch_up: bool,
 }
 
@@ -194,8 +194,8 @@ macro_rules! runner_suite {
             use std::sync::Mutex;
             use std::time::{SystemTime, UNIX_EPOCH};
 
-            use idem::Steps;
-            use idem::cron::{Runner, SlotOutcome, Stopped};
+            use idempotency::Steps;
+            use idempotency::cron::{Runner, SlotOutcome, Stopped};
             use sqlx::{Transaction, $db};
 
             use super::*;
@@ -229,7 +229,7 @@ macro_rules! runner_suite {
                     sqlx::raw_sql($ddl).execute(&pool).await.expect("cron table");
                     let mut builder = Idem::builder(pool);
                     if redis {
-                        builder = builder.redis(idem_testkit::redis_client().await?);
+                        builder = builder.redis(idempotency_testkit::redis_client().await?);
                     }
                     let idem = builder.build();
                     idem.migrate().await.expect("migrate");
@@ -314,7 +314,7 @@ macro_rules! runner_suite {
 
             async fn thirty_slots_one_instance_stopped_for_ten(redis: bool) {
                 let Some(engines) = engines(redis).await else { return };
-                let run = idem_testkit::unique("runner");
+                let run = idempotency_testkit::unique("runner");
                 let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64;
                 let t0 = now + 3; // S0, a whole second far enough ahead to start before it
                 let at = |slot: i64, ms: u64| {
@@ -407,7 +407,7 @@ macro_rules! runner_suite {
                 // What each runner keeps its records for: window + jitter + a minute.
                 let life_ms = |window: Duration| (window + JITTER).as_millis() as i64 + 60_000;
                 let Some(engines) = engines(redis).await else { return };
-                let run = idem_testkit::unique("short");
+                let run = idempotency_testkit::unique("short");
                 let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64;
                 let t0 = now + 2;
                 let at = |slot: i64, ms: u64| {
@@ -502,7 +502,7 @@ macro_rules! runner_suite {
             /// running it again.
             async fn steps_catch_up_past_a_short_ttl(redis: bool) {
                 let Some(engines) = engines(redis).await else { return };
-                let run = idem_testkit::unique("steps");
+                let run = idempotency_testkit::unique("steps");
                 let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64;
                 let t0 = now + 2;
                 let at = |slot: i64, ms: u64| {
@@ -556,7 +556,7 @@ macro_rules! runner_suite {
             async fn a_job_cancelled_at_shutdown_runs_on_the_next_start() {
                 let Some(engines) = engines(REDIS).await else { return };
                 let idem = engines[0].clone();
-                let run = idem_testkit::unique("cancel");
+                let run = idempotency_testkit::unique("cancel");
                 let seen = Arc::new(Mutex::new(Vec::new()));
                 let (started, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<i64>();
                 let log = seen.clone();
@@ -614,8 +614,8 @@ runner_suite!(
     mysql_runner,
     MySql,
     true,
-    idem_testkit::reach("mysql", || async {
-        sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&idem_testkit::mysql_url()).await.ok()
+    idempotency_testkit::reach("mysql", || async {
+        sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&idempotency_testkit::mysql_url()).await.ok()
     }),
     "CREATE TABLE IF NOT EXISTS cron_ticks (id BIGINT AUTO_INCREMENT PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL, KEY (run))",
     "INSERT INTO cron_ticks (run, slot, instance) VALUES (?, ?, ?)",
@@ -628,8 +628,8 @@ runner_suite!(
     postgres_runner,
     Postgres,
     false,
-    idem_testkit::reach("postgres", || async {
-        sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&idem_testkit::pg_url()).await.ok()
+    idempotency_testkit::reach("postgres", || async {
+        sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&idempotency_testkit::pg_url()).await.ok()
     }),
     "SELECT pg_advisory_xact_lock(7306232718293615); CREATE TABLE IF NOT EXISTS cron_ticks (id BIGSERIAL PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL)",
     "INSERT INTO cron_ticks (run, slot, instance) VALUES ($1, $2, $3)",

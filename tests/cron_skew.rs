@@ -10,8 +10,8 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use idem::cron::{Runner, SlotOutcome};
-use idem::{Backend, Idem, idempotent};
+use idempotency::cron::{Runner, SlotOutcome};
+use idempotency::{Backend, Idem, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::Transaction;
 
@@ -31,12 +31,12 @@ struct Tick {
 #[derive(Debug)]
 #[allow(dead_code)] // shown through Debug
 enum JobError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
 }
 
-impl From<idem::Error> for JobError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for JobError {
+    fn from(e: idempotency::Error) -> Self {
         JobError::Idem(e)
     }
 }
@@ -83,8 +83,12 @@ impl SkewDb for sqlx::MySql {
         sqlx::query(sql).bind(run).bind(slot).bind(instance).execute(&mut **tx).await.map(drop)
     }
     async fn connect() -> Option<sqlx::Pool<Self>> {
-        idem_testkit::reach("mysql", || async {
-            sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&idem_testkit::mysql_url()).await.ok()
+        idempotency_testkit::reach("mysql", || async {
+            sqlx::mysql::MySqlPoolOptions::new()
+                .max_connections(4)
+                .connect(&idempotency_testkit::mysql_url())
+                .await
+                .ok()
         })
         .await
     }
@@ -110,8 +114,8 @@ impl SkewDb for sqlx::Postgres {
         sqlx::query(sql).bind(run).bind(slot).bind(instance).execute(&mut **tx).await.map(drop)
     }
     async fn connect() -> Option<sqlx::Pool<Self>> {
-        idem_testkit::reach("postgres", || async {
-            sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&idem_testkit::pg_url()).await.ok()
+        idempotency_testkit::reach("postgres", || async {
+            sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&idempotency_testkit::pg_url()).await.ok()
         })
         .await
     }
@@ -186,7 +190,7 @@ async fn both_clocks<DB: SkewDb>() {
     DB::create_ticks(&pool).await;
     let idem = Idem::new(pool.clone());
     idem.migrate().await.expect("migrate");
-    let run = idem_testkit::unique("skew").replace('-', "_");
+    let run = idempotency_testkit::unique("skew").replace('-', "_");
     let exe = std::env::current_exe().unwrap();
     let child = Command::new("faketime")
         .args(["-f", SKEW])
@@ -232,7 +236,7 @@ async fn an_instance_behind_fires_by_the_database_clock() {
     }
     let runs = Command::new("faketime").args(["-f", "+0", "true"]).status().is_ok_and(|s| s.success());
     if !runs {
-        assert!(!idem_testkit::services_required(), "faketime not installed and IDEM_REQUIRE_SERVICES=1");
+        assert!(!idempotency_testkit::services_required(), "faketime not installed and IDEM_REQUIRE_SERVICES=1");
         println!("skipped: faketime not installed");
         return;
     }

@@ -1,5 +1,5 @@
 //! The whole path, once, under faults: HTTP pay calls (with duplicates,
-//! through `idem::http`'s `Idempotency-Key`) whose bodies queue an
+//! through `idempotency::http`'s `Idempotency-Key`) whose bodies queue an
 //! `order.paid` event → two outbox relays → the broker →
 //! two consumers whose `#[idempotent]` handler deducts stock and writes a
 //! stock move. Per broker: RabbitMQ (`IDEM_AMQP_URL`) and NATS JetStream
@@ -23,9 +23,9 @@ use axum::Router;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::routing::post;
-use idem::http::IdempotencyKey;
-use idem::outbox::{Confirm, Event, Message, Publisher, Relay};
-use idem::{Idem, Outcome, idempotent};
+use idempotency::http::IdempotencyKey;
+use idempotency::outbox::{Confirm, Event, Message, Publisher, Relay};
+use idempotency::{Idem, Outcome, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::{MySql, Pool, Transaction};
@@ -46,13 +46,13 @@ struct OrderPaid {
 #[derive(Debug)]
 #[allow(dead_code)] // shown through Debug
 enum AppError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
     RolledBack,
 }
 
-impl From<idem::Error> for AppError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for AppError {
+    fn from(e: idempotency::Error) -> Self {
         AppError::Idem(e)
     }
 }
@@ -63,8 +63,8 @@ impl From<sqlx::Error> for AppError {
     }
 }
 
-impl idem::amqp::AsIdemError for AppError {
-    fn idem_error(&self) -> Option<&idem::Error> {
+impl idempotency::amqp::AsIdemError for AppError {
+    fn idem_error(&self) -> Option<&idempotency::Error> {
         match self {
             AppError::Idem(e) => Some(e),
             _ => None,
@@ -92,7 +92,7 @@ async fn pay(
         .execute(&mut **tx)
         .await?;
     let event = OrderPaid { order_id, sku: SKU.to_owned(), qty: 1 };
-    idem::outbox::queue(tx, Event::json(destination, &event)?.aggregate(format!("order-{order_id}"))).await?;
+    idempotency::outbox::queue(tx, Event::json(destination, &event)?.aggregate(format!("order-{order_id}"))).await?;
     if roll_back {
         return Err(AppError::RolledBack);
     }
@@ -116,7 +116,7 @@ async fn pay_http(
     match pay(&app.idem, key, order_id, 100 + order_id, app.destination.clone(), decline).await {
         Ok(order) => (StatusCode::OK, order.to_string()),
         Err(AppError::RolledBack) => (StatusCode::PAYMENT_REQUIRED, "declined".into()),
-        Err(AppError::Idem(idem::Error::InProgress { .. })) => (StatusCode::CONFLICT, "in progress".into()),
+        Err(AppError::Idem(idempotency::Error::InProgress { .. })) => (StatusCode::CONFLICT, "in progress".into()),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e:?}")),
     }
 }
@@ -383,7 +383,7 @@ async fn handle(
 ) -> Result<(), AppError> {
     counts.started.fetch_add(1, SeqCst);
     counts.orders.lock().unwrap().push(event.order_id);
-    let (done, outcome) = idem::observe(deduct(&idem, message_id, event)).await;
+    let (done, outcome) = idempotency::observe(deduct(&idem, message_id, event)).await;
     // Only a delivery that executed is killed: the count below adds the
     // killed ones to the executions (a replayed copy that died would not be one).
     if done.is_ok() && outcome == Some(Outcome::Executed) && kill.armed.swap(false, SeqCst) {
@@ -792,7 +792,7 @@ mod rabbit {
             };
             let admin = conn.create_channel().await.unwrap();
             let queue = format!("e2e.{name}");
-            idem::amqp::declare_with_dead_letter(&admin, &queue).await.unwrap();
+            idempotency::amqp::declare_with_dead_letter(&admin, &queue).await.unwrap();
             Some(Rabbit { queue, admin })
         }
 
@@ -806,14 +806,14 @@ mod rabbit {
     }
 
     impl Broker for Rabbit {
-        type Publisher = idem::outbox::rabbit::RabbitPublisher;
+        type Publisher = idempotency::outbox::rabbit::RabbitPublisher;
 
         fn destination(&self) -> String {
             self.queue.clone()
         }
 
         async fn publisher(&self, proxy: u16) -> Self::Publisher {
-            idem::outbox::rabbit::RabbitPublisher::new(format!("amqp://guest:guest@127.0.0.1:{proxy}/%2f"))
+            idempotency::outbox::rabbit::RabbitPublisher::new(format!("amqp://guest:guest@127.0.0.1:{proxy}/%2f"))
                 .confirm_timeout(Duration::from_secs(3))
         }
 
@@ -831,7 +831,7 @@ mod rabbit {
                 let shutdown = async move {
                     let _ = stop.await;
                 };
-                let _ = idem::amqp::Consumer::new(channel, queue)
+                let _ = idempotency::amqp::Consumer::new(channel, queue)
                     .retry_delay(Duration::from_millis(50))
                     .in_progress_delay(Duration::from_millis(50))
                     .run_with_id(shutdown, move |id: String, event: OrderPaid| {
@@ -875,7 +875,7 @@ mod rabbit {
 // ---------------------------------------------------------------- NATS JetStream
 
 mod nats {
-    use idem::nats::async_nats::{self, jetstream};
+    use idempotency::nats::async_nats::{self, jetstream};
 
     use super::*;
 
@@ -885,7 +885,7 @@ mod nats {
 
     pub struct Nats {
         pub js: jetstream::Context,
-        pub names: idem::nats::DeadLetter,
+        pub names: idempotency::nats::DeadLetter,
         pub subject: String,
     }
 
@@ -901,13 +901,13 @@ mod nats {
             let js = jetstream::new(client);
             let stream = format!("E2E{name}");
             let subject = format!("e2e.{name}.paid");
-            let names = idem::nats::declare_with_dead_letter(&js, &stream, &[subject.as_str()]).await.unwrap();
+            let names = idempotency::nats::declare_with_dead_letter(&js, &stream, &[subject.as_str()]).await.unwrap();
             Some(Nats { js, names, subject })
         }
     }
 
     impl Broker for Nats {
-        type Publisher = idem::outbox::nats::NatsPublisher;
+        type Publisher = idempotency::outbox::nats::NatsPublisher;
 
         fn destination(&self) -> String {
             self.subject.clone()
@@ -919,7 +919,7 @@ mod nats {
                 .connect(format!("127.0.0.1:{proxy}"))
                 .await
                 .unwrap();
-            idem::outbox::nats::NatsPublisher::new(client).ack_timeout(Duration::from_secs(3))
+            idempotency::outbox::nats::NatsPublisher::new(client).ack_timeout(Duration::from_secs(3))
         }
 
         async fn consumer(
@@ -936,7 +936,7 @@ mod nats {
                 let shutdown = async move {
                     let _ = stop.await;
                 };
-                let _ = idem::nats::Consumer::new(js, stream, "stock")
+                let _ = idempotency::nats::Consumer::new(js, stream, "stock")
                     .ack_wait(Duration::from_secs(2))
                     .retry_delay(Duration::from_millis(50))
                     .in_progress_delay(Duration::from_millis(50))
@@ -1021,9 +1021,9 @@ async fn seed(idem: &Idem<MySql>, events: &[(&str, &str)]) -> Vec<String> {
     let mut tx = idem.pool().begin().await.unwrap();
     let mut ids = Vec::new();
     for (i, (destination, payload)) in events.iter().enumerate() {
-        let id = idem::outbox::MessageId::derive("e2e_seed", &format!("s{}_{i}", unique()), 0).unwrap();
+        let id = idempotency::outbox::MessageId::derive("e2e_seed", &format!("s{}_{i}", unique()), 0).unwrap();
         let event = Event::raw(*destination, *payload).header("x-test", "yes").id(id.clone());
-        idem::outbox::queue(&mut tx, event).await.unwrap();
+        idempotency::outbox::queue(&mut tx, event).await.unwrap();
         ids.push(id.to_string());
     }
     tx.commit().await.unwrap();
@@ -1056,7 +1056,7 @@ async fn rabbitmq_relay_sends_message_ids_and_refuses_unroutable_events_until_de
     idem.migrate().await.unwrap();
     let nowhere = format!("e2e.nowhere.{name}");
     let ids = seed(&idem, &[(&broker.queue, "{\"n\":1}"), (&broker.queue, "{\"n\":2}"), (&nowhere, "{}")]).await;
-    let publisher = idem::outbox::rabbit::RabbitPublisher::new(rabbit::url());
+    let publisher = idempotency::outbox::rabbit::RabbitPublisher::new(rabbit::url());
     let relay = Relay::new(&idem, publisher)
         .max_attempts(2)
         .retry_backoff(Duration::from_millis(10), Duration::from_millis(20));
@@ -1096,8 +1096,8 @@ async fn nats_relay_sends_msg_ids_the_stream_drops_a_republished_copy_and_a_subj
     idem.migrate().await.unwrap();
     let nowhere = format!("e2e.nowhere.{name}");
     let ids = seed(&idem, &[(&broker.subject, "{\"n\":1}"), (&broker.subject, "{\"n\":2}"), (&nowhere, "{}")]).await;
-    let client = idem::nats::async_nats::connect(nats::url()).await.unwrap();
-    let relay = Relay::new(&idem, idem::outbox::nats::NatsPublisher::new(client.clone()))
+    let client = idempotency::nats::async_nats::connect(nats::url()).await.unwrap();
+    let relay = Relay::new(&idem, idempotency::outbox::nats::NatsPublisher::new(client.clone()))
         .max_attempts(2)
         .retry_backoff(Duration::from_millis(10), Duration::from_millis(20));
     relay_until(&idem, relay, 2, 1).await;
@@ -1116,7 +1116,7 @@ async fn nats_relay_sends_msg_ids_the_stream_drops_a_republished_copy_and_a_subj
         .execute(idem.pool())
         .await
         .unwrap();
-    let relay = Relay::new(&idem, idem::outbox::nats::NatsPublisher::new(client));
+    let relay = Relay::new(&idem, idempotency::outbox::nats::NatsPublisher::new(client));
     let stats = relay.stats();
     relay_until(&idem, relay, 2, 1).await;
     assert_eq!((stats.published(), stats.duplicates()), (1, 1));

@@ -13,7 +13,7 @@
 //!   the engines on it see errors, their retries go to the other nodes;
 //!   then orders, payments and records are reconciled.
 //!
-//! The cluster is `idem_testkit::galera::Cluster`; `.ci/run` installs
+//! The cluster is `idempotency_testkit::galera::Cluster`; `.ci/run` installs
 //! Galera and rsync when missing. Without them the test prints `skipped: ...`
 //! (or fails under `IDEM_REQUIRE_SERVICES=1`).
 
@@ -22,8 +22,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
-use idem::{Idem, Outcome, idempotent};
-use idem_testkit::galera::{Cluster, NODES, Node};
+use idempotency::{Idem, Outcome, idempotent};
+use idempotency_testkit::galera::{Cluster, NODES, Node};
 use serde::{Deserialize, Serialize};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::{MySql, Transaction};
@@ -56,12 +56,12 @@ struct Receipt {
 #[derive(Debug)]
 #[allow(dead_code)] // shown through Debug in assertion messages
 enum TestError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
 }
 
-impl From<idem::Error> for TestError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for TestError {
+    fn from(e: idempotency::Error) -> Self {
         TestError::Idem(e)
     }
 }
@@ -114,12 +114,12 @@ async fn pay_held(
 /// lock spans nodes); both commit: certification lets one through and
 /// aborts the other with a deadlock error, whose caller replays the winner.
 async fn certification_conflict(engines: &[Idem<MySql>]) {
-    let k = idem_testkit::unique("certify");
+    let k = idempotency_testkit::unique("certify");
     let held = Arc::new(Held { started: AtomicUsize::new(0), gate: tokio::sync::Semaphore::new(0) });
     let calls: Vec<_> = (0..2)
         .map(|node| {
             let (idem, k, held) = (engines[node].clone(), k.clone(), held.clone());
-            tokio::spawn(async move { idem::observe(pay_held(&idem, k, 9, node, &held)).await })
+            tokio::spawn(async move { idempotency::observe(pay_held(&idem, k, 9, node, &held)).await })
         })
         .collect();
     let start = Instant::now();
@@ -167,7 +167,7 @@ const RECORDS: &str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = 'galera
 /// 100 calls on one key over the three nodes: one committed execution,
 /// every answer that result or `InProgress`, never a failure.
 async fn storm(engines: &[Idem<MySql>], label: &str) {
-    let k = idem_testkit::unique(&format!("storm_{label}"));
+    let k = idempotency_testkit::unique(&format!("storm_{label}"));
     let bodies = Arc::new(AtomicUsize::new(0));
     let barrier = Arc::new(Barrier::new(100));
     let start = Instant::now();
@@ -176,7 +176,7 @@ async fn storm(engines: &[Idem<MySql>], label: &str) {
             let (idem, k, bodies, barrier) = (engines[i % NODES].clone(), k.clone(), bodies.clone(), barrier.clone());
             tokio::spawn(async move {
                 barrier.wait().await;
-                idem::observe(pay(&idem, k, 7, i % NODES, &bodies)).await
+                idempotency::observe(pay(&idem, k, 7, i % NODES, &bodies)).await
             })
         })
         .collect();
@@ -191,7 +191,7 @@ async fn storm(engines: &[Idem<MySql>], label: &str) {
         *outcomes.entry(format!("{outcome:?}")).or_default() += 1;
         match result {
             Ok(receipt) => values.push(receipt.clone()),
-            Err(TestError::Idem(idem::Error::InProgress { .. })) => {}
+            Err(TestError::Idem(idempotency::Error::InProgress { .. })) => {}
             Err(e) => panic!("a duplicate got a failure: {e:?}"),
         }
     }
@@ -223,7 +223,7 @@ async fn galera_storms_and_a_soak_with_a_node_killed() {
     // the next node when its own fails; node 2 killed a third of the way.
     let engines = engines_plain;
     let keys: Vec<String> = {
-        let run = idem_testkit::unique("soak");
+        let run = idempotency_testkit::unique("soak");
         (0..200).map(|i| format!("{run}-{i}")).collect()
     };
     let bodies = Arc::new(AtomicUsize::new(0));
@@ -252,7 +252,7 @@ async fn galera_storms_and_a_soak_with_a_node_killed() {
                                 answer = Ok(r);
                                 break;
                             }
-                            Err(TestError::Idem(idem::Error::InProgress { .. })) => {
+                            Err(TestError::Idem(idempotency::Error::InProgress { .. })) => {
                                 tokio::time::sleep(Duration::from_millis(50)).await;
                                 answer = Err("in progress".into());
                             }

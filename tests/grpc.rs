@@ -3,7 +3,7 @@
 //! service of `examples/grpc` (its hand-written `proto.rs`), whose method,
 //! written inside a `#[tonic::async_trait]` impl, reads the caller from
 //! `x-user-id`, the key with `IdempotencyKey::from_metadata`, and answers
-//! through `idem::grpc::respond` an `#[idempotent]` fn keyed
+//! through `idempotency::grpc::respond` an `#[idempotent]` fn keyed
 //! `<user>:<idem_key>`. The cases of `tests/http_contract` where they
 //! apply: one scenario on MariaDB with and without Redis and on SQLite
 //! without (a storm of 50, replays bare and quoted, a reused key, another
@@ -18,9 +18,9 @@ mod proto;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::grpc;
-use idem::http::{IdempotencyKey, ProblemDetails, validate_principal};
-use idem::{Idem, idempotent};
+use idempotency::grpc;
+use idempotency::http::{IdempotencyKey, ProblemDetails, validate_principal};
+use idempotency::{Idem, idempotent};
 use prost::Message;
 use proto::{PayReply, PayRequest, Payments, PaymentsClient, PaymentsServer};
 use sqlx::Transaction;
@@ -33,12 +33,12 @@ use tonic::{Code, Request, Response, Status};
 /// The method's own failures beside the engine's.
 #[derive(Debug)]
 enum PayError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     NotPayable,
 }
 
-impl From<idem::Error> for PayError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for PayError {
+    fn from(e: idempotency::Error) -> Self {
         PayError::Idem(e)
     }
 }
@@ -217,18 +217,18 @@ struct Served {
 const LOCK_WAIT: Duration = Duration::from_secs(1);
 
 async fn mysql_service(with_redis: bool) -> Option<Served> {
-    let pool = idem_testkit::reach("mysql", || async {
+    let pool = idempotency_testkit::reach("mysql", || async {
         sqlx::mysql::MySqlPoolOptions::new()
             .max_connections(16)
             .acquire_timeout(Duration::from_secs(60))
-            .connect(&idem_testkit::mysql_url())
+            .connect(&idempotency_testkit::mysql_url())
             .await
             .ok()
     })
     .await?;
     let mut builder = Idem::builder(pool.clone()).lock_wait(LOCK_WAIT);
     if with_redis {
-        builder = builder.redis(idem_testkit::redis_client().await?);
+        builder = builder.redis(idempotency_testkit::redis_client().await?);
     }
     let idem = builder.build();
     idem.migrate().await.expect("migrate");
@@ -249,7 +249,7 @@ async fn sqlite_service(open: bool) -> Served {
     let dir = std::env::temp_dir().join("idem-tests");
     std::fs::create_dir_all(&dir).expect("temp dir");
     let options = sqlx::sqlite::SqliteConnectOptions::new()
-        .filename(dir.join(format!("{}.db", idem_testkit::unique("grpc"))))
+        .filename(dir.join(format!("{}.db", idempotency_testkit::unique("grpc"))))
         .create_if_missing(true)
         .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
         .busy_timeout(Duration::from_secs(30));
@@ -352,28 +352,28 @@ fn key_problem(value: Option<&[u8]>) -> ProblemDetails {
     IdempotencyKey::from_header_values(value).unwrap_err()
 }
 
-fn problem_of(error: idem::Error) -> ProblemDetails {
+fn problem_of(error: idempotency::Error) -> ProblemDetails {
     ProblemDetails::from(&error)
 }
 
 fn in_progress() -> ProblemDetails {
-    problem_of(idem::Error::InProgress { biz: "grpc_test_pay", key: String::new() })
+    problem_of(idempotency::Error::InProgress { biz: "grpc_test_pay", key: String::new() })
 }
 
 fn reused() -> ProblemDetails {
-    problem_of(idem::Error::KeyReused { biz: "grpc_test_pay", key: String::new() })
+    problem_of(idempotency::Error::KeyReused { biz: "grpc_test_pay", key: String::new() })
 }
 
 /// A user id of letters and digits, unique to this run.
 fn new_user(prefix: &str) -> String {
-    idem_testkit::unique(prefix).replace('-', "x")
+    idempotency_testkit::unique(prefix).replace('-', "x")
 }
 
-/// Every behaviour of the table in `idem::grpc`, over a real channel.
+/// Every behaviour of the table in `idempotency::grpc`, over a real channel.
 async fn scenario(service: &Served) {
     let (client, db) = (&service.client, &service.db);
     let user = new_user("u");
-    let key = idem_testkit::unique("key");
+    let key = idempotency_testkit::unique("key");
     let order = db.new_order().await;
 
     // 50 identical calls released at once: one execution. Its body waits at
@@ -473,7 +473,7 @@ async fn scenario(service: &Served) {
     let twice = [("x-user-id", clean.as_bytes()), ("idempotency-key", b"abcdefgh"), ("idempotency-key", b"abcdefgh")];
     let twice_answer = send_raw(client, fresh, 1999, &twice).await;
     twice_answer.assert_refused(Code::InvalidArgument, &key_problem_of(&[b"abcdefgh", b"abcdefgh"]));
-    let anonymous = send(client, fresh, None, Some(&idem_testkit::unique("key")), 1999).await;
+    let anonymous = send(client, fresh, None, Some(&idempotency_testkit::unique("key")), 1999).await;
     assert_eq!(anonymous.status().code(), Code::Unauthenticated);
     assert_eq!(db.ledger_rows(fresh).await, 0, "nothing paid for refused calls");
     assert_eq!(db.ledger_rows_of(&clean).await, 0);
@@ -509,7 +509,7 @@ async fn quoted_key_is_the_same_key() {
     let Served { client, db, .. } = sqlite_service(true).await;
     let user = new_user("q");
     for quoted_first in [false, true] {
-        let key = idem_testkit::unique("key");
+        let key = idempotency_testkit::unique("key");
         let (bare, quoted) = (key.clone(), format!("\"{key}\""));
         let (first, second) = if quoted_first { (&quoted, &bare) } else { (&bare, &quoted) };
         let order = db.new_order().await;
@@ -565,7 +565,7 @@ async fn malformed_quoting_is_refused_and_writes_nothing() {
 async fn principal_with_the_separator_is_refused() {
     let Served { client, db, .. } = sqlite_service(true).await;
     let user = new_user("p");
-    let key = idem_testkit::unique("key");
+    let key = idempotency_testkit::unique("key");
     let order = db.new_order().await;
     let first = send(&client, order, Some(&user), Some(&format!("x:{key}")), 1999).await;
     assert_eq!(first.reply().2, None);
@@ -579,7 +579,7 @@ async fn principal_with_the_separator_is_refused() {
 
     let fresh = db.new_order().await;
     for principal in [":", "a:b", &format!("{user}:{user}"), "", &"p".repeat(65), "a b", "a@b"] {
-        let answer = send(&client, fresh, Some(principal), Some(&idem_testkit::unique("key")), 1999).await;
+        let answer = send(&client, fresh, Some(principal), Some(&idempotency_testkit::unique("key")), 1999).await;
         answer.assert_refused(Code::InvalidArgument, &validate_principal(principal).unwrap_err());
     }
     assert_eq!(db.ledger_rows(order).await, 1, "only the first payment");
@@ -620,7 +620,7 @@ async fn details_never_echo_raw_bytes() {
         ("a\u{202e}b".as_bytes(), "it holds U+202E at byte 1"),
     ];
     for (raw, shown) in principals {
-        let key = idem_testkit::unique("key");
+        let key = idempotency_testkit::unique("key");
         let answer = send_raw(&client, order, 1, &[("x-user-id", raw), ("idempotency-key", key.as_bytes())]).await;
         answer.assert_refused(Code::InvalidArgument, &validate_principal(&String::from_utf8_lossy(raw)).unwrap_err());
         assert!(answer.status().message().contains(shown), "{}", answer.status().message());
@@ -646,10 +646,10 @@ async fn database_down_is_unavailable() {
         serve(on_sqlite::Service { idem: Idem::new(sqlite), gate: Gate::new(true) }).await,
         serve(on_mysql::Service { idem: Idem::new(mysql), gate: Gate::new(true) }).await,
     ];
-    let unavailable = problem_of(idem::Error::Storage(sqlx::Error::PoolTimedOut));
+    let unavailable = problem_of(idempotency::Error::Storage(sqlx::Error::PoolTimedOut));
     assert_eq!(unavailable.code, "IDEMPOTENCY_STORAGE_UNAVAILABLE");
     for client in &clients {
-        let key = idem_testkit::unique("key");
+        let key = idempotency_testkit::unique("key");
         for _ in 0..2 {
             send(client, 1, Some("alice"), Some(&key), 1999).await.assert_refused(Code::Unavailable, &unavailable);
         }

@@ -14,8 +14,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router, middleware};
 use http_contract::{ApiError, Framework, Gate, NOT_PAYABLE_BODY, PayReq, PayResponse, UserId};
-use idem::http::{IdempotencyKey, check_principal, replay_header};
-use idem::{Idem, idempotent};
+use idempotency::http::{IdempotencyKey, check_principal, replay_header};
+use idempotency::{Idem, idempotent};
 use sqlx::Transaction;
 
 impl IntoResponse for PayResponse {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::time::Duration;
 
-use idem::{Idem, LocalCache, Outcome, idempotent};
+use idempotency::{Idem, LocalCache, Outcome, idempotent};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -20,12 +20,12 @@ struct Receipt {
 #[derive(Debug)]
 #[allow(dead_code)] // shown through Debug in assertion messages
 enum TestError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Body,
 }
 
-impl From<idem::Error> for TestError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for TestError {
+    fn from(e: idempotency::Error) -> Self {
         TestError::Idem(e)
     }
 }
@@ -92,8 +92,8 @@ async fn redis() -> Option<redis::Client> {
 
 /// Deletes every Redis key of `(biz, key)` on `idem`'s namespace.
 async fn forget_in_redis(client: &redis::Client, namespace: &str, biz: &str, key: &str) {
-    let at = idem::redis_layout::locate(namespace, biz, key).expect("namespace");
-    idem_testkit::redis_forget(client, &at).await;
+    let at = idempotency::redis_layout::locate(namespace, biz, key).expect("namespace");
+    idempotency_testkit::redis_forget(client, &at).await;
 }
 
 macro_rules! local_cache_suite {
@@ -159,16 +159,16 @@ macro_rules! local_cache_suite {
                 forget_in_redis(&client, namespace.as_str(), "t_local", &k).await;
                 forget_record(&idem, "t_local", &k).await;
 
-                let (again, outcome) = idem::observe(pay(&idem, k.clone(), 5, &probe)).await;
+                let (again, outcome) = idempotency::observe(pay(&idem, k.clone(), 5, &probe)).await;
                 assert_eq!((again.unwrap(), outcome), (first.clone(), Some(Outcome::Replayed)));
-                let (reused, outcome) = idem::observe(pay(&idem, k.clone(), 6, &probe)).await;
-                assert!(matches!(reused, Err(TestError::Idem(idem::Error::KeyReused { .. }))), "{reused:?}");
+                let (reused, outcome) = idempotency::observe(pay(&idem, k.clone(), 6, &probe)).await;
+                assert!(matches!(reused, Err(TestError::Idem(idempotency::Error::KeyReused { .. }))), "{reused:?}");
                 assert_eq!(outcome, Some(Outcome::KeyReused));
                 assert_eq!(probe.runs.load(SeqCst), 1, "answered from the local cache alone");
 
                 // Another engine (another instance) has no local copy: it executes.
                 let other = Idem::builder(idem.pool().clone()).redis(client.clone()).build();
-                let (elsewhere, outcome) = idem::observe(pay(&other, k.clone(), 5, &probe)).await;
+                let (elsewhere, outcome) = idempotency::observe(pay(&other, k.clone(), 5, &probe)).await;
                 assert_eq!((elsewhere.unwrap().run, outcome), (2, Some(Outcome::Executed)));
             }
 
@@ -185,11 +185,11 @@ macro_rules! local_cache_suite {
                 pay_short_ttl(&idem, k.clone(), 5, &probe).await.unwrap();
                 assert_eq!(pay_short_ttl(&idem, k.clone(), 5, &probe).await.unwrap().run, 1);
                 let start = std::time::Instant::now();
-                while idem.status("t_local_ttl", &k).await.unwrap() != idem::Status::Expired {
+                while idem.status("t_local_ttl", &k).await.unwrap() != idempotency::Status::Expired {
                     assert!(start.elapsed() < Duration::from_secs(30), "the record never expired");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
-                let (again, outcome) = idem::observe(pay_short_ttl(&idem, k.clone(), 5, &probe)).await;
+                let (again, outcome) = idempotency::observe(pay_short_ttl(&idem, k.clone(), 5, &probe)).await;
                 assert_eq!((again.unwrap().run, outcome), (2, Some(Outcome::Executed)));
             }
 
@@ -209,12 +209,12 @@ macro_rules! local_cache_suite {
                 forget_in_redis(&client, namespace.as_str(), "t_local", &k).await;
                 forget_record(&idem, "t_local", &k).await;
                 let started = std::time::Instant::now();
-                let (again, outcome) = idem::observe(pay(&idem, k.clone(), 5, &probe)).await;
+                let (again, outcome) = idempotency::observe(pay(&idem, k.clone(), 5, &probe)).await;
                 assert_eq!(outcome, Some(Outcome::Replayed), "still in the local cache");
                 assert_eq!(again.unwrap().run, 1);
                 let wait = Duration::from_millis(350).saturating_sub(started.elapsed());
                 tokio::time::sleep(wait).await;
-                let (after, outcome) = idem::observe(pay(&idem, k.clone(), 5, &probe)).await;
+                let (after, outcome) = idempotency::observe(pay(&idem, k.clone(), 5, &probe)).await;
                 assert_eq!((after.unwrap().run, outcome), (2, Some(Outcome::Executed)));
             }
 
@@ -236,7 +236,7 @@ macro_rules! local_cache_suite {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
                 let busy = pay(&idem, k.clone(), 5, &probe).await;
-                assert!(matches!(busy, Err(TestError::Idem(idem::Error::InProgress { .. }))), "{busy:?}");
+                assert!(matches!(busy, Err(TestError::Idem(idempotency::Error::InProgress { .. }))), "{busy:?}");
                 probe.hold.store(false, SeqCst);
                 probe.fail.store(true, SeqCst);
                 probe.gate.add_permits(1);
@@ -247,7 +247,7 @@ macro_rules! local_cache_suite {
                 let start = std::time::Instant::now();
                 let retried = loop {
                     match pay(&idem, k.clone(), 5, &probe).await {
-                        Err(TestError::Idem(idem::Error::InProgress { .. })) => {
+                        Err(TestError::Idem(idempotency::Error::InProgress { .. })) => {
                             assert!(start.elapsed() < Duration::from_secs(10), "the claim was never released");
                             tokio::time::sleep(Duration::from_millis(20)).await;
                         }

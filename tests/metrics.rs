@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use idem::{Idem, Namespace, idempotent};
-use idem_testkit::unique;
+use idempotency::{Idem, Namespace, idempotent};
+use idempotency_testkit::unique;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{Sqlite, Transaction};
@@ -22,12 +22,12 @@ use tokio::sync::{mpsc, oneshot};
 #[derive(Debug)]
 #[allow(dead_code)] // shown through Debug in assertion messages
 enum PayError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Declined,
 }
 
-impl From<idem::Error> for PayError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for PayError {
+    fn from(e: idempotency::Error) -> Self {
         PayError::Idem(e)
     }
 }
@@ -184,11 +184,11 @@ async fn a_known_sequence_of_calls_counts_exactly() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     recorder.install().expect("the only recorder of this test binary");
-    idem::metrics::describe();
+    idempotency::metrics::describe();
     let mut seen = Seen::default();
 
-    let Some(redis) = idem_testkit::redis_client().await else { return };
-    let redis_addr = idem_testkit::redis_url().trim_start_matches("redis://").trim_end_matches('/').to_owned();
+    let Some(redis) = idempotency_testkit::redis_client().await else { return };
+    let redis_addr = idempotency_testkit::redis_url().trim_start_matches("redis://").trim_end_matches('/').to_owned();
     let proxy = Proxy::start(redis_addr).await;
     let namespace = unique("m").replace('-', "_");
     let (pool, path) = sqlite_pool("metrics").await;
@@ -198,16 +198,16 @@ async fn a_known_sequence_of_calls_counts_exactly() {
         .redis_timeout(Duration::from_millis(300))
         .build();
     idem.migrate().await.expect("migrate");
-    let cached = |key: &str| idem::redis_layout::locate(&namespace, "m_redis", key).unwrap();
+    let cached = |key: &str| idempotency::redis_layout::locate(&namespace, "m_redis", key).unwrap();
     let ok = |key: &str, amount| pay_redis(&idem, key.to_owned(), amount, Body::Ok);
 
     // Executed, then replayed from Redis once the cached result landed.
     assert_eq!(ok("k1", 1).await.unwrap(), 1);
-    idem_testkit::redis_cached_response(&redis, &cached("k1")).await;
+    idempotency_testkit::redis_cached_response(&redis, &cached("k1")).await;
     assert_eq!(ok("k1", 1).await.unwrap(), 1);
     // Key reused, rejected (invalid key), failed (the body's error).
-    assert!(matches!(ok("k1", 2).await, Err(PayError::Idem(idem::Error::KeyReused { .. }))));
-    assert!(matches!(ok("bad key", 1).await, Err(PayError::Idem(idem::Error::InvalidKey(_)))));
+    assert!(matches!(ok("k1", 2).await, Err(PayError::Idem(idempotency::Error::KeyReused { .. }))));
+    assert!(matches!(ok("bad key", 1).await, Err(PayError::Idem(idempotency::Error::InvalidKey(_)))));
     assert!(matches!(pay_redis(&idem, "k2".into(), 1, Body::Fail).await, Err(PayError::Declined)));
     // In progress: a duplicate while the first holds the claim.
     let (started, mut started_rx) = mpsc::unbounded_channel();
@@ -217,11 +217,11 @@ async fn a_known_sequence_of_calls_counts_exactly() {
         async move { pay_redis(&idem, "k3".into(), 3, Body::Held(started, held)).await }
     });
     started_rx.recv().await.expect("first started");
-    assert!(matches!(ok("k3", 3).await, Err(PayError::Idem(idem::Error::InProgress { .. }))));
+    assert!(matches!(ok("k3", 3).await, Err(PayError::Idem(idempotency::Error::InProgress { .. }))));
     go.send(()).unwrap();
     assert_eq!(first.await.unwrap().unwrap(), 3);
     // Replayed from the database: Redis lost the cached result of k1.
-    idem_testkit::redis_forget(&redis, &cached("k1")).await;
+    idempotency_testkit::redis_forget(&redis, &cached("k1")).await;
     assert_eq!(ok("k1", 1).await.unwrap(), 1);
 
     // A call dropped while its body runs: its claim is released from the
@@ -302,7 +302,7 @@ async fn a_known_sequence_of_calls_counts_exactly() {
     let log = reports.clone();
     let (caught_up, mut caught_up_rx) = tokio::sync::watch::channel(false);
     let last = SystemTime::now() - Duration::from_secs(10);
-    let runner = idem::cron::Runner::new("m_cron_job", "* * * * * *")
+    let runner = idempotency::cron::Runner::new("m_cron_job", "* * * * * *")
         .unwrap()
         .catch_up(Duration::from_secs(2))
         .resume_after(last)

@@ -4,4 +4,4 @@
 mod suite;
 
 /// The backend the suite runs on here.
-type SuiteBackend = idem_testkit::backend::MySql;
+type SuiteBackend = idempotency_testkit::backend::MySql;

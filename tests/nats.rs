@@ -1,4 +1,4 @@
-//! `idem::nats`: the JetStream consumer runner's settlement contract, end
+//! `idempotency::nats`: the JetStream consumer runner's settlement contract, end
 //! to end against NATS JetStream (`IDEM_NATS_URL`, default
 //! 127.0.0.1:4222) and MariaDB (`IDEM_MYSQL_URL`). Every test uses its own
 //! streams, SKUs and order ids, so they run in parallel and again.
@@ -8,9 +8,9 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem::nats::async_nats::{self, HeaderMap, jetstream};
-use idem::nats::{Action, AsIdemError, Consumer, DeadLetter, Reason, Settled};
-use idem::{Idem, Outcome, idempotent};
+use idempotency::nats::async_nats::{self, HeaderMap, jetstream};
+use idempotency::nats::{Action, AsIdemError, Consumer, DeadLetter, Reason, Settled};
+use idempotency::{Idem, Outcome, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{MySql, Transaction};
@@ -26,13 +26,13 @@ struct OrderPaid {
 #[derive(Debug)]
 #[allow(dead_code)] // shown through Debug
 enum StockError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
     UnknownSku(String),
 }
 
-impl From<idem::Error> for StockError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for StockError {
+    fn from(e: idempotency::Error) -> Self {
         StockError::Idem(e)
     }
 }
@@ -44,7 +44,7 @@ impl From<sqlx::Error> for StockError {
 }
 
 impl AsIdemError for StockError {
-    fn idem_error(&self) -> Option<&idem::Error> {
+    fn idem_error(&self) -> Option<&idempotency::Error> {
         match self {
             StockError::Idem(e) => Some(e),
             _ => None,
@@ -184,7 +184,7 @@ async fn world(stock: i64) -> Option<World> {
         .unwrap();
     let js = jetstream::new(client);
     let subject = format!("t.{name}.paid");
-    let names = idem::nats::declare_with_dead_letter(&js, &name, &[subject.as_str()]).await.unwrap();
+    let names = idempotency::nats::declare_with_dead_letter(&js, &name, &[subject.as_str()]).await.unwrap();
     let orders = i64::try_from(
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_micros() % 1_000_000_000_000,
     )
@@ -227,8 +227,8 @@ impl World {
             let Ok(message) = stream.get_raw_message(seq).await else { break };
             let header = |name: &str| message.headers.get(name).map(|v| v.as_str().to_owned()).unwrap_or_default();
             out.push((
-                header(idem::nats::DEAD_REASON_HEADER),
-                header(idem::nats::SUBJECT_HEADER),
+                header(idempotency::nats::DEAD_REASON_HEADER),
+                header(idempotency::nats::SUBJECT_HEADER),
                 String::from_utf8_lossy(&message.payload).into_owned(),
             ));
         }

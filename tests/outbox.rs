@@ -1,4 +1,4 @@
-//! `idem::outbox` without a broker: queueing in the body's transaction,
+//! `idempotency::outbox` without a broker: queueing in the body's transaction,
 //! message ids, and the relay's rules (order, back-off, dead rows, purge,
 //! wake-up) through a recording publisher. On SQLite, MariaDB
 //! (`IDEM_MYSQL_URL`) and PostgreSQL (`IDEM_PG_URL`); each test gets a
@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::outbox::{Confirm, Event, Message, MessageId, Publisher, Relay};
-use idem::{Backend, Idem, idempotent};
+use idempotency::outbox::{Confirm, Event, Message, MessageId, Publisher, Relay};
+use idempotency::{Backend, Idem, idempotent};
 use sqlx::{MySql, Pool, Postgres, Sqlite, Transaction};
 use tokio::sync::oneshot;
 
@@ -220,7 +220,7 @@ async fn seed<DB: Backend>(idem: &Idem<DB>, destination: &str, aggregate: Option
     if let Some(aggregate) = aggregate {
         event = event.aggregate(aggregate);
     }
-    idem::outbox::queue(&mut tx, event).await.unwrap();
+    idempotency::outbox::queue(&mut tx, event).await.unwrap();
     tx.commit().await.unwrap();
     id
 }
@@ -228,12 +228,12 @@ async fn seed<DB: Backend>(idem: &Idem<DB>, destination: &str, aggregate: Option
 #[derive(Debug)]
 #[allow(dead_code)] // shown through Debug in failures
 enum TestError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Planned,
 }
 
-impl From<idem::Error> for TestError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for TestError {
+    fn from(e: idempotency::Error) -> Self {
         TestError::Idem(e)
     }
 }
@@ -254,8 +254,8 @@ macro_rules! call_tests {
                 fail: bool,
             ) -> Result<i64, TestError> {
                 let paid = serde_json::json!({ "order": order });
-                idem::outbox::queue(tx, Event::json("order.paid", &paid)?.aggregate(format!("order-{order}"))).await?;
-                idem::outbox::queue(tx, Event::json("order.audit", &paid)?.header("x-source", "test")).await?;
+                idempotency::outbox::queue(tx, Event::json("order.paid", &paid)?.aggregate(format!("order-{order}"))).await?;
+                idempotency::outbox::queue(tx, Event::json("order.audit", &paid)?.header("x-source", "test")).await?;
                 if fail {
                     return Err(TestError::Planned);
                 }
@@ -318,13 +318,13 @@ macro_rules! call_tests {
             async fn outside_a_call_an_event_needs_its_own_id_and_an_id_is_queued_once() {
                 let Some(fresh) = $fresh().await else { return };
                 let mut tx = fresh.idem.pool().begin().await.unwrap();
-                let missing = idem::outbox::queue(&mut tx, Event::raw("x", "{}")).await;
-                assert!(matches!(missing, Err(idem::Error::InvalidKey(idem::KeyError::Missing))), "{missing:?}");
-                let long = idem::outbox::queue(&mut tx, Event::raw("x".repeat(256), "{}")).await;
-                assert!(matches!(long, Err(idem::Error::InvalidKey(idem::KeyError::TooLong { len: 256, .. }))), "{long:?}");
+                let missing = idempotency::outbox::queue(&mut tx, Event::raw("x", "{}")).await;
+                assert!(matches!(missing, Err(idempotency::Error::InvalidKey(idempotency::KeyError::Missing))), "{missing:?}");
+                let long = idempotency::outbox::queue(&mut tx, Event::raw("x".repeat(256), "{}")).await;
+                assert!(matches!(long, Err(idempotency::Error::InvalidKey(idempotency::KeyError::TooLong { len: 256, .. }))), "{long:?}");
                 let given = MessageId::derive("t_import", "batch_1", 0).unwrap();
-                let first = idem::outbox::queue(&mut tx, Event::raw("x", "1").id(given.clone())).await.unwrap();
-                let again = idem::outbox::queue(&mut tx, Event::raw("x", "2").id(given.clone())).await.unwrap();
+                let first = idempotency::outbox::queue(&mut tx, Event::raw("x", "1").id(given.clone())).await.unwrap();
+                let again = idempotency::outbox::queue(&mut tx, Event::raw("x", "2").id(given.clone())).await.unwrap();
                 tx.commit().await.unwrap();
                 assert_eq!((first, again), (given.clone(), given.clone()));
                 let rows = rows(fresh.idem.pool()).await;
@@ -444,7 +444,7 @@ async fn two_relays_publish_each_event_once_in_aggregate_order<DB: Backend>(fres
         for (agg, seq) in chunk {
             let id = MessageId::derive("t_order", &format!("{agg}.{seq}"), 0).unwrap();
             let event = Event::raw("ordered", format!("{agg}:{seq}")).aggregate(agg.clone()).id(id);
-            idem::outbox::queue(&mut tx, event).await.unwrap();
+            idempotency::outbox::queue(&mut tx, event).await.unwrap();
         }
         tx.commit().await.unwrap();
     }
@@ -582,9 +582,9 @@ async fn postgres_a_batch_in_flight_does_not_hold_back_bodies_queueing() {
 /// A body in `steps` mode queues in its final transaction, under ids
 /// derived from its call, as a plain body does.
 #[idempotent(key = "order_<order>_charge", ttl = "1h", biz = "t_charge", steps)]
-async fn charge(idem: &Idem<Sqlite>, steps: &mut idem::Steps<Sqlite>, order: i64) -> Result<i64, TestError> {
+async fn charge(idem: &Idem<Sqlite>, steps: &mut idempotency::Steps<Sqlite>, order: i64) -> Result<i64, TestError> {
     let tx = steps.transaction().await?;
-    idem::outbox::queue(tx, Event::raw("order.charged", format!("{{\"order\":{order}}}"))).await?;
+    idempotency::outbox::queue(tx, Event::raw("order.charged", format!("{{\"order\":{order}}}"))).await?;
     Ok(order)
 }
 

@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use idem::Idem;
-use idem::outbox::{Confirm, Event, Message, MessageId, Publisher, Relay};
+use idempotency::Idem;
+use idempotency::outbox::{Confirm, Event, Message, MessageId, Publisher, Relay};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 
 /// Confirms `ok`, refuses `bad`, leaves `mute` unanswered, and reports
@@ -30,13 +30,13 @@ async fn a_relay_counts_each_message_by_the_brokers_answer() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     recorder.install().expect("the only recorder of this test binary");
-    idem::metrics::describe();
+    idempotency::metrics::describe();
 
     let idem = Idem::sqlite_memory().await.unwrap();
     let mut tx = idem.pool().begin().await.unwrap();
     for (i, destination) in ["ok", "ok", "dup", "bad", "mute"].into_iter().enumerate() {
         let id = MessageId::derive("t_metrics", &format!("m{i}"), 0).unwrap();
-        idem::outbox::queue(&mut tx, Event::raw(destination, "{}").id(id)).await.unwrap();
+        idempotency::outbox::queue(&mut tx, Event::raw(destination, "{}").id(id)).await.unwrap();
     }
     tx.commit().await.unwrap();
 

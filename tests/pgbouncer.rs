@@ -1,6 +1,6 @@
 //! PostgreSQL behind PgBouncer in transaction pooling mode: an engine built
 //! with `transaction_pooler(true)`, its pool of 16 connections through a
-//! private PgBouncer (`idem_testkit::pgbouncer`) that holds 8 server
+//! private PgBouncer (`idempotency_testkit::pgbouncer`) that holds 8 server
 //! connections, so client connections take turns on server connections
 //! between transactions. Every case with and without Redis: `migrate` on a
 //! fresh database, a storm on one key, 200 keys called twice, and what else
@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
-use idem::state::{Advanced, advance};
-use idem::{Consumption, Idem, Outcome, Status, Steps, idempotent, transition};
-use idem_testkit::pgbouncer::{PgBouncer, SERVER_CONNECTIONS};
-use idem_testkit::{pg_url, reach, redis_client, unique};
+use idempotency::state::{Advanced, advance};
+use idempotency::{Consumption, Idem, Outcome, Status, Steps, idempotent, transition};
+use idempotency_testkit::pgbouncer::{PgBouncer, SERVER_CONNECTIONS};
+use idempotency_testkit::{pg_url, reach, redis_client, unique};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, Postgres};
 use sqlx::{AssertSqlSafe, Transaction};
@@ -30,7 +30,7 @@ const SCHEMA: &str =
     CREATE TABLE pgb_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL);
     INSERT INTO pgb_orders SELECT i, 'PENDING' FROM generate_series(0, 200) AS i";
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, idem::State)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, idempotency::State)]
 #[state(table = "pgb_orders", id = "id", column = "status")]
 #[state(transitions(Pending -> Paid))]
 enum OrderStatus {
@@ -52,12 +52,12 @@ struct Receipt {
 #[derive(Debug)]
 #[allow(dead_code)] // shown through Debug in assertion messages
 enum TestError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
 }
 
-impl From<idem::Error> for TestError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for TestError {
+    fn from(e: idempotency::Error) -> Self {
         TestError::Idem(e)
     }
 }
@@ -196,10 +196,12 @@ impl Behind {
 async fn pay_answered(idem: &Idem<Postgres>, runs: &AtomicUsize, k: &str, order: i64) -> (Receipt, Outcome) {
     let start = Instant::now();
     loop {
-        let (result, outcome) = idem::observe(pay(idem, runs, k.to_owned(), order)).await;
+        let (result, outcome) = idempotency::observe(pay(idem, runs, k.to_owned(), order)).await;
         match result {
             Ok(receipt) => return (receipt, outcome.expect("an outcome")),
-            Err(TestError::Idem(idem::Error::InProgress { .. })) if start.elapsed() < Duration::from_secs(30) => {
+            Err(TestError::Idem(idempotency::Error::InProgress { .. }))
+                if start.elapsed() < Duration::from_secs(30) =>
+            {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             Err(e) => panic!("{k}: {e:?}"),
@@ -389,7 +391,7 @@ async fn outside_a_call(redis: bool) {
         let (idem, calls) = (idem.clone(), calls.clone());
         tasks.push(tokio::spawn(async move {
             let first = charge(&idem, &calls, k.clone()).await.expect("steps call");
-            let (again, outcome) = idem::observe(charge(&idem, &calls, k.clone())).await;
+            let (again, outcome) = idempotency::observe(charge(&idem, &calls, k.clone())).await;
             assert_eq!(again.expect("replay"), first);
             assert_eq!(outcome, Some(Outcome::Replayed));
         }));
@@ -450,7 +452,7 @@ async fn the_lock_wait_bound_stays_in_its_transaction_behind_pgbouncer() {
     let start = Instant::now();
     let duplicate = held(&b, &Notify::new(), &Notify::new(), k.clone()).await;
     let waited = start.elapsed();
-    assert!(matches!(duplicate, Err(TestError::Idem(idem::Error::InProgress { .. }))), "{duplicate:?}");
+    assert!(matches!(duplicate, Err(TestError::Idem(idempotency::Error::InProgress { .. }))), "{duplicate:?}");
     assert!(waited >= WAIT && waited < WAIT * 10, "waited {waited:?}");
     release.notify_one();
     assert_eq!(first.await.unwrap().expect("first call"), 1);

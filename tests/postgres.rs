@@ -5,13 +5,13 @@
 mod suite;
 
 /// The backend the suite runs on here.
-type SuiteBackend = idem_testkit::backend::Postgres;
+type SuiteBackend = idempotency_testkit::backend::Postgres;
 
 use std::str::FromStr;
 use std::time::Duration;
 
-use idem::{Idem, idempotent};
-use idem_testkit::{TestBackend, pg_url, reach, unique};
+use idempotency::{Idem, idempotent};
+use idempotency_testkit::{TestBackend, pg_url, reach, unique};
 use sqlx::Transaction;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 

@@ -6,8 +6,8 @@
 
 use std::time::{Duration, Instant};
 
-use idem::{Idem, idempotent};
-use idem_testkit::servers::RedisServer;
+use idempotency::{Idem, idempotent};
+use idempotency_testkit::servers::RedisServer;
 use serde::{Deserialize, Serialize};
 use sqlx::{Sqlite, Transaction};
 
@@ -24,7 +24,11 @@ struct Receipt {
 }
 
 #[idempotent(key = "order_<order_id>", ttl = "24h", biz = "t_memory")]
-async fn pay(idem: &Idem<Sqlite>, tx: &mut Transaction<'_, Sqlite>, order_id: u64) -> Result<Receipt, idem::Error> {
+async fn pay(
+    idem: &Idem<Sqlite>,
+    tx: &mut Transaction<'_, Sqlite>,
+    order_id: u64,
+) -> Result<Receipt, idempotency::Error> {
     let _ = tx;
     // A result of 150 bytes as JSON, whatever the id's width.
     let note = "n".repeat(150 - 23 - order_id.to_string().len());
@@ -53,7 +57,7 @@ async fn engine(redis: &RedisServer, file: &std::path::Path, namespace: &str, ho
         .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
         .synchronous(sqlx::sqlite::SqliteSynchronous::Off);
     let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(4).connect_with(options).await.expect("sqlite");
-    let namespace = idem::Namespace::new(namespace).unwrap();
+    let namespace = idempotency::Namespace::new(namespace).unwrap();
     let idem = Idem::builder(pool).redis(redis.client()).redis_namespace(namespace).redis_hot_window(hot).build();
     idem.migrate().await.expect("migrate");
     pay(&idem, 0).await.expect("warm up: the scripts loaded");
@@ -71,7 +75,7 @@ async fn until_held(redis: &RedisServer, namespace: &str, n: i64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cached_results_cost_at_most_twice_their_bytes_and_leave_with_the_hot_window() {
     let Some(redis) = RedisServer::start() else { return };
-    let file = std::env::temp_dir().join(format!("idem-memory-{}.db", idem_testkit::unique("m")));
+    let file = std::env::temp_dir().join(format!("idem-memory-{}.db", idempotency_testkit::unique("m")));
     let idem = engine(&redis, &file, "mem_long", HOT_LONG).await;
     until_held(&redis, "mem_long", 1).await;
 
@@ -99,7 +103,7 @@ async fn cached_results_cost_at_most_twice_their_bytes_and_leave_with_the_hot_wi
     until_held(&redis, "mem_short", 1).await;
     tokio::time::sleep(2 * HOT_SHORT + Duration::from_millis(300)).await;
     assert_eq!(results_held(&redis, "mem_short"), 0, "results outlived two hot windows");
-    let (again, outcome) = idem::observe(pay(&short, 7)).await;
-    assert_eq!((again.unwrap().order_id, outcome), (7, Some(idem::Outcome::Replayed)));
+    let (again, outcome) = idempotency::observe(pay(&short, 7)).await;
+    assert_eq!((again.unwrap().order_id, outcome), (7, Some(idempotency::Outcome::Replayed)));
     let _ = std::fs::remove_file(file);
 }

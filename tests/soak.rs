@@ -4,12 +4,12 @@
 //! the full ones (20,000 calls over 14,000 keys, and over 2,000) with
 //! `cargo test --release --all-features --test soak -- --ignored --nocapture`.
 //! Set `IDEM_SOAK_SEED` to replay a schedule. The harness is
-//! `idem-testkit/src/soak/`.
+//! `idempotency-testkit/src/soak/`.
 
 use std::sync::Arc;
 
-use idem_testkit::servers::RedisServer;
-use idem_testkit::soak::{self, Config, RedisSetup, SoakBackend};
+use idempotency_testkit::servers::RedisServer;
+use idempotency_testkit::soak::{self, Config, RedisSetup, SoakBackend};
 
 /// One soak of `cfg` on `B`, through a private `redis-server`.
 async fn run<B: SoakBackend>(cfg: Config) {
@@ -19,8 +19,8 @@ async fn run<B: SoakBackend>(cfg: Config) {
 }
 
 mod mysql {
-    use idem_testkit::backend::MySql;
-    use idem_testkit::soak::Config;
+    use idempotency_testkit::backend::MySql;
+    use idempotency_testkit::soak::Config;
 
     use super::run;
 
@@ -43,8 +43,8 @@ mod mysql {
 }
 
 mod postgres {
-    use idem_testkit::backend::Postgres;
-    use idem_testkit::soak::Config;
+    use idempotency_testkit::backend::Postgres;
+    use idempotency_testkit::soak::Config;
 
     use super::run;
 
@@ -114,7 +114,7 @@ fn crowded_schedule_uses_two_thousand_keys() {
 /// The reconciliation is not vacuous: each kind of violation is reported.
 #[test]
 fn reconcile_reports_each_violation() {
-    use idem::Outcome;
+    use idempotency::Outcome;
     use soak::{CallEnd, Ctx, KeyLog, Plan, Receipt, SoakError, Tables, Tally, reconcile};
     use std::time::Duration;
     let ctx = Ctx::new("r".into());
@@ -134,7 +134,7 @@ fn reconcile_reports_each_violation() {
         Tally::default().absorb(&plan, CallEnd::Returned(Ok(r.clone()), Some(outcome)), log);
     };
     let key_reused = |log: &mut KeyLog, plan: Plan| {
-        let e = idem::Error::KeyReused { biz: soak::BIZ, key: ctx.key(plan.key) };
+        let e = idempotency::Error::KeyReused { biz: soak::BIZ, key: ctx.key(plan.key) };
         Tally::default().absorb(&plan, CallEnd::Returned(Err(SoakError::Idem(e)), Some(Outcome::KeyReused)), log);
     };
 

@@ -5,13 +5,13 @@
 mod suite;
 
 /// The backend the suite runs on here.
-type SuiteBackend = idem_testkit::backend::Sqlite;
+type SuiteBackend = idempotency_testkit::backend::Sqlite;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::Idem;
-use idem_testkit::{TestBackend, unique};
+use idempotency::Idem;
+use idempotency_testkit::{TestBackend, unique};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 
 use suite::fixture::{Mode, Probe, is_in_progress, pay, until_started};

@@ -6,13 +6,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::state::{Advanced, advance};
-use idem::{Idem, col, idempotent, transition};
+use idempotency::state::{Advanced, advance};
+use idempotency::{Idem, col, idempotent, transition};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Barrier;
 
 /// Text storage: `'PENDING'`, `'PAID'`, ...
-#[derive(Clone, Copy, Debug, PartialEq, Eq, idem::State)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, idempotency::State)]
 #[state(table = "idem_test_orders", id = "id", column = "status")]
 #[state(transitions(Pending -> Paid, Paid -> Refunded, Pending -> Closed))]
 enum OrderStatus {
@@ -23,7 +23,7 @@ enum OrderStatus {
 }
 
 /// Integer storage (`SMALLINT`), with a renamed table column.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, idem::State)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, idempotency::State)]
 #[state(table = "idem_test_tickets", id = "ticket_id", column = "state", storage = "int")]
 #[state(transitions(Open -> Done))]
 enum TicketState {
@@ -41,14 +41,14 @@ struct Payment {
 #[derive(Debug)]
 #[allow(dead_code)] // shown through Debug in assertion messages
 enum PayError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
     Conflict(OrderStatus),
     NotFound,
 }
 
-impl From<idem::Error> for PayError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for PayError {
+    fn from(e: idempotency::Error) -> Self {
         PayError::Idem(e)
     }
 }
@@ -347,11 +347,11 @@ macro_rules! state_suite {
                 let idem = Idem::new(pool.clone());
                 idem.migrate().await.unwrap();
                 let id = new_order(&pool).await;
-                let (first, outcome) = idem::observe(pay(&idem, format!("first-{id}"), id)).await;
-                assert_eq!((first.unwrap(), outcome), (Payment { order_id: id, paid_now: true }, Some(idem::Outcome::Executed)));
+                let (first, outcome) = idempotency::observe(pay(&idem, format!("first-{id}"), id)).await;
+                assert_eq!((first.unwrap(), outcome), (Payment { order_id: id, paid_now: true }, Some(idempotency::Outcome::Executed)));
                 // Another key for the same order: the record cannot tell; the state can.
-                let (second, outcome) = idem::observe(pay(&idem, format!("second-{id}"), id)).await;
-                assert_eq!((second.unwrap(), outcome), (Payment { order_id: id, paid_now: false }, Some(idem::Outcome::Executed)));
+                let (second, outcome) = idempotency::observe(pay(&idem, format!("second-{id}"), id)).await;
+                assert_eq!((second.unwrap(), outcome), (Payment { order_id: id, paid_now: false }, Some(idempotency::Outcome::Executed)));
                 assert_eq!(ledger_rows(&pool, id).await, 1, "one payment");
                 assert_eq!(status_of(&pool, id).await, ("PAID".to_owned(), Some(5_000)));
             }

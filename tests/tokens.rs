@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use idem::{Backend, Consumption, Idem, Outcome, Status, TokenError, idempotent, observe, token::Refusal};
+use idempotency::{Backend, Consumption, Idem, Outcome, Status, TokenError, idempotent, observe, token::Refusal};
 use sqlx::{Pool, Transaction};
 use tokio::sync::{Barrier, mpsc, watch};
 
@@ -207,14 +207,14 @@ impl Probe {
 
 #[derive(Debug)]
 enum TestError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Token(TokenError),
     /// The body failed (nothing recorded).
     Body,
 }
 
-impl From<idem::Error> for TestError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for TestError {
+    fn from(e: idempotency::Error) -> Self {
         TestError::Idem(e)
     }
 }
@@ -369,7 +369,7 @@ macro_rules! backend_suite {
                 amount: i64,
                 #[idem(skip)] probe: &Probe,
             ) -> Result<i64, TestError> {
-                sqlx::query("SELECT 1").execute(&mut **tx).await.map_err(idem::Error::from)?;
+                sqlx::query("SELECT 1").execute(&mut **tx).await.map_err(idempotency::Error::from)?;
                 probe.body().await?;
                 Ok(amount)
             }
@@ -396,8 +396,8 @@ macro_rules! backend_suite {
                 let Some((idem, _guard)) = setup(place).await else { return };
                 let user = unique("u");
                 let issued = idem.tokens().issue(BIZ, &user, LONG).await.expect("issue");
-                assert_eq!(issued.token.len(), idem::token::TOKEN_LEN);
-                assert!(idem::token::is_well_formed(&issued.token), "{issued:?}");
+                assert_eq!(issued.token.len(), idempotency::token::TOKEN_LEN);
+                assert!(idempotency::token::is_well_formed(&issued.token), "{issued:?}");
                 assert_eq!(issued.ttl, LONG);
                 match idem.tokens().consume(BIZ, &user, &issued.token).await.expect("consume") {
                     Consumption::Consumed(spent) => {
@@ -435,7 +435,7 @@ macro_rules! backend_suite {
                 let tokens = idem.tokens();
                 let unknown = |c: &Consumption| matches!(c, Consumption::Unknown);
                 let forged = forged();
-                assert!(idem::token::is_well_formed(&forged));
+                assert!(idempotency::token::is_well_formed(&forged));
                 for token in [forged.as_str(), "", "short", &"A".repeat(33), &format!("{}:", "A".repeat(31))] {
                     let answer = tokens.consume(BIZ, &user, token).await.expect("consume");
                     assert!(unknown(&answer), "{token:?}: {answer:?}");
@@ -504,7 +504,7 @@ macro_rules! backend_suite {
                     match answer.expect("task") {
                         (Ok(1999), Some(Outcome::Executed)) => executed += 1,
                         (Ok(1999), Some(Outcome::Replayed)) => replayed += 1,
-                        (Err(TestError::Idem(idem::Error::InProgress { .. })), Some(Outcome::InProgress)) => {
+                        (Err(TestError::Idem(idempotency::Error::InProgress { .. })), Some(Outcome::InProgress)) => {
                             in_progress += 1
                         }
                         other => panic!("{other:?}"),
@@ -535,7 +535,7 @@ macro_rules! backend_suite {
                 starts.recv().await.expect("the first body started");
                 let (second, outcome) = submit(&idem, &user, &issued.token, 5, &probe).await;
                 assert!(
-                    matches!(second, Err(TestError::Idem(idem::Error::InProgress { .. }))),
+                    matches!(second, Err(TestError::Idem(idempotency::Error::InProgress { .. }))),
                     "{second:?} {outcome:?}"
                 );
                 probe.open.send_replace(true);
@@ -897,7 +897,7 @@ mod over_http {
     use axum::response::{IntoResponse, Response};
     use axum::routing::{get, post};
     use axum::{Json, Router, middleware};
-    use idem::http::{IdempotencyKey, IdempotencyToken, KeyOrToken, Problem, check_principal, replay_header};
+    use idempotency::http::{IdempotencyKey, IdempotencyToken, KeyOrToken, Problem, check_principal, replay_header};
     use serde::{Deserialize, Serialize};
 
     /// The action tokens are issued for, and the one of the calls they key.
@@ -924,14 +924,14 @@ mod over_http {
 
     #[derive(Debug)]
     pub enum ApiError {
-        Idem(idem::Error),
+        Idem(idempotency::Error),
         Token(TokenError),
         BadAmount,
         NotPayable,
     }
 
-    impl From<idem::Error> for ApiError {
-        fn from(e: idem::Error) -> Self {
+    impl From<idempotency::Error> for ApiError {
+        fn from(e: idempotency::Error) -> Self {
             ApiError::Idem(e)
         }
     }
@@ -1195,7 +1195,7 @@ mod over_http {
                     assert_eq!(answer.status, 200, "{}", answer.body);
                     let json = answer.json();
                     let token = json["token"].as_str().expect("token").to_owned();
-                    assert!(idem::token::is_well_formed(&token), "{token}");
+                    assert!(idempotency::token::is_well_formed(&token), "{token}");
                     assert_eq!(json["expires_in"], 900);
                     let with_token = [("idempotency-token", token.as_str())];
 
@@ -1222,7 +1222,7 @@ mod over_http {
                     };
                     starts.recv().await.expect("the first body started");
                     let busy = pay(&client, &base, order, &alice, &with_token, 1999).await;
-                    let in_progress = idem::Error::InProgress { biz: "tok_http_pay", key: String::new() };
+                    let in_progress = idempotency::Error::InProgress { biz: "tok_http_pay", key: String::new() };
                     busy.assert_problem(&Problem::from(&in_progress));
                     probe.open.send_replace(true);
                     let first = first.await.expect("first");

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use sqlx::Sqlite;
 
 /// A span's name and its fields, as text.
@@ -54,10 +54,10 @@ impl tracing::Subscriber for Spans {
 
 #[derive(Debug)]
 #[allow(dead_code)] // shown through Debug
-struct Failure(idem::Error);
+struct Failure(idempotency::Error);
 
-impl From<idem::Error> for Failure {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for Failure {
+    fn from(e: idempotency::Error) -> Self {
         Failure(e)
     }
 }

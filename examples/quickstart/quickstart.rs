@@ -2,13 +2,13 @@
 //! First call, replay, key reuse, the status query, and the state layer
 //! stopping a second payment made under another key, each printed.
 
-use idem::state::{Advanced, advance};
-use idem::{Idem, Status, col, idempotent, transition};
+use idempotency::state::{Advanced, advance};
+use idempotency::{Idem, Status, col, idempotent, transition};
 use serde::{Deserialize, Serialize};
 use sqlx::{Sqlite, Transaction};
 
 /// The order's state column and its allowed moves (layer 4).
-#[derive(Clone, Copy, Debug, PartialEq, idem::State)]
+#[derive(Clone, Copy, Debug, PartialEq, idempotency::State)]
 #[state(table = "orders", id = "id", column = "status")]
 #[state(transitions(Pending -> Paid, Paid -> Refunded, Pending -> Closed))]
 enum OrderStatus {
@@ -28,7 +28,7 @@ struct Receipt {
 
 #[derive(Debug)]
 enum PayError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
     NotPayable(OrderStatus),
     NoSuchOrder,
@@ -47,8 +47,8 @@ impl std::fmt::Display for PayError {
 
 impl std::error::Error for PayError {}
 
-impl From<idem::Error> for PayError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for PayError {
+    fn from(e: idempotency::Error) -> Self {
         PayError::Idem(e)
     }
 }
@@ -125,7 +125,7 @@ async fn main() -> Result<(), PayError> {
     println!("same call    -> replayed: {again:?} (identical: {})", again == first);
 
     match pay(&idem, 42, 5).await {
-        Err(PayError::Idem(e @ idem::Error::KeyReused { .. })) => println!("other amount -> rejected: {e}"),
+        Err(PayError::Idem(e @ idempotency::Error::KeyReused { .. })) => println!("other amount -> rejected: {e}"),
         other => println!("other amount -> unexpected: {other:?}"),
     }
 

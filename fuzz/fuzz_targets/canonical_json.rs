@@ -14,8 +14,8 @@
 #![no_main]
 
 use arbitrary::{Arbitrary, Result, Unstructured};
-use idem_fuzz::alloc;
-use idem_runtime::__fuzz;
+use idempotency_fuzz::alloc;
+use idempotency_runtime::__fuzz;
 use libfuzzer_sys::fuzz_target;
 use serde_json::{Map, Number, Value};
 

@@ -1,5 +1,5 @@
 //! Durations as the attribute's `ttl` and `lease` and the `idem` tool's
-//! `--older-than` spell them (`idem_rules::parse_duration`, which both
+//! `--older-than` spell them (`idempotency_rules::parse_duration`, which both
 //! share), and the tool's dates. Input: the duration's text; its first
 //! eight bytes, read as epoch milliseconds, are also shown as a date.
 //!
@@ -11,7 +11,7 @@
 //! an RFC 3339 date that reads back to it.
 #![no_main]
 
-use idem_fuzz::{alloc, time};
+use idempotency_fuzz::{alloc, time};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -26,7 +26,7 @@ fuzz_target!(|data: &[u8]| {
 });
 
 fn check_duration(text: &str) {
-    let parsed = idem_rules::parse_duration(text);
+    let parsed = idempotency_rules::parse_duration(text);
     match (&parsed, sum(text)) {
         (Ok(ms), Some(expected)) => assert_eq!(u128::from(*ms), expected, "{text:?}"),
         (Err(_), None) => {}
@@ -60,7 +60,7 @@ fn sum(text: &str) -> Option<u128> {
         total = total.checked_add(number.checked_mul(per_unit)?)?;
         rest = &rest[unit_end..];
     }
-    (1..=u128::from(idem_rules::MAX_DURATION_MS)).contains(&total).then_some(total)
+    (1..=u128::from(idempotency_rules::MAX_DURATION_MS)).contains(&total).then_some(total)
 }
 
 fn check_date(ms: i64) {

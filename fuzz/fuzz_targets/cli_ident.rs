@@ -5,15 +5,15 @@
 //!
 //! Checks: nothing panics; a name is accepted exactly when each of its
 //! parts (at most two, and only where a schema may qualify it) is
-//! `[A-Za-z_][A-Za-z0-9_]{0,63}`, the rule `idem_rules::is_sql_identifier`
+//! `[A-Za-z_][A-Za-z0-9_]{0,63}`, the rule `idempotency_rules::is_sql_identifier`
 //! states; it shows as typed and is quoted part by part, so no quote
 //! character of the dialect ever appears inside; a refusal's message shows
 //! no control or bidi character of the name.
 #![no_main]
 
-use idem_fuzz::dialect::Dialect;
-use idem_fuzz::ident::Ident;
-use idem_fuzz::{alloc, is_safe_to_show};
+use idempotency_fuzz::dialect::Dialect;
+use idempotency_fuzz::ident::Ident;
+use idempotency_fuzz::{alloc, is_safe_to_show};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -25,7 +25,7 @@ fuzz_target!(|data: &[u8]| {
 fn check(name: &str, qualified: bool) {
     let parts: Vec<&str> = if qualified { name.split('.').collect() } else { vec![name] };
     let keeps_rule = parts.len() <= 2 && parts.iter().all(|part| is_identifier(part));
-    assert_eq!(parts.iter().all(|part| idem_rules::is_sql_identifier(part)), parts.iter().all(|p| is_identifier(p)));
+    assert_eq!(parts.iter().all(|part| idempotency_rules::is_sql_identifier(part)), parts.iter().all(|p| is_identifier(p)));
     match Ident::parse("table", name, qualified) {
         Ok(ident) => {
             assert!(keeps_rule, "{name:?} accepted");

@@ -23,8 +23,8 @@
 #![no_main]
 
 use arbitrary::{Arbitrary, Unstructured};
-use idem_fuzz::alloc;
-use idem_runtime::__fuzz::{self, Consumed};
+use idempotency_fuzz::alloc;
+use idempotency_runtime::__fuzz::{self, Consumed};
 use lapin::types::AMQPValue;
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;

@@ -10,8 +10,8 @@
 //! render a key that splits back into the two.
 #![no_main]
 
-use idem_fuzz::{alloc, lines};
-use idem_runtime::__fuzz::{self, Refusal};
+use idempotency_fuzz::{alloc, lines};
+use idempotency_runtime::__fuzz::{self, Refusal};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -23,7 +23,7 @@ fn check(lines: &[&[u8]]) {
     let Some(found) = __fuzz::idempotency_key(lines) else { return };
     match (&found, lines) {
         (Ok(key), [line]) => {
-            assert_eq!(idem_rules::check_key(key, 8, 255), Ok(()), "{key:?}");
+            assert_eq!(idempotency_rules::check_key(key, 8, 255), Ok(()), "{key:?}");
             let quoted = [b"\"", key.as_bytes(), b"\""].concat();
             assert!(*line == key.as_bytes() || *line == quoted, "{line:?} became {key:?}");
             // Either form of the key is the same key.
@@ -78,7 +78,7 @@ fn check_principal(principal: &str, key: Option<&String>) {
         && principal.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
     let checked = __fuzz::check_principal(principal);
     assert_eq!(checked.is_ok(), keeps_rule, "{principal:?}: {checked:?}");
-    assert_eq!(idem_runtime::token::is_valid_subject(principal), keeps_rule, "{principal:?}");
+    assert_eq!(idempotency_runtime::token::is_valid_subject(principal), keeps_rule, "{principal:?}");
     match checked {
         Err(refusal) => {
             assert_eq!((refusal.status, refusal.code), (400, "INVALID_PRINCIPAL"));
@@ -92,7 +92,7 @@ fn check_principal(principal: &str, key: Option<&String>) {
             let Some(key) = key else { return };
             let rendered = format!("{principal}:{key}");
             assert_eq!(rendered.split_once(':'), Some((principal, key.as_str())));
-            let fits = idem_runtime::key::validate_key(&rendered).is_ok();
+            let fits = idempotency_runtime::key::validate_key(&rendered).is_ok();
             assert_eq!(fits, rendered.len() <= 255, "{rendered:?}");
         }
     }

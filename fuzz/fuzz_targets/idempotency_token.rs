@@ -11,8 +11,8 @@
 //! of the two headers, and answers as the extractor of that one would.
 #![no_main]
 
-use idem_fuzz::{alloc, lines};
-use idem_runtime::__fuzz;
+use idempotency_fuzz::{alloc, lines};
+use idempotency_runtime::__fuzz;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

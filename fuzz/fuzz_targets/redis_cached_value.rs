@@ -1,4 +1,4 @@
-//! The values idem reads back from Redis: a result hash's field (`d`, the
+//! The values idempotency reads back from Redis: a result hash's field (`d`, the
 //! record's expiry in 6 bytes, 16 bytes of fingerprint, the response) and
 //! a claim's key (`p:<token>:<fingerprint>`), and at an issued token's owner key (`i:`/`u:<expires_ms>:<subject>`)
 //! and live key (`<expires_ms>`). Input: the first byte picks what is
@@ -13,8 +13,8 @@
 #![no_main]
 
 use arbitrary::{Arbitrary, Unstructured};
-use idem_fuzz::alloc;
-use idem_runtime::__fuzz::{self, Cached};
+use idempotency_fuzz::alloc;
+use idempotency_runtime::__fuzz::{self, Cached};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -102,7 +102,7 @@ fn written_token_values(data: &[u8], now_ms: u64) {
     else {
         return;
     };
-    if !idem_runtime::token::is_valid_subject(subject) {
+    if !idempotency_runtime::token::is_valid_subject(subject) {
         return;
     }
     let owner = __fuzz::token_owner_written(used, expires_at_ms, subject);

@@ -5,13 +5,13 @@
 // The tool's files, as they are: `ident.rs` names `crate::dialect`, as in
 // the tool. What the targets do not call is dead here.
 #[allow(dead_code)]
-#[path = "../../idem-cli/src/dialect.rs"]
+#[path = "../../idempotency-cli/src/dialect.rs"]
 pub mod dialect;
 #[allow(dead_code)]
-#[path = "../../idem-cli/src/ident.rs"]
+#[path = "../../idempotency-cli/src/ident.rs"]
 pub mod ident;
 #[allow(dead_code)]
-#[path = "../../idem-cli/src/time.rs"]
+#[path = "../../idempotency-cli/src/time.rs"]
 pub mod time;
 
 pub mod alloc;

@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use idem::Outcome;
+use idempotency::Outcome;
 use sqlx::PgPool;
 
 use crate::load::{Answer, Attempt, BIZ, Kind, Phase, Receipt};

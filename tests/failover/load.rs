@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering::
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::{Idem, Outcome, idempotent};
+use idempotency::{Idem, Outcome, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{Postgres, Transaction};
 use tokio::sync::Barrier;
@@ -39,12 +39,12 @@ pub struct Receipt {
 
 #[derive(Debug)]
 pub enum PayError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
 }
 
-impl From<idem::Error> for PayError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for PayError {
+    fn from(e: idempotency::Error) -> Self {
         PayError::Idem(e)
     }
 }
@@ -168,7 +168,7 @@ impl Load {
     pub fn new(engines: Vec<Idem<Postgres>>) -> Arc<Load> {
         Arc::new(Load {
             engines,
-            run: idem_testkit::unique("fo"),
+            run: idempotency_testkit::unique("fo"),
             start: Instant::now(),
             phase: AtomicU8::new(0),
             stop: AtomicBool::new(false),
@@ -209,13 +209,13 @@ impl Load {
         for n in 0.. {
             let engine = (first_engine + n) % self.engines.len();
             let probe = Probe { attempt: self.next_attempt.fetch_add(1, SeqCst), body_done: AtomicBool::new(false) };
-            let (result, outcome) = idem::observe(pay(&self.engines[engine], key.clone(), amount, &probe)).await;
+            let (result, outcome) = idempotency::observe(pay(&self.engines[engine], key.clone(), amount, &probe)).await;
             let answer = match result {
                 Ok(receipt) => Answer::Ok(receipt, outcome.expect("an outcome")),
-                Err(PayError::Idem(e @ idem::Error::InProgress { .. })) => {
+                Err(PayError::Idem(e @ idempotency::Error::InProgress { .. })) => {
                     Answer::Retryable("in progress", e.to_string())
                 }
-                Err(PayError::Idem(e @ idem::Error::Storage(_))) => Answer::Retryable("storage", e.to_string()),
+                Err(PayError::Idem(e @ idempotency::Error::Storage(_))) => Answer::Retryable("storage", e.to_string()),
                 Err(PayError::Db(e)) => Answer::Retryable("body's database error", e.to_string()),
                 Err(PayError::Idem(e)) => Answer::Final(e.to_string()),
             };

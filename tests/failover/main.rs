@@ -4,10 +4,10 @@
 //! attempt the clients recorded checked against the promoted server
 //! (`history.rs`).
 //!
-//! The servers are the test's own (`idem_testkit::pg_cluster`: `initdb`,
+//! The servers are the test's own (`idempotency_testkit::pg_cluster`: `initdb`,
 //! `pg_basebackup -R`, a replication slot, private loopback ports); the
 //! engines reach the primary through a forwarder of the test's own
-//! (`idem_testkit::forwarder`), as through a virtual IP. Four engines, two
+//! (`idempotency_testkit::forwarder`), as through a virtual IP. Four engines, two
 //! with a private Redis (its claims and cached results outlive the
 //! database's failover; the record decides) and two without.
 //!
@@ -45,10 +45,10 @@ mod load;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use idem::Idem;
-use idem_testkit::forwarder::{Forwarder, Hold};
-use idem_testkit::pg_cluster::{PgCluster, Replication};
-use idem_testkit::servers::RedisServer;
+use idempotency::Idem;
+use idempotency_testkit::forwarder::{Forwarder, Hold};
+use idempotency_testkit::pg_cluster::{PgCluster, Replication};
+use idempotency_testkit::servers::RedisServer;
 use sqlx::Postgres;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 

@@ -2,7 +2,7 @@
 //! real server on loopback with a real client (reqwest): `tests/http.rs`
 //! serves it with axum, `tests/actix.rs` with actix-web, each declaring
 //! this module and the same test list (`contract_tests!`). What is
-//! expected comes from the framework-free core (`idem::http`), so both
+//! expected comes from the framework-free core (`idempotency::http`), so both
 //! frameworks must answer the same statuses, bodies and headers, byte for
 //! byte. MariaDB with and without Redis, and SQLite without Redis; a
 //! database that is down; a business number that does not fit its column.
@@ -18,8 +18,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::Idem;
-use idem::http::{IdempotencyKey, ProblemDetails, validate_principal};
+use idempotency::Idem;
+use idempotency::http::{IdempotencyKey, ProblemDetails, validate_principal};
 use reqwest::header::HeaderValue;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Barrier, mpsc, watch};
@@ -41,12 +41,12 @@ pub struct PayResponse {
 /// 409 `{"code":"ORDER_NOT_PAYABLE"}` as `application/problem+json`).
 #[derive(Debug)]
 pub enum ApiError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     NotPayable,
 }
 
-impl From<idem::Error> for ApiError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for ApiError {
+    fn from(e: idempotency::Error) -> Self {
         ApiError::Idem(e)
     }
 }
@@ -193,18 +193,18 @@ pub struct Served {
 pub const LOCK_WAIT: Duration = Duration::from_secs(1);
 
 async fn mysql_app<F: Framework>(with_redis: bool, gate: Arc<Gate>) -> Option<Served> {
-    let pool = idem_testkit::reach("mysql", || async {
+    let pool = idempotency_testkit::reach("mysql", || async {
         sqlx::mysql::MySqlPoolOptions::new()
             .max_connections(16)
             .acquire_timeout(Duration::from_secs(60))
-            .connect(&idem_testkit::mysql_url())
+            .connect(&idempotency_testkit::mysql_url())
             .await
             .ok()
     })
     .await?;
     let mut builder = Idem::builder(pool.clone()).lock_wait(LOCK_WAIT);
     if with_redis {
-        builder = builder.redis(idem_testkit::redis_client().await?);
+        builder = builder.redis(idempotency_testkit::redis_client().await?);
     }
     let idem = builder.build();
     idem.migrate().await.expect("migrate");
@@ -223,7 +223,7 @@ async fn sqlite_app<F: Framework>(gate: Arc<Gate>) -> Served {
     let dir = std::env::temp_dir().join("idem-tests");
     std::fs::create_dir_all(&dir).expect("temp dir");
     let options = sqlx::sqlite::SqliteConnectOptions::new()
-        .filename(dir.join(format!("{}.db", idem_testkit::unique("http"))))
+        .filename(dir.join(format!("{}.db", idempotency_testkit::unique("http"))))
         .create_if_missing(true)
         .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
         .busy_timeout(Duration::from_secs(30));
@@ -320,17 +320,17 @@ fn key_problem(value: Option<&[u8]>) -> ProblemDetails {
     IdempotencyKey::from_header_values(value).unwrap_err()
 }
 
-fn problem_of(error: idem::Error) -> ProblemDetails {
+fn problem_of(error: idempotency::Error) -> ProblemDetails {
     ProblemDetails::from(&error)
 }
 
 fn in_progress() -> ProblemDetails {
-    problem_of(idem::Error::InProgress { biz: "http_test_pay", key: String::new() })
+    problem_of(idempotency::Error::InProgress { biz: "http_test_pay", key: String::new() })
 }
 
 /// A user id of letters and digits, unique to this run.
 fn new_user(prefix: &str) -> String {
-    idem_testkit::unique(prefix).replace('-', "x")
+    idempotency_testkit::unique(prefix).replace('-', "x")
 }
 
 /// Every behaviour of the table in DESIGN.md, over HTTP.
@@ -338,7 +338,7 @@ async fn scenario(app: &Served) {
     let (base, db) = (app.base.as_str(), &app.db);
     let client = reqwest::Client::new();
     let user = new_user("u");
-    let key = idem_testkit::unique("key");
+    let key = idempotency_testkit::unique("key");
     let order = db.new_order().await;
 
     // 50 identical requests released at once: one execution. Its body waits
@@ -396,7 +396,7 @@ async fn scenario(app: &Served) {
 
     // The same key with another amount.
     let reused = send(&client, base, order, Some(&user), Some(&key), 5).await;
-    reused.assert_problem(&problem_of(idem::Error::KeyReused { biz: "http_test_pay", key: String::new() }));
+    reused.assert_problem(&problem_of(idempotency::Error::KeyReused { biz: "http_test_pay", key: String::new() }));
     assert!(!String::from_utf8_lossy(&reused.body).contains(&key), "the key is never echoed");
     assert_eq!(db.ledger_rows(order).await, 1);
 
@@ -433,7 +433,7 @@ async fn scenario(app: &Served) {
             assert!(!String::from_utf8_lossy(&answer.body).contains(bad), "the key is never echoed");
         }
     }
-    let anonymous = send(&client, base, fresh, None, Some(&idem_testkit::unique("key")), 1999).await;
+    let anonymous = send(&client, base, fresh, None, Some(&idempotency_testkit::unique("key")), 1999).await;
     assert_eq!((anonymous.status, anonymous.body.as_slice()), (401, &b""[..]));
     assert_eq!(db.ledger_rows(fresh).await, 0, "nothing paid for refused requests");
     assert_eq!(db.ledger_rows_of(&clean).await, 0);
@@ -463,7 +463,7 @@ pub async fn quoted_key_is_the_same_key<F: Framework>() {
     let client = reqwest::Client::new();
     let user = new_user("q");
     for quoted_first in [false, true] {
-        let key = idem_testkit::unique("key");
+        let key = idempotency_testkit::unique("key");
         let (bare, quoted) = (key.clone(), format!("\"{key}\""));
         let (first, second) = if quoted_first { (&quoted, &bare) } else { (&bare, &quoted) };
         let order = db.new_order().await;
@@ -478,7 +478,7 @@ pub async fn quoted_key_is_the_same_key<F: Framework>() {
         assert_eq!((replayed.status, replayed.replayed.as_deref()), (200, Some("true")), "{second}");
         assert_eq!(replayed.body, executed.body, "{second} replays {first} byte for byte");
         let reused = send(&client, &base, order, Some(&user), Some(second), 701).await;
-        reused.assert_problem(&problem_of(idem::Error::KeyReused { biz: "http_test_pay", key: String::new() }));
+        reused.assert_problem(&problem_of(idempotency::Error::KeyReused { biz: "http_test_pay", key: String::new() }));
         assert_eq!(db.ledger_rows(order).await, 1);
     }
     assert_eq!(db.records_of(&user).await, 2, "one record per key, quoted or not");
@@ -525,7 +525,7 @@ pub async fn principal_with_the_separator_is_refused_by_the_extractor<F: Framewo
     let Served { base, db, .. } = sqlite_app::<F>(Gate::new(true)).await;
     let client = reqwest::Client::new();
     let user = new_user("p");
-    let key = idem_testkit::unique("key");
+    let key = idempotency_testkit::unique("key");
     let order = db.new_order().await;
     let first = send(&client, &base, order, Some(&user), Some(&format!("x:{key}")), 1999).await;
     assert_eq!((first.status, first.replayed.as_deref()), (200, None));
@@ -539,7 +539,8 @@ pub async fn principal_with_the_separator_is_refused_by_the_extractor<F: Framewo
 
     let fresh = db.new_order().await;
     for principal in [":", "a:b", &format!("{user}:{user}"), "", &"p".repeat(65), "a b", "a@b"] {
-        let answer = send(&client, &base, fresh, Some(principal), Some(&idem_testkit::unique("key")), 1999).await;
+        let answer =
+            send(&client, &base, fresh, Some(principal), Some(&idempotency_testkit::unique("key")), 1999).await;
         answer.assert_problem(&validate_principal(principal).unwrap_err());
     }
     assert_eq!(db.ledger_rows(order).await, 1, "only the first payment");
@@ -585,7 +586,7 @@ pub async fn details_never_echo_raw_bytes<F: Framework>() {
         ("a\u{202e}b".as_bytes(), "it holds U+202E at byte 1"),
     ];
     for (raw, shown) in principals {
-        let key = idem_testkit::unique("key");
+        let key = idempotency_testkit::unique("key");
         let answer =
             send_raw(&client, &base, order, &[("x-user-id", raw), ("idempotency-key", key.as_bytes())], 1).await;
         answer.assert_problem(&validate_principal(&String::from_utf8_lossy(raw)).unwrap_err());
@@ -613,9 +614,9 @@ pub async fn database_down_is_503<F: Framework>() {
         F::serve_mysql(Idem::new(mysql), Gate::new(true)).await,
     ];
     let client = reqwest::Client::new();
-    let unavailable = problem_of(idem::Error::Storage(sqlx::Error::PoolTimedOut));
+    let unavailable = problem_of(idempotency::Error::Storage(sqlx::Error::PoolTimedOut));
     for base in &bases {
-        let key = idem_testkit::unique("key");
+        let key = idempotency_testkit::unique("key");
         for _ in 0..2 {
             let answer = send(&client, base, 1, Some("alice"), Some(&key), 1999).await;
             answer.assert_problem(&unavailable);
@@ -634,15 +635,16 @@ pub async fn biz_no_too_long_is_400_invalid_biz_no<F: Framework>() {
     let client = reqwest::Client::new();
     let records = || async { sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM idem_record").fetch_one(&pool).await };
     let book = |reference: String| {
-        let request =
-            client.post(format!("{base}/refs/{reference}")).header("idempotency-key", idem_testkit::unique("key"));
+        let request = client
+            .post(format!("{base}/refs/{reference}"))
+            .header("idempotency-key", idempotency_testkit::unique("key"));
         async move {
             let response = request.send().await.expect("request");
             (response.status().as_u16(), response.text().await.expect("body"))
         }
     };
 
-    let expected = problem_of(idem::Error::BizNoTooLong { len: 65, max: 64 });
+    let expected = problem_of(idempotency::Error::BizNoTooLong { len: 65, max: 64 });
     assert_eq!(expected.code, "INVALID_BIZ_NO");
     assert_eq!(book("n".repeat(65)).await, (400, expected.body()));
     assert_eq!(records().await.unwrap(), 0, "nothing written");

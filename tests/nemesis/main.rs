@@ -8,9 +8,9 @@
 //! ones (20,000 first calls, about 3 minutes) with
 //! `cargo test --release --all-features --test nemesis -- --ignored --nocapture full_`.
 //! `IDEM_NEMESIS_SEED` replays a schedule. The harness is
-//! `idem-testkit/src/nemesis/`.
+//! `idempotency-testkit/src/nemesis/`.
 
-use idem_testkit::nemesis::{self, Config, NemesisBackend};
+use idempotency_testkit::nemesis::{self, Config, NemesisBackend};
 
 /// An engine process's entry (does nothing unless the parent started it).
 #[test]
@@ -23,8 +23,8 @@ async fn run<B: NemesisBackend>(cfg: Config) {
 }
 
 mod mysql {
-    use idem_testkit::backend::MySql;
-    use idem_testkit::nemesis::Config;
+    use idempotency_testkit::backend::MySql;
+    use idempotency_testkit::nemesis::Config;
 
     use super::run;
 
@@ -41,8 +41,8 @@ mod mysql {
 }
 
 mod postgres {
-    use idem_testkit::backend::Postgres;
-    use idem_testkit::nemesis::Config;
+    use idempotency_testkit::backend::Postgres;
+    use idempotency_testkit::nemesis::Config;
 
     use super::run;
 

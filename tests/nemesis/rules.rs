@@ -1,8 +1,8 @@
 //! The checker is not vacuous: small hand-written histories that break
 //! each rule are reported, and their healthy twins are not.
 
-use idem_testkit::nemesis::{Answer, Bounds, Call, Cut, Path, Verdict, Window, check};
-use idem_testkit::soak::{Receipt, Tables};
+use idempotency_testkit::nemesis::{Answer, Bounds, Call, Cut, Path, Verdict, Window, check};
+use idempotency_testkit::soak::{Receipt, Tables};
 
 const BOUNDS: Bounds =
     Bounds { lease_us: 1_000_000, redis_timeout_us: 500_000, grace_us: 500_000, redis_grace_us: 1_500_000 };

@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 
-use idem_testkit::nemesis::{Config, Cut, Lane, Path, calls};
+use idempotency_testkit::nemesis::{Config, Cut, Lane, Path, calls};
 
 #[test]
 fn processes_share_their_keys_at_the_same_time_and_later() {

@@ -21,7 +21,7 @@ fn event(aggregate: &str, payload: &str) -> Event {
 /// Queues one event of `aggregate` in a transaction of its own and commits.
 async fn queue_one<DB: Backend>(idem: &Idem<DB>, aggregate: &str, payload: &str) {
     let mut tx = idem.pool().begin().await.unwrap();
-    idem::outbox::queue(&mut tx, event(aggregate, payload)).await.unwrap();
+    idempotency::outbox::queue(&mut tx, event(aggregate, payload)).await.unwrap();
     tx.commit().await.unwrap();
 }
 
@@ -110,7 +110,7 @@ async fn overlapping_writers<DB: Backend>(
         let payload = first_payload.clone();
         async move {
             let mut tx = idem.pool().begin().await.unwrap();
-            idem::outbox::queue(&mut tx, event("order-1", &payload)).await.unwrap();
+            idempotency::outbox::queue(&mut tx, event("order-1", &payload)).await.unwrap();
             first_queued.wait().await;
             release_first.notified().await;
             tx.commit().await.unwrap();
@@ -130,7 +130,7 @@ async fn overlapping_writers<DB: Backend>(
                 let payload = format!("r{round}-w{i}");
                 let mut tx = idem.pool().begin().await.unwrap();
                 begun.wait().await;
-                idem::outbox::queue(&mut tx, event("order-1", &payload)).await.unwrap();
+                idempotency::outbox::queue(&mut tx, event("order-1", &payload)).await.unwrap();
                 queued_after.lock().unwrap().push(payload);
                 tx.commit().await.unwrap();
             })
@@ -277,9 +277,9 @@ async fn aggregate_rows_are_purged_with_the_sent_rows_never_waiting_for_a_writer
     // Held open: order-2's row (old; its count of 2 uncommitted) and
     // order-9's (new, uncommitted).
     let mut held_old = idem.pool().begin().await.unwrap();
-    idem::outbox::queue(&mut held_old, event("order-2", "held")).await.unwrap();
+    idempotency::outbox::queue(&mut held_old, event("order-2", "held")).await.unwrap();
     let mut held_new = idem.pool().begin().await.unwrap();
-    idem::outbox::queue(&mut held_new, event("order-9", "held")).await.unwrap();
+    idempotency::outbox::queue(&mut held_new, event("order-9", "held")).await.unwrap();
 
     let recorder = Recorder::default();
     let relay = Relay::new(idem, recorder.clone())

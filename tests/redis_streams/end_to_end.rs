@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
-use idem::redis_streams::Consumer;
-use idem::{Idem, Outcome, idempotent};
+use idempotency::redis_streams::Consumer;
+use idempotency::{Idem, Outcome, idempotent};
 use redis::aio::MultiplexedConnection;
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{MySql, Transaction};
@@ -37,8 +37,8 @@ struct RelayCounts {
 
 const DUPLICATE_EVERY: u64 = 7;
 
-impl idem::outbox::Publisher for StreamPublisher {
-    async fn publish(&mut self, batch: &[idem::outbox::Message]) -> Vec<idem::outbox::Confirm> {
+impl idempotency::outbox::Publisher for StreamPublisher {
+    async fn publish(&mut self, batch: &[idempotency::outbox::Message]) -> Vec<idempotency::outbox::Confirm> {
         let mut answers = Vec::new();
         for message in batch {
             let fields: [(&str, &[u8]); 2] =
@@ -54,9 +54,9 @@ impl idem::outbox::Publisher for StreamPublisher {
                     if n.is_multiple_of(DUPLICATE_EVERY) && cmd.query_async::<String>(&mut self.conn).await.is_ok() {
                         self.counts.duplicated.fetch_add(1, SeqCst);
                     }
-                    answers.push(idem::outbox::Confirm::Sent { duplicate: false });
+                    answers.push(idempotency::outbox::Confirm::Sent { duplicate: false });
                 }
-                Err(e) => answers.push(idem::outbox::Confirm::Unconfirmed(e.to_string())),
+                Err(e) => answers.push(idempotency::outbox::Confirm::Unconfirmed(e.to_string())),
             }
         }
         if self.crash_next.swap(false, SeqCst) {
@@ -84,7 +84,11 @@ async fn pay(
         .execute(&mut **tx)
         .await?;
     let paid = OrderPaid { order_id, sku, qty: 1 };
-    idem::outbox::queue(tx, idem::outbox::Event::json(stream, &paid)?.aggregate(format!("order-{order_id}"))).await?;
+    idempotency::outbox::queue(
+        tx,
+        idempotency::outbox::Event::json(stream, &paid)?.aggregate(format!("order-{order_id}")),
+    )
+    .await?;
     if roll_back {
         return Err(StockError::RolledBack);
     }
@@ -113,9 +117,9 @@ struct Seen {
 async fn end_to_end_through_an_outbox_relay_with_duplicates_and_kills_every_effect_once() {
     let started = Instant::now();
     // A database of the run's own: the outbox's counts are the run's alone.
-    let Some(client) = idem_testkit::redis_client().await else { return };
-    let Some(admin) = idem_testkit::reach("mysql", || async {
-        MySqlPoolOptions::new().max_connections(1).connect(&idem_testkit::mysql_url()).await.ok()
+    let Some(client) = idempotency_testkit::redis_client().await else { return };
+    let Some(admin) = idempotency_testkit::reach("mysql", || async {
+        MySqlPoolOptions::new().max_connections(1).connect(&idempotency_testkit::mysql_url()).await.ok()
     })
     .await
     else {
@@ -123,7 +127,7 @@ async fn end_to_end_through_an_outbox_relay_with_duplicates_and_kills_every_effe
     };
     let database = format!("rs_e2e_{}", order_id());
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}"))).execute(&admin).await.unwrap();
-    let options: sqlx::mysql::MySqlConnectOptions = idem_testkit::mysql_url().parse().unwrap();
+    let options: sqlx::mysql::MySqlConnectOptions = idempotency_testkit::mysql_url().parse().unwrap();
     let pool = MySqlPoolOptions::new().max_connections(12).connect_with(options.database(&database)).await.unwrap();
     let w = world_on(engine_on(pool, Some(&client)).await, client, 1_000_000).await;
     sqlx::raw_sql("CREATE TABLE idem_rs_payments (order_id BIGINT PRIMARY KEY, sku VARCHAR(64) NOT NULL)")
@@ -154,8 +158,9 @@ async fn end_to_end_through_an_outbox_relay_with_duplicates_and_kills_every_effe
                     crash_next: crash_next.clone(),
                     crashed: crashed.clone(),
                 };
-                let relay =
-                    idem::outbox::Relay::new(&payer, publisher).batch_size(20).poll_interval(Duration::from_millis(50));
+                let relay = idempotency::outbox::Relay::new(&payer, publisher)
+                    .batch_size(20)
+                    .poll_interval(Duration::from_millis(50));
                 let stop_flag = stop_all.clone();
                 let mut task = tokio::spawn(relay.run(async move {
                     while !stop_flag.load(SeqCst) {
@@ -202,7 +207,7 @@ async fn end_to_end_through_an_outbox_relay_with_duplicates_and_kills_every_effe
                         let (idem, seen, kill_armed, killed) =
                             (idem.clone(), seen.clone(), kill_armed.clone(), killed_in.clone());
                         async move {
-                            let (done, outcome) = idem::observe(deduct_by_id(&idem, id, event)).await;
+                            let (done, outcome) = idempotency::observe(deduct_by_id(&idem, id, event)).await;
                             if done.is_ok() && outcome == Some(Outcome::Executed) && kill_armed.swap(false, SeqCst) {
                                 seen.kills.fetch_add(1, SeqCst);
                                 killed.notify_one();
@@ -255,7 +260,7 @@ async fn end_to_end_through_an_outbox_relay_with_duplicates_and_kills_every_effe
         }
         while let Some(done) = calls.join_next().await {
             match done.unwrap() {
-                Ok(_) | Err(StockError::RolledBack) | Err(StockError::Idem(idem::Error::InProgress { .. })) => {}
+                Ok(_) | Err(StockError::RolledBack) | Err(StockError::Idem(idempotency::Error::InProgress { .. })) => {}
                 Err(e) => panic!("pay: {e:?}"),
             }
         }

@@ -1,4 +1,4 @@
-//! `idem::redis_streams` end to end: the shared Redis (`IDEM_REDIS_URL`),
+//! `idempotency::redis_streams` end to end: the shared Redis (`IDEM_REDIS_URL`),
 //! MariaDB (`IDEM_MYSQL_URL`), and for the outage a private `redis-server`.
 //! Every test uses its own stream, SKUs and order ids, so they run in
 //! parallel and again; the streams are deleted at the end.

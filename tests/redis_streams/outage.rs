@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::Outcome;
-use idem::redis_streams::{Action, Consumer};
+use idempotency::Outcome;
+use idempotency::redis_streams::{Action, Consumer};
 use redis::Value;
 
 use crate::support::*;
@@ -119,13 +119,13 @@ async fn a_redis_that_cannot_serve_is_not_hammered() {
 /// consuming.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_is_waited_out_without_a_busy_loop_then_consumption_resumes() {
-    let Some(server) = idem_testkit::servers::RedisServer::start() else { return };
+    let Some(server) = idempotency_testkit::servers::RedisServer::start() else { return };
     let server = Arc::new(server);
     let Some(idem) = mysql_engine(None).await else { return };
-    let sku = idem_testkit::unique("rs-sku");
+    let sku = idempotency_testkit::unique("rs-sku");
     sqlx::query("INSERT INTO idem_rs_stock (sku, qty) VALUES (?, 100)").bind(&sku).execute(idem.pool()).await.unwrap();
     let _ = tracing::subscriber::set_global_default(FailedReads);
-    let stream = idem_testkit::unique("idem-test-rs-down");
+    let stream = idempotency_testkit::unique("idem-test-rs-down");
     let mut direct = server.client().get_multiplexed_async_connection().await.unwrap();
 
     let consumer = Consumer::new(server.client(), stream.clone(), GROUP)

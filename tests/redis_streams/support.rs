@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use idem::redis_streams::{Action, AsIdemError, Consumer, Settled};
-use idem::{Idem, Outcome, idempotent};
+use idempotency::redis_streams::{Action, AsIdemError, Consumer, Settled};
+use idempotency::{Idem, Outcome, idempotent};
 use redis::Value;
 use redis::aio::MultiplexedConnection;
 use serde::{Deserialize, Serialize};
@@ -37,14 +37,14 @@ pub(crate) const PANICS: i64 = -7;
 #[derive(Debug)]
 #[allow(dead_code)] // shown through Debug
 pub(crate) enum StockError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
     UnknownSku(String),
     RolledBack,
 }
 
-impl From<idem::Error> for StockError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for StockError {
+    fn from(e: idempotency::Error) -> Self {
         StockError::Idem(e)
     }
 }
@@ -56,7 +56,7 @@ impl From<sqlx::Error> for StockError {
 }
 
 impl AsIdemError for StockError {
-    fn idem_error(&self) -> Option<&idem::Error> {
+    fn idem_error(&self) -> Option<&idempotency::Error> {
         match self {
             StockError::Idem(e) => Some(e),
             _ => None,
@@ -189,8 +189,8 @@ pub(crate) struct World {
 pub(crate) const GROUP: &str = "stock";
 
 pub(crate) async fn mysql_engine(client: Option<&redis::Client>) -> Option<Idem<MySql>> {
-    let pool = idem_testkit::reach("mysql", || async {
-        MySqlPoolOptions::new().max_connections(8).connect(&idem_testkit::mysql_url()).await.ok()
+    let pool = idempotency_testkit::reach("mysql", || async {
+        MySqlPoolOptions::new().max_connections(8).connect(&idempotency_testkit::mysql_url()).await.ok()
     })
     .await?;
     Some(engine_on(pool, client).await)
@@ -209,13 +209,13 @@ pub(crate) async fn engine_on(pool: sqlx::Pool<MySql>, client: Option<&redis::Cl
 }
 
 pub(crate) async fn world(stock: i64) -> Option<World> {
-    let client = idem_testkit::redis_client().await?;
+    let client = idempotency_testkit::redis_client().await?;
     let idem = mysql_engine(Some(&client)).await?;
     Some(world_on(idem, client, stock).await)
 }
 
 pub(crate) async fn world_on(idem: Idem<MySql>, client: redis::Client, stock: i64) -> World {
-    let sku = idem_testkit::unique("rs-sku");
+    let sku = idempotency_testkit::unique("rs-sku");
     sqlx::query("INSERT INTO idem_rs_stock (sku, qty) VALUES (?, ?)")
         .bind(&sku)
         .bind(stock)
@@ -223,7 +223,7 @@ pub(crate) async fn world_on(idem: Idem<MySql>, client: redis::Client, stock: i6
         .await
         .expect("stock row");
     let conn = client.get_multiplexed_async_connection().await.expect("redis connection");
-    let stream = idem_testkit::unique("idem-test-rs");
+    let stream = idempotency_testkit::unique("idem-test-rs");
     let dead = format!("{stream}:dead");
     World { idem, client, conn, stream, dead, sku }
 }

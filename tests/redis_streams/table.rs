@@ -1,4 +1,4 @@
-//! The settlement table of `idem::redis_streams`, row by row, each test
+//! The settlement table of `idempotency::redis_streams`, row by row, each test
 //! asserting the exact Redis state left behind: acked, pending with which
 //! delivery count and idle time, the dead-letter entry and its fields.
 
@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::redis_streams::{Action, Reason};
-use idem::{Idem, Outcome};
+use idempotency::redis_streams::{Action, Reason};
+use idempotency::{Idem, Outcome};
 use sqlx::mysql::MySqlPoolOptions;
 
 use crate::support::*;
@@ -18,7 +18,7 @@ use crate::support::*;
 async fn a_handler_returning_ok_is_acked_whatever_the_outcome() {
     let Some(w) = world(100).await else { return };
     let order = order_id();
-    let unknown = idem_testkit::unique("no-such-sku");
+    let unknown = idempotency_testkit::unique("no-such-sku");
     w.add_event(order, 2, "first").await;
     w.add_event(order, 5, "reused").await;
     w.add(&[("message_id", b"failing"), ("payload", &event(order_id(), &unknown, 1))]).await;
@@ -227,7 +227,7 @@ async fn key_reused_and_poison_are_dead_lettered_with_their_reason_and_acked() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_key_is_dead_lettered_and_nothing_written() {
     let Some(w) = world(100).await else { return };
-    let reference = format!("bad ref {}", idem_testkit::unique("r"));
+    let reference = format!("bad ref {}", idempotency_testkit::unique("r"));
     let payload = serde_json::to_vec(&Restocked { reference: reference.clone(), sku: w.sku.clone(), qty: 5 }).unwrap();
     let entry = w.add(&[("payload", &payload)]).await;
 
@@ -271,7 +271,7 @@ async fn invalid_key_is_dead_lettered_and_nothing_written() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_body_is_retried_until_max_deliver_then_dead_lettered() {
     let Some(w) = world(100).await else { return };
-    let unknown = idem_testkit::unique("no-such-sku");
+    let unknown = idempotency_testkit::unique("no-such-sku");
     let order = order_id();
     let entry = w.add(&[("message_id", b"failing"), ("payload", &event(order, &unknown, 1))]).await;
     let retry_delay = Duration::from_millis(300);
@@ -346,7 +346,7 @@ async fn handler_panicking_is_retried_then_dead_lettered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_with_id_keys_by_the_message_id_field_and_an_entry_without_one_is_poison() {
     let Some(w) = world(100).await else { return };
-    let message_id = idem_testkit::unique("m").replace('-', "_");
+    let message_id = idempotency_testkit::unique("m").replace('-', "_");
     let order = order_id();
     let first = w.add(&[("message_id", message_id.as_bytes()), ("payload", &event(order, &w.sku, 1))]).await;
     let copy = w.add(&[("message_id", message_id.as_bytes()), ("payload", &event(order, &w.sku, 1))]).await;

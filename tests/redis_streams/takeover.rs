@@ -8,8 +8,8 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
 
-use idem::Outcome;
-use idem::redis_streams::{Action, Consumer};
+use idempotency::Outcome;
+use idempotency::redis_streams::{Action, Consumer};
 use redis::{RedisResult, Value};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -128,7 +128,7 @@ async fn a_consumer_killed_after_its_commit_and_before_xack_is_taken_over_and_re
     let order = order_id();
     let entry = w.add_event(order, 4, "killed-1").await;
 
-    let config = ChildConfig { stream: w.stream.clone(), redis_url: idem_testkit::redis_url() };
+    let config = ChildConfig { stream: w.stream.clone(), redis_url: idempotency_testkit::redis_url() };
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "takeover::child_process", "--nocapture", "--test-threads=1"])
         .env(CHILD_ENV, serde_json::to_string(&config).unwrap())

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem::{Error, Idem, Outcome, StepKey, Steps, idempotent};
+use idempotency::{Error, Idem, Outcome, StepKey, Steps, idempotent};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
@@ -222,7 +222,7 @@ impl<DB: TestDb> Fixture<DB> {
     fn spawn_short(&self, key: &str) -> tokio::task::JoinHandle<(Result<Receipt, TestError>, Option<Outcome>)> {
         let (idem, provider, script, key) =
             (self.idem.clone(), self.provider.clone(), self.script.clone(), key.to_owned());
-        tokio::spawn(async move { idem::observe(charge_short(&idem, &provider, &script, &key, 7, 1999)).await })
+        tokio::spawn(async move { idempotency::observe(charge_short(&idem, &provider, &script, &key, 7, 1999)).await })
     }
 
     /// `charge_short` on the other engine, again until it is no longer
@@ -230,7 +230,8 @@ impl<DB: TestDb> Fixture<DB> {
     async fn retry_short(&self, key: &str) -> (Result<Receipt, TestError>, Option<Outcome>) {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         loop {
-            let answer = idem::observe(charge_short(&self.other, &self.provider, &self.script, key, 7, 1999)).await;
+            let answer =
+                idempotency::observe(charge_short(&self.other, &self.provider, &self.script, key, 7, 1999)).await;
             if !matches!(answer.0, Err(TestError::Idem(Error::InProgress { .. }))) {
                 return answer;
             }
@@ -250,12 +251,12 @@ fn json<T: Serialize>(value: &T) -> String {
 pub async fn a_step_runs_once_and_replays<DB: TestDb>(redis: bool) {
     let Some(f) = Fixture::<DB>::new(redis).await else { return };
     let key = unique("once");
-    let (first, outcome) = idem::observe(charge(&f.idem, &f.provider, &f.script, &key, 7, 1999)).await;
+    let (first, outcome) = idempotency::observe(charge(&f.idem, &f.provider, &f.script, &key, 7, 1999)).await;
     let first = first.unwrap();
     assert_eq!(outcome, Some(Outcome::Executed));
     assert_eq!((first.key.as_str(), first.charge_id.as_str(), first.amount), (key.as_str(), "ch_0", 1999));
     for engine in [&f.idem, &f.other] {
-        let (again, outcome) = idem::observe(charge(engine, &f.provider, &f.script, &key, 7, 1999)).await;
+        let (again, outcome) = idempotency::observe(charge(engine, &f.provider, &f.script, &key, 7, 1999)).await;
         assert_eq!(json(&again.unwrap()), json(&first));
         assert_eq!(outcome, Some(Outcome::Replayed));
     }
@@ -288,7 +289,7 @@ pub async fn a_failure_keeps_the_steps_for_the_retry<DB: TestDb>(redis: bool) {
     assert_eq!((ours.biz_no.as_deref(), ours.fence), (Some("7"), 1));
 
     // The completer's job: the same call again.
-    let (done, outcome) = idem::observe(charge(&f.other, &f.provider, &f.script, &key, 7, 1999)).await;
+    let (done, outcome) = idempotency::observe(charge(&f.other, &f.provider, &f.script, &key, 7, 1999)).await;
     assert_eq!(done.unwrap().charge_id, "ch_0");
     assert_eq!(outcome, Some(Outcome::Executed));
     assert_eq!((f.provider.charges(), f.provider.requests()), (1, 1), "the step replayed from its record");
@@ -323,7 +324,7 @@ pub async fn a_permanent_failure_is_replayed<DB: TestDb>(redis: bool) {
     for (engine, expected) in
         [(&f.idem, Outcome::Executed), (&f.idem, Outcome::Replayed), (&f.other, Outcome::Replayed)]
     {
-        let (answer, outcome) = idem::observe(charge(engine, &f.provider, &f.script, &key, 7, 1999)).await;
+        let (answer, outcome) = idempotency::observe(charge(engine, &f.provider, &f.script, &key, 7, 1999)).await;
         let Err(TestError::Idem(Error::Permanent { failure, .. })) = answer else { panic!("{answer:?}") };
         assert_eq!(outcome, Some(expected));
         let charge: Charge = failure.decode().unwrap();

@@ -25,7 +25,7 @@ use std::sync::mpsc;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use idem::{Error, Idem, Steps, idempotent};
+use idempotency::{Error, Idem, Steps, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{Pool, Transaction};
 

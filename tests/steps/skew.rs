@@ -12,7 +12,7 @@
 
 use std::time::Duration;
 
-use idem::{Idem, Steps, idempotent};
+use idempotency::{Idem, Steps, idempotent};
 use sqlx::Transaction;
 
 use crate::crash::{Bench, ChildConfig, ChildError, DbKind, Mode, Proc, Receipt, in_parallel, stop_at};

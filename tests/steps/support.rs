@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use idem::{Backend, Idem};
+use idempotency::{Backend, Idem};
 use sqlx::{Pool, Transaction};
 
 /// The table the bodies write their local rows into: no unique key, so a

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
 
-use idem::{Idem, idempotent};
-use idem_testkit::{TestBackend, unique};
+use idempotency::{Idem, idempotent};
+use idempotency_testkit::{TestBackend, unique};
 use sqlx::Transaction;
 
 use super::fixture::{
@@ -68,14 +68,18 @@ async fn deadlock_between_claimed_and_unclaimed(over_an_expired_record: bool) {
     // Without a claim: record in, body held before it locks the row.
     let first = {
         let (idem, k, probe) = (unclaimed.clone(), k.clone(), probe.clone());
-        tokio::spawn(async move { idem::observe(pay_locking(&idem, k, 7, &probe, LockOrder::HeldThenRow)).await })
+        tokio::spawn(
+            async move { idempotency::observe(pay_locking(&idem, k, 7, &probe, LockOrder::HeldThenRow)).await },
+        )
     };
     until_held(&probe).await;
     // With a claim: the body locks the row, then the record insert waits on
     // the first call's record.
     let second = {
         let (idem, k, probe) = (claimed.clone(), k.clone(), probe.clone());
-        tokio::spawn(async move { idem::observe(pay_locking(&idem, k, 7, &probe, LockOrder::RowThenReturn)).await })
+        tokio::spawn(
+            async move { idempotency::observe(pay_locking(&idem, k, 7, &probe, LockOrder::RowThenReturn)).await },
+        )
     };
     let start = std::time::Instant::now();
     while probe.held.load(SeqCst) < 2 {
@@ -90,7 +94,7 @@ async fn deadlock_between_claimed_and_unclaimed(over_an_expired_record: bool) {
     assert_eq!(first, second, "both callers got the committed result");
     let mut outcomes = vec![first_outcome, second_outcome];
     outcomes.sort_by_key(|o| format!("{o:?}"));
-    assert_eq!(outcomes, vec![Some(idem::Outcome::Executed), Some(idem::Outcome::Replayed)]);
+    assert_eq!(outcomes, vec![Some(idempotency::Outcome::Executed), Some(idempotency::Outcome::Replayed)]);
     assert_eq!(probe.runs(), 2, "both bodies ran; one was rolled back");
     assert_eq!(ledger_rows(&claimed, &k).await, 1 + i64::from(over_an_expired_record));
     assert_eq!(record_rows_for(&claimed, "t_lock", &k).await, 1);

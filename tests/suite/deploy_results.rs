@@ -6,8 +6,8 @@
 //! bodies fail if they run, since none may (docs/guarantees.md, "Deploying
 //! changes", names each test).
 
-use idem::{Idem, Outcome, idempotent, observe};
-use idem_testkit::unique;
+use idempotency::{Idem, Outcome, idempotent, observe};
+use idempotency_testkit::unique;
 use serde::{Deserialize, Serialize};
 use sqlx::Transaction;
 
@@ -181,7 +181,7 @@ fn assert_replayed<T: PartialEq + std::fmt::Debug>(called: (Result<T, TestError>
 /// `Error::Replay` naming the call, with serde's reason, exactly.
 fn assert_replay_error<T: std::fmt::Debug>(called: (Result<T, TestError>, Option<Outcome>), k: &str, reason: &str) {
     match called {
-        (Err(TestError::Idem(idem::Error::Replay { biz, key, source })), Some(Outcome::Rejected)) => {
+        (Err(TestError::Idem(idempotency::Error::Replay { biz, key, source })), Some(Outcome::Rejected)) => {
             assert_eq!((biz, key.as_str(), source.to_string().as_str()), ("t_deploy_result", k, reason));
         }
         other => panic!("expected Error::Replay ({reason}), got {other:?}"),
@@ -192,7 +192,7 @@ async fn compatible_results_replay(redis: Redis) {
     let Some(idem) = engine(&unique("db"), 4, redis).await else { return };
     let probe = Probe::default();
     let k = stored(&idem, &probe).await;
-    let Ok(idem::Status::Completed { response }) = idem.status("t_deploy_result", &k).await else { panic!() };
+    let Ok(idempotency::Status::Completed { response }) = idem.status("t_deploy_result", &k).await else { panic!() };
     assert_eq!(response, STORED);
 
     let replayed = observe(with_option(&idem, k.clone(), &probe)).await;

@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
-use idem::{Idem, Outcome, idempotent, observe};
-use idem_testkit::unique;
+use idempotency::{Idem, Outcome, idempotent, observe};
+use idempotency_testkit::unique;
 use serde::Serialize;
 use sqlx::Transaction;
 
@@ -168,7 +168,7 @@ fn assert_replayed(called: Called, first: &Receipt) {
 
 fn assert_key_reused(called: Called, k: &str) {
     assert!(
-        matches!(&called, (Err(TestError::Idem(idem::Error::KeyReused { biz: "t_deploy", key })), Some(Outcome::KeyReused)) if key == k),
+        matches!(&called, (Err(TestError::Idem(idempotency::Error::KeyReused { biz: "t_deploy", key })), Some(Outcome::KeyReused)) if key == k),
         "{called:?}"
     );
 }

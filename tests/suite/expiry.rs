@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_testkit::{redis_cached_response, redis_pause, unique};
+use idempotency_testkit::{redis_cached_response, redis_pause, unique};
 
 use super::fixture::{
     Mode, Probe, Redis, engine, engine_on_private_redis, ledger_rows, pay_short_ttl, record_rows_for, redis_location,
@@ -54,7 +54,7 @@ async fn a_cached_result_written_late_does_not_outlive_its_record() {
     assert_eq!(cached, serde_json::to_string(&first).unwrap(), "the late write landed");
     until_expired(&idem, "t_ttl", &k).await;
 
-    let (again, outcome) = idem::observe(pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok)).await;
-    assert_eq!((again.unwrap().run, outcome), (2, Some(idem::Outcome::Executed)), "the stale copy was a miss");
+    let (again, outcome) = idempotency::observe(pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap().run, outcome), (2, Some(idempotency::Outcome::Executed)), "the stale copy was a miss");
     assert_eq!(ledger_rows(&idem, &k).await, 2);
 }

@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
-use idem::{Idem, Status};
-use idem_testkit::{TestBackend, redis_client, redis_holds, unique};
+use idempotency::{Idem, Status};
+use idempotency_testkit::{TestBackend, redis_client, redis_holds, unique};
 
 use super::B;
 use super::fixture::{
@@ -107,12 +107,12 @@ async fn unreachable_database_is_a_storage_error(redis: Redis) {
         _ => None,
     };
     // The namespace is set: the database that would hold one is down.
-    let namespace = idem::Namespace::new(&unique("nodb")).unwrap();
+    let namespace = idempotency::Namespace::new(&unique("nodb")).unwrap();
     let idem = builder.redis_namespace(namespace).build();
     let probe = Probe::default();
     let k = unique("nodb");
     let r = pay(&idem, k.clone(), 1, &probe, Mode::Ok).await;
-    assert!(matches!(r, Err(TestError::Idem(idem::Error::Storage(_)))), "{r:?}");
+    assert!(matches!(r, Err(TestError::Idem(idempotency::Error::Storage(_)))), "{r:?}");
     assert_eq!(probe.runs(), 0, "no body without a transaction");
     if let Some(client) = client {
         // The claim taken before the database failed was released.

@@ -6,9 +6,9 @@
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::time::Duration;
 
-use idem::{Idem, Status, idempotent};
-use idem_testkit::servers::RedisServer;
-use idem_testkit::{TestBackend, redis_client, unique};
+use idempotency::{Idem, Status, idempotent};
+use idempotency_testkit::servers::RedisServer;
+use idempotency_testkit::{TestBackend, redis_client, unique};
 use serde::{Deserialize, Serialize};
 use sqlx::Transaction;
 
@@ -25,13 +25,13 @@ pub(crate) struct Receipt {
 #[derive(Debug)]
 #[allow(dead_code)] // the fields show in assertion messages through Debug
 pub(crate) enum TestError {
-    Idem(idem::Error),
+    Idem(idempotency::Error),
     Db(sqlx::Error),
     Body,
 }
 
-impl From<idem::Error> for TestError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for TestError {
+    fn from(e: idempotency::Error) -> Self {
         TestError::Idem(e)
     }
 }
@@ -275,9 +275,9 @@ pub(crate) async fn engine_on_private_database(name: &str) -> Option<(sqlx::Pool
 
 /// Where `(biz, k)` on `idem` lives in Redis: its claim key and its field
 /// in the result hashes.
-pub(crate) async fn redis_location(idem: &Idem<Db>, biz: &str, k: &str) -> idem_testkit::Location {
+pub(crate) async fn redis_location(idem: &Idem<Db>, biz: &str, k: &str) -> idempotency_testkit::Location {
     let namespace = idem.redis_namespace().await.expect("namespace").expect("migrated");
-    idem::redis_layout::locate(namespace.as_str(), biz, k).expect("a valid namespace")
+    idempotency::redis_layout::locate(namespace.as_str(), biz, k).expect("a valid namespace")
 }
 
 /// The ledger rows of `k`: how many bodies of it committed.
@@ -291,5 +291,5 @@ pub(crate) async fn record_rows_for(idem: &Idem<Db>, biz: &str, k: &str) -> i64 
 }
 
 pub(crate) fn is_in_progress(r: &Result<Receipt, TestError>) -> bool {
-    matches!(r, Err(TestError::Idem(idem::Error::InProgress { .. })))
+    matches!(r, Err(TestError::Idem(idempotency::Error::InProgress { .. })))
 }

@@ -3,8 +3,8 @@
 //! a hostile key writes nothing, and nothing is cached before the caller's
 //! commit is known. The races are in `joined_races`.
 
-use idem::{Idem, LocalCache, Outcome, Status};
-use idem_testkit::{TestBackend, redis_client, redis_holds, unique};
+use idempotency::{Idem, LocalCache, Outcome, Status};
+use idempotency_testkit::{TestBackend, redis_client, redis_holds, unique};
 use sqlx::Transaction;
 
 use super::fixture::{
@@ -47,7 +47,7 @@ async fn commits_with_its_caller(redis: Redis) {
 
     let mut tx = idem.pool().begin().await.unwrap();
     own_write(&mut tx, &k).await;
-    let (first, outcome) = idem::observe(pay_in(&idem, &mut tx, k.clone(), 7, &probe, Mode::Ok)).await;
+    let (first, outcome) = idempotency::observe(pay_in(&idem, &mut tx, k.clone(), 7, &probe, Mode::Ok)).await;
     let first = first.unwrap();
     assert_eq!((first.clone(), outcome), (Receipt { key: k.clone(), amount: 7, run: 1 }, Some(Outcome::Executed)));
     assert_eq!(record_rows_for(&idem, "t_pay", &k).await, 0, "not visible before the caller commits");
@@ -57,11 +57,11 @@ async fn commits_with_its_caller(redis: Redis) {
     assert_eq!(record_rows_for(&idem, "t_pay", &k).await, 1);
 
     let mut tx = idem.pool().begin().await.unwrap();
-    let (joined, outcome) = idem::observe(pay_in(&idem, &mut tx, k.clone(), 7, &probe, Mode::Ok)).await;
+    let (joined, outcome) = idempotency::observe(pay_in(&idem, &mut tx, k.clone(), 7, &probe, Mode::Ok)).await;
     tx.commit().await.unwrap();
     assert_eq!((joined.unwrap(), outcome), (first.clone(), Some(Outcome::Replayed)));
 
-    let (plain, outcome) = idem::observe(pay(&idem, k.clone(), 7, &probe, Mode::Ok)).await;
+    let (plain, outcome) = idempotency::observe(pay(&idem, k.clone(), 7, &probe, Mode::Ok)).await;
     let plain = plain.unwrap();
     assert_eq!(serde_json::to_string(&plain).unwrap(), serde_json::to_string(&first).unwrap());
     assert_eq!(outcome, Some(Outcome::Replayed));
@@ -97,7 +97,7 @@ async fn rolls_back_with_its_caller(redis: Redis) {
 
     let mut tx = idem.pool().begin().await.unwrap();
     own_write(&mut tx, &k).await;
-    let (first, outcome) = idem::observe(pay_in(&idem, &mut tx, k.clone(), 7, &probe, Mode::Ok)).await;
+    let (first, outcome) = idempotency::observe(pay_in(&idem, &mut tx, k.clone(), 7, &probe, Mode::Ok)).await;
     assert_eq!((first.unwrap().run, outcome), (1, Some(Outcome::Executed)));
     tx.rollback().await.unwrap();
     assert_eq!(record_rows_for(&idem, "t_pay", &k).await, 0);
@@ -108,14 +108,14 @@ async fn rolls_back_with_its_caller(redis: Redis) {
     }
 
     // Both ways in execute again: the first result is gone with its caller.
-    let (plain, outcome) = idem::observe(pay(&idem, k.clone(), 7, &probe, Mode::Ok)).await;
+    let (plain, outcome) = idempotency::observe(pay(&idem, k.clone(), 7, &probe, Mode::Ok)).await;
     assert_eq!((plain.unwrap().run, outcome), (2, Some(Outcome::Executed)));
     let k = unique("join-rollback");
     let mut tx = idem.pool().begin().await.unwrap();
     pay_in(&idem, &mut tx, k.clone(), 7, &probe, Mode::Ok).await.unwrap();
     tx.rollback().await.unwrap();
     let mut tx = idem.pool().begin().await.unwrap();
-    let (joined, outcome) = idem::observe(pay_in(&idem, &mut tx, k.clone(), 7, &probe, Mode::Ok)).await;
+    let (joined, outcome) = idempotency::observe(pay_in(&idem, &mut tx, k.clone(), 7, &probe, Mode::Ok)).await;
     tx.commit().await.unwrap();
     assert_eq!((joined.unwrap().run, outcome), (4, Some(Outcome::Executed)));
     assert_eq!((ledger_rows(&idem, &k).await, record_rows_for(&idem, "t_pay", &k).await), (1, 1));
@@ -180,7 +180,7 @@ async fn hostile_keys_write_nothing_in_the_callers_transaction() {
     own_write(&mut tx, &k).await;
     for key in &hostile {
         let refused = pay_in(&idem, &mut tx, key.clone(), 7, &probe, Mode::Ok).await;
-        assert!(matches!(refused, Err(TestError::Idem(idem::Error::InvalidKey(_)))), "{key:?}: {refused:?}");
+        assert!(matches!(refused, Err(TestError::Idem(idempotency::Error::InvalidKey(_)))), "{key:?}: {refused:?}");
     }
     own_write(&mut tx, &k).await;
     tx.commit().await.unwrap();
@@ -204,15 +204,15 @@ async fn one_key_twice_in_one_transaction_runs_once_and_is_never_cached() {
 
     let mut tx = idem.pool().begin().await.unwrap();
     let first = pay_in(&idem, &mut tx, k.clone(), 7, &probe, Mode::Ok).await.unwrap();
-    let (second, outcome) = idem::observe(pay_in(&idem, &mut tx, k.clone(), 7, &probe, Mode::Ok)).await;
+    let (second, outcome) = idempotency::observe(pay_in(&idem, &mut tx, k.clone(), 7, &probe, Mode::Ok)).await;
     assert_eq!((second.unwrap(), outcome), (first, Some(Outcome::Replayed)));
     let reused = pay_in(&idem, &mut tx, k.clone(), 8, &probe, Mode::Ok).await;
-    assert!(matches!(reused, Err(TestError::Idem(idem::Error::KeyReused { .. }))), "{reused:?}");
+    assert!(matches!(reused, Err(TestError::Idem(idempotency::Error::KeyReused { .. }))), "{reused:?}");
     assert_eq!(probe.runs(), 1);
     tx.rollback().await.unwrap();
 
     let mut tx = idem.pool().begin().await.unwrap();
-    let (again, outcome) = idem::observe(pay_in(&idem, &mut tx, k.clone(), 7, &probe, Mode::Ok)).await;
+    let (again, outcome) = idempotency::observe(pay_in(&idem, &mut tx, k.clone(), 7, &probe, Mode::Ok)).await;
     tx.commit().await.unwrap();
     assert_eq!((again.unwrap().run, outcome), (2, Some(Outcome::Executed)));
     assert_eq!((ledger_rows(&idem, &k).await, record_rows_for(&idem, "t_pay", &k).await), (1, 1));

@@ -6,8 +6,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem::{Idem, Outcome, idempotent};
-use idem_testkit::{TestBackend, unique};
+use idempotency::{Idem, Outcome, idempotent};
+use idempotency_testkit::{TestBackend, unique};
 use sqlx::Transaction;
 
 use super::fixture::{
@@ -46,7 +46,7 @@ async fn callers_with_one_key_at_once_execute_once() {
             tokio::spawn(async move {
                 let mut tx = idem.pool().begin().await.unwrap();
                 barrier.wait().await;
-                let (result, outcome) = idem::observe(pay_in(&idem, &mut tx, k, 7, &probe, Mode::Ok)).await;
+                let (result, outcome) = idempotency::observe(pay_in(&idem, &mut tx, k, 7, &probe, Mode::Ok)).await;
                 tx.commit().await.unwrap();
                 (result.unwrap(), outcome.unwrap())
             })
@@ -78,7 +78,7 @@ async fn a_waiting_caller_executes_when_the_first_rolls_back() {
         let (idem, probe, k) = (idem.clone(), probe.clone(), k.clone());
         tokio::spawn(async move {
             let mut tx = idem.pool().begin().await.unwrap();
-            let (result, outcome) = idem::observe(pay_in(&idem, &mut tx, k, 7, &probe, Mode::Ok)).await;
+            let (result, outcome) = idempotency::observe(pay_in(&idem, &mut tx, k, 7, &probe, Mode::Ok)).await;
             tx.commit().await.unwrap();
             (result.unwrap(), outcome)
         })
@@ -134,7 +134,7 @@ async fn a_caller_holding_past_the_bound_makes_the_duplicate_in_progress() {
 
     holder.commit().await.unwrap();
     let mut retry = idem.pool().begin().await.unwrap();
-    let (again, outcome) = idem::observe(pay_in(&idem, &mut retry, k.clone(), 7, &probe, Mode::Ok)).await;
+    let (again, outcome) = idempotency::observe(pay_in(&idem, &mut retry, k.clone(), 7, &probe, Mode::Ok)).await;
     retry.commit().await.unwrap();
     assert_eq!((again.unwrap(), outcome), (first, Some(Outcome::Replayed)));
     assert_eq!(probe.runs(), 1);
@@ -154,7 +154,7 @@ async fn plain_duplicate_waits_for_the_callers_commit(redis: Redis) {
     let first = pay_in(&idem, &mut caller, k.clone(), 7, &probe, Mode::Ok).await.unwrap();
     let plain = {
         let (idem, probe, k) = (idem.clone(), probe.clone(), k.clone());
-        tokio::spawn(async move { idem::observe(pay(&idem, k, 7, &probe, Mode::Ok)).await })
+        tokio::spawn(async move { idempotency::observe(pay(&idem, k, 7, &probe, Mode::Ok)).await })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!plain.is_finished(), "the plain call waits for the caller");
@@ -223,7 +223,7 @@ async fn a_caller_holding_for_update_on_the_row_does_not_deadlock() {
     for expected in [Outcome::Executed, Outcome::Replayed] {
         let mut tx = idem.pool().begin().await.unwrap();
         sqlx::query(sql(LOCK_ORDER)).bind(&k).execute(&mut *tx).await.unwrap();
-        let call = idem::observe(pay_order(&idem, &mut tx, k.clone()));
+        let call = idempotency::observe(pay_order(&idem, &mut tx, k.clone()));
         let (paid, outcome) = tokio::time::timeout(Duration::from_secs(10), call).await.expect("no deadlock");
         tx.commit().await.unwrap();
         // The replay answers the first result, 1 row, not what the body would find now.

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
 
-use idem::{Idem, Status, idempotent};
-use idem_testkit::{TestBackend, redis_client, redis_exists, redis_holds, unique};
+use idempotency::{Idem, Status, idempotent};
+use idempotency_testkit::{TestBackend, redis_client, redis_exists, redis_holds, unique};
 use serde::{Deserialize, Serialize};
 use sqlx::Transaction;
 
@@ -23,7 +23,7 @@ async fn key_reuse_is_refused(redis: Redis) {
     let k = unique("reuse");
     pay(&idem, k.clone(), 100, &probe, Mode::Ok).await.unwrap();
     let reused = pay(&idem, k.clone(), 101, &probe, Mode::Ok).await;
-    assert!(matches!(reused, Err(TestError::Idem(idem::Error::KeyReused { .. }))), "{reused:?}");
+    assert!(matches!(reused, Err(TestError::Idem(idempotency::Error::KeyReused { .. }))), "{reused:?}");
     assert_eq!(ledger_rows(&idem, &k).await, 1);
     assert_eq!(probe.runs(), 1);
 }
@@ -60,7 +60,7 @@ async fn hashmap_arguments_fingerprint_the_same_in_any_order() {
     let mut changed: HashMap<String, i64> = pairs.iter().cloned().collect();
     changed.insert("sku0".into(), 99);
     let reused = checkout(&idem, k.clone(), Cart { items: changed, nested: nested(20) }, &probe).await;
-    assert!(matches!(reused, Err(TestError::Idem(idem::Error::KeyReused { .. }))), "{reused:?}");
+    assert!(matches!(reused, Err(TestError::Idem(idempotency::Error::KeyReused { .. }))), "{reused:?}");
 }
 
 #[idempotent(key = "bad_<k>", ttl = "1h", biz = "t_badkey")]
@@ -92,8 +92,8 @@ async fn with_empty_key(idem: &Idem<Db>, k: String, #[idem(skip)] probe: &Probe)
 /// with `InvalidKey` before any Redis or database write.
 /// Hostile values of `k` in the key template `bad_<k>`, each with the
 /// refusal it must get (offsets count the `bad_` prefix).
-fn hostile_keys() -> Vec<(&'static str, String, idem::KeyError)> {
-    use idem::KeyError::{BadChar, TooLong};
+fn hostile_keys() -> Vec<(&'static str, String, idempotency::KeyError)> {
+    use idempotency::KeyError::{BadChar, TooLong};
     let bad = |ch: char, in_k: usize| BadChar { ch, at: "bad_".len() + in_k };
     vec![
         ("256 bytes", "k".repeat(252), TooLong { len: 256, max: 255 }),
@@ -134,8 +134,8 @@ fn hostile_keys() -> Vec<(&'static str, String, idem::KeyError)> {
 }
 
 /// Whether `r` is exactly the refusal `expected`.
-fn refused_with<T: std::fmt::Debug>(r: &Result<T, TestError>, expected: &idem::KeyError) -> bool {
-    matches!(r, Err(TestError::Idem(idem::Error::InvalidKey(e))) if e == expected)
+fn refused_with<T: std::fmt::Debug>(r: &Result<T, TestError>, expected: &idempotency::KeyError) -> bool {
+    matches!(r, Err(TestError::Idem(idempotency::Error::InvalidKey(e))) if e == expected)
 }
 
 #[tokio::test]
@@ -155,7 +155,7 @@ async fn hostile_keys_are_refused_before_any_write() {
     }
     for engine in [&idem, &unreachable] {
         let empty = with_empty_key(engine, String::new(), &probe).await;
-        assert!(refused_with(&empty, &idem::KeyError::Missing), "{empty:?}");
+        assert!(refused_with(&empty, &idempotency::KeyError::Missing), "{empty:?}");
     }
     assert_eq!(probe.runs(), 0, "no body ran");
     // (Some keys cannot even be looked up: MySQL's key column is ASCII, and
@@ -195,10 +195,10 @@ async fn one_byte_key_works_end_to_end() {
     // The database may be shared with earlier runs: start from nothing.
     sqlx::query(B::DELETE_RECORD).bind("t_one").bind("x").execute(idem.pool()).await.expect("delete");
     let probe = Probe::default();
-    let (first, outcome) = idem::observe(with_one_byte_key(&idem, "x".into(), &probe)).await;
-    assert_eq!((first.unwrap(), outcome), (1, Some(idem::Outcome::Executed)));
-    let (again, outcome) = idem::observe(with_one_byte_key(&idem, "x".into(), &probe)).await;
-    assert_eq!((again.unwrap(), outcome), (1, Some(idem::Outcome::Replayed)));
+    let (first, outcome) = idempotency::observe(with_one_byte_key(&idem, "x".into(), &probe)).await;
+    assert_eq!((first.unwrap(), outcome), (1, Some(idempotency::Outcome::Executed)));
+    let (again, outcome) = idempotency::observe(with_one_byte_key(&idem, "x".into(), &probe)).await;
+    assert_eq!((again.unwrap(), outcome), (1, Some(idempotency::Outcome::Replayed)));
     assert_eq!(record_rows_for(&idem, "t_one", "x").await, 1);
     assert_eq!(probe.runs(), 1);
 }
@@ -291,7 +291,7 @@ async fn biz_no_longer_than_64_bytes_is_refused_before_any_write() {
     for (idem, reachable) in [(&claimed, true), (&plain, true), (&unreachable, false)] {
         let k = unique("bizno-long");
         let refused = with_biz_no(idem, k.clone(), "n".repeat(65), &probe).await;
-        let too_long = matches!(refused, Err(TestError::Idem(idem::Error::BizNoTooLong { len: 65, max: 64 })));
+        let too_long = matches!(refused, Err(TestError::Idem(idempotency::Error::BizNoTooLong { len: 65, max: 64 })));
         assert!(too_long, "{refused:?}");
         if !reachable {
             continue;

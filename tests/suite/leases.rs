@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::Idem;
-use idem_testkit::{
+use idempotency::Idem;
+use idempotency_testkit::{
     TestBackend, redis_cached_response, redis_client, redis_forget, redis_set, redis_value_after, unique,
 };
 
@@ -144,7 +144,7 @@ async fn duplicate_after_the_lease_still_commits_once() {
 
     let second = {
         let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
-        tokio::spawn(async move { idem::observe(pay_short_lease(&idem, k, &probe, Mode::Ok)).await })
+        tokio::spawn(async move { idempotency::observe(pay_short_lease(&idem, k, &probe, Mode::Ok)).await })
     };
     // Bounded: a duplicate blocked behind the held body must fail, not hang.
     let second = async { tokio::time::timeout(Duration::from_secs(30), second).await.expect("the duplicate hung") };
@@ -154,13 +154,13 @@ async fn duplicate_after_the_lease_still_commits_once() {
         probe.open();
         let first = first.await.unwrap().unwrap();
         let (second, outcome) = second.await.unwrap();
-        assert_eq!((first.run, outcome), (1, Some(idem::Outcome::Replayed)));
+        assert_eq!((first.run, outcome), (1, Some(idempotency::Outcome::Replayed)));
         (first, second.unwrap())
     } else {
         // The duplicate claims the key, runs its body and commits; the first,
         // let go, meets that record at its own insert, rolls back and replays.
         let (second, outcome) = second.await.unwrap();
-        assert_eq!(outcome, Some(idem::Outcome::Executed));
+        assert_eq!(outcome, Some(idempotency::Outcome::Executed));
         probe.open();
         (first.await.unwrap().unwrap(), second.unwrap())
     };
@@ -188,9 +188,9 @@ async fn claim_left_by_a_call_that_died_after_commit_replays_from_the_record() {
     redis_forget(&client, &at).await;
     redis_set(&client, &at.claim, "p:dead-token:0", 60_000).await;
 
-    let (again, outcome) = idem::observe(pay(&idem, k.clone(), 8, &probe, Mode::Ok)).await;
-    assert_eq!((again.unwrap(), outcome), (first, Some(idem::Outcome::Replayed)));
+    let (again, outcome) = idempotency::observe(pay(&idem, k.clone(), 8, &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap(), outcome), (first, Some(idempotency::Outcome::Replayed)));
     let reused = pay(&idem, k.clone(), 9, &probe, Mode::Ok).await;
-    assert!(matches!(reused, Err(TestError::Idem(idem::Error::KeyReused { .. }))), "{reused:?}");
+    assert!(matches!(reused, Err(TestError::Idem(idempotency::Error::KeyReused { .. }))), "{reused:?}");
     assert_eq!(probe.runs(), 1);
 }

@@ -4,7 +4,7 @@
 //!
 //! ```ignore
 //! mod suite;
-//! type SuiteBackend = idem_testkit::backend::MySql;
+//! type SuiteBackend = idempotency_testkit::backend::MySql;
 //! ```
 //!
 //! Everything the suite needs from a database (its sqlx type, SQL in its
@@ -31,7 +31,7 @@ mod status;
 mod storms;
 mod trait_methods;
 
-use idem_testkit::TestBackend;
+use idempotency_testkit::TestBackend;
 
 /// The target's backend (see the module docs).
 pub(crate) use crate::SuiteBackend as B;

@@ -1,8 +1,8 @@
 //! Redis entries belong to one record store: two databases sharing a
 //! Redis, a database re-created under it, an explicit namespace.
 
-use idem::{Idem, Status};
-use idem_testkit::{TestBackend, redis_cached_response, redis_client, redis_result, unique};
+use idempotency::{Idem, Status};
+use idempotency_testkit::{TestBackend, redis_cached_response, redis_client, redis_result, unique};
 
 use super::B;
 use super::fixture::{
@@ -27,8 +27,8 @@ async fn databases_sharing_a_redis_never_replay_each_others_results() {
     // A's result is cached: under a shared key layout B would now replay it.
     redis_cached_response(&client, &redis_location(&a, "t_pay", &k).await).await;
 
-    let (paid_b, outcome) = idem::observe(pay(&b, k.clone(), 5, &probe_b, Mode::Ok)).await;
-    assert_eq!(outcome, Some(idem::Outcome::Executed), "B ran its own body");
+    let (paid_b, outcome) = idempotency::observe(pay(&b, k.clone(), 5, &probe_b, Mode::Ok)).await;
+    assert_eq!(outcome, Some(idempotency::Outcome::Executed), "B ran its own body");
     let paid_b = paid_b.unwrap();
     assert_eq!((paid_a.run, paid_b.run, probe_a.runs(), probe_b.runs()), (1, 1, 1, 1));
     assert_eq!((ledger_rows(&a, &k).await, ledger_rows(&b, &k).await), (1, 1));
@@ -39,10 +39,10 @@ async fn databases_sharing_a_redis_never_replay_each_others_results() {
     let other = unique("order_2");
     pay(&a, other.clone(), 5, &probe_a, Mode::Ok).await.unwrap();
     redis_cached_response(&client, &redis_location(&a, "t_pay", &other).await).await;
-    let (fresh, outcome) = idem::observe(pay(&b, other.clone(), 6, &probe_b, Mode::Ok)).await;
-    assert_eq!((fresh.unwrap().amount, outcome), (6, Some(idem::Outcome::Executed)), "B never used the key");
+    let (fresh, outcome) = idempotency::observe(pay(&b, other.clone(), 6, &probe_b, Mode::Ok)).await;
+    assert_eq!((fresh.unwrap().amount, outcome), (6, Some(idempotency::Outcome::Executed)), "B never used the key");
     let reused = pay(&b, k.clone(), 6, &probe_b, Mode::Ok).await;
-    assert!(matches!(reused, Err(TestError::Idem(idem::Error::KeyReused { .. }))), "{reused:?}");
+    assert!(matches!(reused, Err(TestError::Idem(idempotency::Error::KeyReused { .. }))), "{reused:?}");
     assert_eq!(pay(&a, k.clone(), 5, &probe_a, Mode::Ok).await.unwrap(), paid_a, "A still replays its own");
     assert_eq!((probe_a.runs(), probe_b.runs()), (2, 2));
 
@@ -69,16 +69,16 @@ async fn a_recreated_database_does_not_see_the_old_redis_entries() {
 
     let Some((pool, idem)) = engine_on_private_database(&name).await else { return };
     assert!(redis_result(&client, &old).await.is_some(), "Redis kept the old entry");
-    let (again, outcome) = idem::observe(pay(&idem, k.clone(), 5, &probe, Mode::Ok)).await;
-    assert_eq!((again.unwrap().run, outcome), (2, Some(idem::Outcome::Executed)));
+    let (again, outcome) = idempotency::observe(pay(&idem, k.clone(), 5, &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap().run, outcome), (2, Some(idempotency::Outcome::Executed)));
     assert_eq!((ledger_rows(&idem, &k).await, record_rows_for(&idem, "t_pay", &k).await), (1, 1));
 
     // Reset under a running engine: `migrate` makes it read the new namespace.
     sqlx::raw_sql("DROP TABLE idem_meta").execute(&pool).await.expect("drop idem_meta");
     sqlx::query(B::DELETE_RECORD).bind("t_pay").bind(&k).execute(&pool).await.expect("delete record");
     idem.migrate().await.expect("migrate");
-    let (again, outcome) = idem::observe(pay(&idem, k.clone(), 5, &probe, Mode::Ok)).await;
-    assert_eq!((again.unwrap().run, outcome), (3, Some(idem::Outcome::Executed)));
+    let (again, outcome) = idempotency::observe(pay(&idem, k.clone(), 5, &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap().run, outcome), (3, Some(idempotency::Outcome::Executed)));
 
     drop(idem);
     B::drop_private(pool, &name).await;
@@ -90,7 +90,7 @@ async fn an_explicit_namespace_is_shared_by_the_engines_given_it() {
     let Some(client) = redis_client().await else { return };
     let Some(pool) = B::open(&unique("db"), 4).await else { return };
     B::prepare(&pool).await;
-    let namespace = idem::Namespace::new(&unique("shared")).unwrap();
+    let namespace = idempotency::Namespace::new(&unique("shared")).unwrap();
     let build = || Idem::builder(pool.clone()).redis(client.clone()).redis_namespace(namespace.clone()).build();
     let (a, b) = (build(), build());
     a.migrate().await.expect("migrate");
@@ -98,12 +98,12 @@ async fn an_explicit_namespace_is_shared_by_the_engines_given_it() {
     let probe = Probe::default();
     let k = unique("explicit");
     let first = pay(&a, k.clone(), 5, &probe, Mode::Ok).await.unwrap();
-    let at = idem::redis_layout::locate(namespace.as_str(), "t_pay", &k).unwrap();
+    let at = idempotency::redis_layout::locate(namespace.as_str(), "t_pay", &k).unwrap();
     let cached = redis_cached_response(&client, &at).await;
     assert_eq!(cached, serde_json::to_string(&first).unwrap());
     // Replayed from Redis, not the record: the record is gone.
     sqlx::query(B::DELETE_RECORD).bind("t_pay").bind(&k).execute(&pool).await.expect("delete record");
-    let (again, outcome) = idem::observe(pay(&b, k.clone(), 5, &probe, Mode::Ok)).await;
-    assert_eq!((again.unwrap(), outcome), (first, Some(idem::Outcome::Replayed)));
-    assert!(idem::Namespace::new("a:b").is_err(), "a `:` could merge two namespaces' keys");
+    let (again, outcome) = idempotency::observe(pay(&b, k.clone(), 5, &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap(), outcome), (first, Some(idempotency::Outcome::Replayed)));
+    assert!(idempotency::Namespace::new("a:b").is_err(), "a `:` could merge two namespaces' keys");
 }

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::Status;
-use idem_testkit::{redis_cached_response, redis_client, redis_forget, redis_pause, redis_value_after, unique};
+use idempotency::Status;
+use idempotency_testkit::{redis_cached_response, redis_client, redis_forget, redis_pause, redis_value_after, unique};
 
 use super::fixture::{
     Mode, Probe, Redis, TestError, engine, engine_on_private_redis, ledger_rows, pay, redis_location, until_held,
@@ -55,8 +55,8 @@ async fn claim_of_a_call_dropped_while_redis_is_slow_is_released() {
         redis_value_after(&server.client(), &redis_location(&idem, "t_pay", &k).await.claim, Duration::from_secs(15))
             .await;
     assert_eq!(left, None, "the dropped call's claim was released");
-    let (again, outcome) = idem::observe(pay(&idem, k.clone(), 2, &probe, Mode::Ok)).await;
-    assert_eq!((again.unwrap().run, outcome), (1, Some(idem::Outcome::Executed)));
+    let (again, outcome) = idempotency::observe(pay(&idem, k.clone(), 2, &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap().run, outcome), (1, Some(idempotency::Outcome::Executed)));
 }
 
 /// Regression: a failed body's release that meets the Redis back-off (another
@@ -113,8 +113,8 @@ async fn a_cache_write_during_the_back_off_is_retried() {
     let first = held.await.unwrap().unwrap();
     let cached = redis_cached_response(&server.client(), &redis_location(&idem, "t_pay", &k).await).await;
     assert_eq!(cached, serde_json::to_string(&first).unwrap());
-    let (again, outcome) = idem::observe(pay(&idem, k.clone(), 2, &probe, Mode::Ok)).await;
-    assert_eq!((again.unwrap(), outcome), (first, Some(idem::Outcome::Replayed)));
+    let (again, outcome) = idempotency::observe(pay(&idem, k.clone(), 2, &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap(), outcome), (first, Some(idempotency::Outcome::Replayed)));
     assert_eq!(probe.runs(), 1);
 }
 
@@ -131,11 +131,11 @@ async fn duplicate_whose_body_fails_after_redis_lost_the_result_replays() {
     let first = pay(&idem, k.clone(), 5, &probe, Mode::Ok).await.unwrap();
     redis_forget(&client, &redis_location(&idem, "t_pay", &k).await).await; // evicted, flushed, restarted
 
-    let (again, outcome) = idem::observe(pay(&idem, k.clone(), 5, &probe, Mode::Fail)).await;
-    assert_eq!((again.unwrap(), outcome), (first, Some(idem::Outcome::Replayed)));
+    let (again, outcome) = idempotency::observe(pay(&idem, k.clone(), 5, &probe, Mode::Fail)).await;
+    assert_eq!((again.unwrap(), outcome), (first, Some(idempotency::Outcome::Replayed)));
     redis_forget(&client, &redis_location(&idem, "t_pay", &k).await).await;
     let reused = pay(&idem, k.clone(), 6, &probe, Mode::Fail).await;
-    assert!(matches!(reused, Err(TestError::Idem(idem::Error::KeyReused { .. }))), "{reused:?}");
+    assert!(matches!(reused, Err(TestError::Idem(idempotency::Error::KeyReused { .. }))), "{reused:?}");
     assert_eq!(probe.runs(), 3, "both duplicates ran their bodies, which failed");
     assert_eq!(ledger_rows(&idem, &k).await, 1);
 }

@@ -4,8 +4,8 @@
 
 use std::sync::atomic::Ordering::SeqCst;
 
-use idem::{Idem, Status, idempotent};
-use idem_testkit::{
+use idempotency::{Idem, Status, idempotent};
+use idempotency_testkit::{
     TestBackend, redis_cached_response, redis_client, redis_exists, redis_replace_result, redis_result, unique,
 };
 use serde::{Deserialize, Serialize};
@@ -146,7 +146,10 @@ async fn first_result_is_the_replayed_one(redis: Redis) {
     let nan = unique("nan");
     for attempt in 1..=2 {
         let refused = shown(&idem, nan.clone(), 0, &probe).await;
-        assert!(matches!(refused, Err(TestError::Idem(idem::Error::Serialize(_)))), "attempt {attempt}: {refused:?}");
+        assert!(
+            matches!(refused, Err(TestError::Idem(idempotency::Error::Serialize(_)))),
+            "attempt {attempt}: {refused:?}"
+        );
     }
     assert_eq!(probe.runs(), 3, "one execution, then two that could not be stored");
     assert_eq!(ledger_rows(&idem, &nan).await, 0, "nothing of theirs committed");
@@ -168,7 +171,9 @@ async fn corrupted_stored_response_is_a_replay_error() {
     sqlx::query(B::CORRUPT).bind("{\"key\": 42").bind("t_pay").bind(&k).execute(idem.pool()).await.unwrap();
     let r = pay(&idem, k.clone(), 5, &probe, Mode::Ok).await;
     match r {
-        Err(TestError::Idem(idem::Error::Replay { biz, key, .. })) => assert_eq!((biz, key), ("t_pay", k.clone())),
+        Err(TestError::Idem(idempotency::Error::Replay { biz, key, .. })) => {
+            assert_eq!((biz, key), ("t_pay", k.clone()))
+        }
         other => panic!("{other:?}"),
     }
     assert_eq!(probe.runs(), 1);
@@ -192,8 +197,8 @@ async fn corrupted_cached_value_is_a_replay_error() {
     let corrupted = [head, b"{\"not\":\"a receipt\"}"].concat();
     redis_replace_result(&client, &at, &corrupted).await;
 
-    let (again, outcome) = idem::observe(pay(&idem, k.clone(), 8, &probe, Mode::Ok)).await;
-    assert!(matches!(again, Err(TestError::Idem(idem::Error::Replay { .. }))), "{again:?}");
-    assert_eq!(outcome, Some(idem::Outcome::Rejected));
+    let (again, outcome) = idempotency::observe(pay(&idem, k.clone(), 8, &probe, Mode::Ok)).await;
+    assert!(matches!(again, Err(TestError::Idem(idempotency::Error::Replay { .. }))), "{again:?}");
+    assert_eq!(outcome, Some(idempotency::Outcome::Rejected));
     assert_eq!((probe.runs(), ledger_rows(&idem, &k).await), (1, 1));
 }

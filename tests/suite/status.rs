@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use idem::{Idem, Status};
-use idem_testkit::{TestBackend, unique};
+use idempotency::{Idem, Status};
+use idempotency_testkit::{TestBackend, unique};
 
 use super::fixture::{Mode, Probe, Receipt, Redis, engine, pay, pay_short_ttl, until_expired, until_started};
 use super::{B, Db};
@@ -24,11 +24,11 @@ async fn status_reports_each_stage() {
     let receipt = running.await.unwrap().unwrap();
     let status = idem.status("t_pay", &k).await.unwrap();
     assert_eq!(status.response::<Receipt>().unwrap().unwrap(), receipt);
-    assert!(matches!(idem.status("t_pay", "no such key").await, Err(idem::Error::InvalidKey(_))));
+    assert!(matches!(idem.status("t_pay", "no such key").await, Err(idempotency::Error::InvalidKey(_))));
     // `biz` obeys the attribute's rule: with a `:` it could read another pair's claim.
     for biz in ["t:pay", "T_pay", ""] {
         let refused = idem.status(biz, &k).await;
-        assert!(matches!(refused, Err(idem::Error::InvalidBiz)), "{biz:?}: {refused:?}");
+        assert!(matches!(refused, Err(idempotency::Error::InvalidBiz)), "{biz:?}: {refused:?}");
     }
 }
 

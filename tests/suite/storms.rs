@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::time::Duration;
 
-use idem::Idem;
-use idem_testkit::{TestBackend, unique};
+use idempotency::Idem;
+use idempotency_testkit::{TestBackend, unique};
 use tokio::sync::Barrier;
 
 use super::fixture::{
@@ -117,7 +117,7 @@ async fn duplicates_on_one_engine_wait_in_memory_without_a_connection() {
         .map(|_| {
             let (idem, k, probe, waiting) = (idem.clone(), k.clone(), probe.clone(), waiting.clone());
             tokio::spawn(async move {
-                counted_once_pending(&waiting, idem::observe(pay(&idem, k, 7, &probe, Mode::Ok))).await
+                counted_once_pending(&waiting, idempotency::observe(pay(&idem, k, 7, &probe, Mode::Ok))).await
             })
         })
         .collect();
@@ -133,7 +133,7 @@ async fn duplicates_on_one_engine_wait_in_memory_without_a_connection() {
     for duplicate in duplicates {
         let (result, outcome) = duplicate.await.unwrap();
         assert_eq!(result.unwrap(), first);
-        assert_eq!(outcome, Some(idem::Outcome::Replayed));
+        assert_eq!(outcome, Some(idempotency::Outcome::Replayed));
     }
     assert_eq!(probe.runs(), 1);
     assert_eq!(ledger_rows(&observer, &k).await, 1);

@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use idem::{Idem, Outcome, idempotent};
-use idem_testkit::unique;
+use idempotency::{Idem, Outcome, idempotent};
+use idempotency_testkit::unique;
 use sqlx::Transaction;
 
 use super::Db;
@@ -47,20 +47,20 @@ async fn async_trait_methods_execute_once_and_replay() {
 
     let first = {
         let (service, k) = (service.clone(), k.clone());
-        tokio::spawn(async move { idem::observe(service.pay(k, 7)).await }).await.unwrap()
+        tokio::spawn(async move { idempotency::observe(service.pay(k, 7)).await }).await.unwrap()
     };
     let (first, outcome) = (first.0.unwrap(), first.1);
     assert_eq!((first.clone(), outcome), (Receipt { key: k.clone(), amount: 7, run: 1 }, Some(Outcome::Executed)));
-    let (again, outcome) = idem::observe(service.pay(k.clone(), 7)).await;
+    let (again, outcome) = idempotency::observe(service.pay(k.clone(), 7)).await;
     assert_eq!((again.unwrap(), outcome), (first.clone(), Some(Outcome::Replayed)));
 
     // Joined: the same record replays in the caller's transaction; a new
     // key executes there and commits with it.
     let fresh = unique("trait-join");
     let mut tx = idem.pool().begin().await.unwrap();
-    let (joined, outcome) = idem::observe(service.pay_in(&mut tx, k.clone(), 7)).await;
+    let (joined, outcome) = idempotency::observe(service.pay_in(&mut tx, k.clone(), 7)).await;
     assert_eq!((joined.unwrap(), outcome), (first, Some(Outcome::Replayed)));
-    let (executed, outcome) = idem::observe(service.pay_in(&mut tx, fresh.clone(), 8)).await;
+    let (executed, outcome) = idempotency::observe(service.pay_in(&mut tx, fresh.clone(), 8)).await;
     assert_eq!((executed.unwrap().run, outcome), (2, Some(Outcome::Executed)));
     tx.commit().await.unwrap();
 

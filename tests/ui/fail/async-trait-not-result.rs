@@ -1,5 +1,5 @@
 use async_trait::async_trait;
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use sqlx::Sqlite;
 
 #[async_trait]

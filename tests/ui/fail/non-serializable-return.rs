@@ -1,4 +1,4 @@
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use sqlx::Sqlite;
 
 struct Receipt {
@@ -6,7 +6,7 @@ struct Receipt {
 }
 
 #[idempotent(key = "order_<order_id>", ttl = "24h", biz = "pay")]
-async fn pay(idem: &Idem<Sqlite>, order_id: u64) -> Result<Receipt, idem::Error> {
+async fn pay(idem: &Idem<Sqlite>, order_id: u64) -> Result<Receipt, idempotency::Error> {
     Ok(Receipt { order_id })
 }
 

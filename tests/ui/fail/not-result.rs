@@ -1,4 +1,4 @@
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use sqlx::Sqlite;
 
 #[idempotent(key = "order_<order_id>", ttl = "24h", biz = "pay")]

@@ -1,10 +1,10 @@
 use async_trait::async_trait;
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use sqlx::Sqlite;
 
 #[async_trait]
 trait Payments {
-    async fn pay(&self, order_id: u64) -> Result<u64, idem::Error>;
+    async fn pay(&self, order_id: u64) -> Result<u64, idempotency::Error>;
 }
 
 struct Service {
@@ -14,7 +14,7 @@ struct Service {
 #[idempotent(key = "order_<order_id>", ttl = "24h", biz = "pay", engine = self.idem)]
 #[async_trait]
 impl Payments for Service {
-    async fn pay(&self, order_id: u64) -> Result<u64, idem::Error> {
+    async fn pay(&self, order_id: u64) -> Result<u64, idempotency::Error> {
         Ok(order_id)
     }
 }

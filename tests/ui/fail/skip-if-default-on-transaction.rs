@@ -1,4 +1,4 @@
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use sqlx::{Sqlite, Transaction};
 
 #[idempotent(key = "order_<order_id>", ttl = "24h", biz = "pay")]
@@ -6,7 +6,7 @@ async fn pay(
     idem: &Idem<Sqlite>,
     #[idem(skip_if_default)] tx: &mut Transaction<'_, Sqlite>,
     order_id: u64,
-) -> Result<u64, idem::Error> {
+) -> Result<u64, idempotency::Error> {
     let _ = tx;
     Ok(order_id)
 }

@@ -1,4 +1,4 @@
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use sqlx::Sqlite;
 
 #[idempotent(key = "order_<order_id>", ttl = "24h", biz = "pay")]
@@ -6,7 +6,7 @@ async fn pay(
     idem: &Idem<Sqlite>,
     order_id: u64,
     #[idem(skip, skip_if_default)] coupon: Option<String>,
-) -> Result<u64, idem::Error> {
+) -> Result<u64, idempotency::Error> {
     let _ = coupon;
     Ok(order_id)
 }

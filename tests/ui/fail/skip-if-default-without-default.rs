@@ -1,4 +1,4 @@
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use serde::Serialize;
 use sqlx::Sqlite;
 
@@ -10,7 +10,7 @@ async fn pay(
     idem: &Idem<Sqlite>,
     order_id: u64,
     #[idem(skip_if_default)] currency: Currency,
-) -> Result<u64, idem::Error> {
+) -> Result<u64, idempotency::Error> {
     let _ = currency.0;
     Ok(order_id)
 }

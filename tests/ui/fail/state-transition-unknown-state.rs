@@ -1,5 +1,5 @@
 // `transition!` with a state the type does not have.
-#[derive(Clone, Copy, Debug, PartialEq, idem::State)]
+#[derive(Clone, Copy, Debug, PartialEq, idempotency::State)]
 #[state(table = "orders", id = "id", column = "status")]
 #[state(transitions(Pending -> Paid))]
 enum OrderStatus {
@@ -8,5 +8,5 @@ enum OrderStatus {
 }
 
 fn main() {
-    let _ = idem::transition!(OrderStatus: Pending -> Shipped);
+    let _ = idempotency::transition!(OrderStatus: Pending -> Shipped);
 }

@@ -1,5 +1,5 @@
 // A transition the type does not declare does not compile where it is written.
-#[derive(Clone, Copy, Debug, PartialEq, idem::State)]
+#[derive(Clone, Copy, Debug, PartialEq, idempotency::State)]
 #[state(table = "orders", id = "id", column = "status")]
 #[state(transitions(Pending -> Paid, Paid -> Refunded))]
 enum OrderStatus {
@@ -9,5 +9,5 @@ enum OrderStatus {
 }
 
 fn main() {
-    let _ = idem::transition!(OrderStatus: Pending -> Refunded);
+    let _ = idempotency::transition!(OrderStatus: Pending -> Refunded);
 }

@@ -1,8 +1,8 @@
-use idem::{Idem, Steps, idempotent};
+use idempotency::{Idem, Steps, idempotent};
 use sqlx::Sqlite;
 
 #[idempotent(key = "order_<order_id>_charge", ttl = "24h", biz = "charge")]
-async fn charge(idem: &Idem<Sqlite>, steps: &mut Steps<Sqlite>, order_id: u64) -> Result<u64, idem::Error> {
+async fn charge(idem: &Idem<Sqlite>, steps: &mut Steps<Sqlite>, order_id: u64) -> Result<u64, idempotency::Error> {
     Ok(order_id)
 }
 

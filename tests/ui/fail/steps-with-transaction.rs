@@ -1,4 +1,4 @@
-use idem::{Idem, Steps, idempotent};
+use idempotency::{Idem, Steps, idempotent};
 use sqlx::{Sqlite, Transaction};
 
 #[idempotent(key = "order_<order_id>_charge", ttl = "24h", biz = "charge", steps)]
@@ -7,7 +7,7 @@ async fn charge(
     steps: &mut Steps<Sqlite>,
     tx: &mut Transaction<'_, Sqlite>,
     order_id: u64,
-) -> Result<u64, idem::Error> {
+) -> Result<u64, idempotency::Error> {
     Ok(order_id)
 }
 

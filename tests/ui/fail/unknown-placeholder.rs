@@ -1,8 +1,8 @@
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use sqlx::Sqlite;
 
 #[idempotent(key = "order_<order>_pay", ttl = "24h", biz = "pay")]
-async fn pay(idem: &Idem<Sqlite>, order_id: u64) -> Result<u64, idem::Error> {
+async fn pay(idem: &Idem<Sqlite>, order_id: u64) -> Result<u64, idempotency::Error> {
     Ok(order_id)
 }
 

@@ -5,7 +5,7 @@ use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{Sqlite, Transaction};
 
@@ -25,10 +25,10 @@ impl IntoResponse for Paid {
     }
 }
 
-struct ApiError(idem::Error);
+struct ApiError(idempotency::Error);
 
-impl From<idem::Error> for ApiError {
-    fn from(e: idem::Error) -> Self {
+impl From<idempotency::Error> for ApiError {
+    fn from(e: idempotency::Error) -> Self {
         ApiError(e)
     }
 }

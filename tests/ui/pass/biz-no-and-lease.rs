@@ -1,4 +1,4 @@
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use sqlx::{Sqlite, Transaction};
 
 #[idempotent(
@@ -8,7 +8,7 @@ use sqlx::{Sqlite, Transaction};
     biz_no = "<order_id>",
     lease = "5s"
 )]
-async fn pay(idem: &Idem<Sqlite>, tx: &mut Transaction<'_, Sqlite>, order_id: u64) -> Result<u64, idem::Error> {
+async fn pay(idem: &Idem<Sqlite>, tx: &mut Transaction<'_, Sqlite>, order_id: u64) -> Result<u64, idempotency::Error> {
     let _ = tx;
     Ok(order_id)
 }

@@ -1,7 +1,7 @@
-// `crate = "..."`: the generated code reaches idem through the given path,
+// `crate = "..."`: the generated code reaches idempotency through the given path,
 // for a dependency renamed (`extern crate` here, `package =` in Cargo.toml)
 // or re-exported from a crate of one's own.
-extern crate idem as renamed;
+extern crate idempotency as renamed;
 
 use renamed::{Idem, idempotent};
 use sqlx::{Sqlite, Transaction};
@@ -12,10 +12,10 @@ async fn pay(idem: &Idem<Sqlite>, tx: &mut Transaction<'_, Sqlite>, order_id: i6
     Ok(order_id)
 }
 
-/// Stands for a crate that re-exports idem, so its users need no dependency
+/// Stands for a crate that re-exports idempotency, so its users need no dependency
 /// of their own.
 mod platform {
-    pub use ::idem as reexported;
+    pub use ::idempotency as reexported;
 }
 
 mod orders {

@@ -1,4 +1,4 @@
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use serde::Serialize;
 use sqlx::{Sqlite, Transaction};
 
@@ -20,7 +20,7 @@ async fn pay(
     tx: &mut Transaction<'_, Sqlite>,
     user: u64,
     req: PayReq,
-) -> Result<i64, idem::Error> {
+) -> Result<i64, idempotency::Error> {
     let _ = tx;
     Ok(req.amount)
 }

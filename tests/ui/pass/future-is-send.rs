@@ -1,8 +1,8 @@
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use sqlx::{Sqlite, Transaction};
 
 #[idempotent(key = "order_<order_id>_pay", ttl = "24h", biz = "pay")]
-async fn pay(idem: &Idem<Sqlite>, tx: &mut Transaction<'_, Sqlite>, order_id: i64) -> Result<i64, idem::Error> {
+async fn pay(idem: &Idem<Sqlite>, tx: &mut Transaction<'_, Sqlite>, order_id: i64) -> Result<i64, idempotency::Error> {
     sqlx::query("SELECT 1").execute(&mut **tx).await?;
     Ok(order_id)
 }

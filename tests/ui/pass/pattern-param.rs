@@ -1,4 +1,4 @@
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use serde::Serialize;
 use sqlx::{Sqlite, Transaction};
 
@@ -15,7 +15,7 @@ async fn pay(
     idem: &Idem<Sqlite>,
     tx: &mut Transaction<'_, Sqlite>,
     Json(req): Json<PayReq>,
-) -> Result<i64, idem::Error> {
+) -> Result<i64, idempotency::Error> {
     let _ = tx;
     Ok(req.amount)
 }

@@ -1,4 +1,4 @@
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use serde::Serialize;
 use sqlx::{Sqlite, Transaction};
 
@@ -18,7 +18,7 @@ async fn pay(
     #[idem(skip_if_default)] express: bool,
     #[idem(skip_if_default)] note: &str,
     #[idem(skip_if_default)] (gift, count): (Gift, u32),
-) -> Result<u64, idem::Error> {
+) -> Result<u64, idempotency::Error> {
     let _ = (&mut **tx, coupon, express, note, gift.wrap, count);
     Ok(order_id)
 }

@@ -1,4 +1,4 @@
-use idem::{Idem, idempotent};
+use idempotency::{Idem, idempotent};
 use sqlx::Sqlite;
 
 // Not `Serialize`: only `#[idem(skip)]` keeps it out of the fingerprint.
@@ -11,7 +11,7 @@ async fn refund(
     idem: &Idem<Sqlite>,
     #[idem(skip)] ctx: RequestContext,
     order_id: u64,
-) -> Result<u64, idem::Error> {
+) -> Result<u64, idempotency::Error> {
     let _ = ctx.trace;
     Ok(order_id)
 }

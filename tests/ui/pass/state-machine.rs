@@ -1,9 +1,9 @@
 // A state column declared with its transitions; declared transitions and
 // checked column names are constants.
-use idem::state::{State, Stored, Transition};
-use idem::{col, transition};
+use idempotency::state::{State, Stored, Transition};
+use idempotency::{col, transition};
 
-#[derive(Clone, Copy, Debug, PartialEq, idem::State)]
+#[derive(Clone, Copy, Debug, PartialEq, idempotency::State)]
 #[state(table = "orders", id = "id", column = "status")]
 #[state(transitions(Pending -> Paid, Paid -> Refunded, Pending -> Closed))]
 enum OrderStatus {
@@ -15,7 +15,7 @@ enum OrderStatus {
     Closed,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, idem::State)]
+#[derive(Clone, Copy, Debug, PartialEq, idempotency::State)]
 #[state(table = "tickets", id = "ticket_id", column = "state", storage = "int")]
 #[state(transitions(Open -> Done))]
 enum Ticket {

@@ -1,7 +1,7 @@
 // The two-phase mode: `steps` in the attribute, the step context as a
 // parameter the caller never passes, a step, a permanent failure, the final
 // transaction; the call's future is `Send`.
-use idem::{Idem, Steps, idempotent};
+use idempotency::{Idem, Steps, idempotent};
 use sqlx::Sqlite;
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -16,9 +16,9 @@ async fn charge(
     steps: &mut Steps<Sqlite>,
     order_id: i64,
     amount: i64,
-) -> Result<Charge, idem::Error> {
+) -> Result<Charge, idempotency::Error> {
     let charge: Charge = steps
-        .step("charge", |step_key| async move { Ok::<_, idem::Error>(Charge { id: step_key.to_string(), amount }) })
+        .step("charge", |step_key| async move { Ok::<_, idempotency::Error>(Charge { id: step_key.to_string(), amount }) })
         .await?;
     if charge.amount < 0 {
         return Err(steps.permanent("negative amount"));

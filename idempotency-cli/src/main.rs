@@ -1,0 +1,49 @@
+//! `idem`: the operators' tool for the records of the `idempotency` crate.
+//!
+//! `status`, `show`, `list`, `forget`, `purge --expired` and `reconcile`
+//! against `IDEM_DATABASE_URL` (MySQL/MariaDB, PostgreSQL or SQLite) and
+//! optionally `IDEM_REDIS_URL`; see `idem --help`.
+
+mod cli;
+mod commands;
+mod dialect;
+mod ident;
+mod store;
+mod time;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+/// How a command ended, as its exit code says.
+pub enum Done {
+    /// 0: done; for `reconcile`, nothing found.
+    Ok,
+    /// 1: `reconcile` found something, or `forget` was not confirmed.
+    Found,
+    /// 2: the arguments were refused (clap's own usage errors exit 2 too).
+    Usage(String),
+}
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("idem: {e}");
+            return ExitCode::from(3);
+        }
+    };
+    match runtime.block_on(commands::run(cli)) {
+        Ok(Done::Ok) => ExitCode::SUCCESS,
+        Ok(Done::Found) => ExitCode::from(1),
+        Ok(Done::Usage(message)) => {
+            eprintln!("idem: {message}");
+            ExitCode::from(2)
+        }
+        Err(e) => {
+            eprintln!("idem: {e}");
+            ExitCode::from(3)
+        }
+    }
+}

@@ -1,0 +1,371 @@
+//! Writes the code.
+//!
+//! Input:
+//!
+//! ```ignore
+//! #[idempotent(key = "order_<order_id>_pay", ttl = "24h", biz = "pay")]
+//! async fn pay(idem: &Idem<MySql>, tx: &mut Transaction<'_, MySql>, order_id: u64) -> Result<Receipt, PayError> {
+//!     body
+//! }
+//! ```
+//!
+//! Output:
+//!
+//! ```ignore
+//! async fn pay(idem: &Idem<MySql>, order_id: u64) -> Result<Receipt, PayError> {
+//!     const __IDEM_SPEC: ::idempotency::__private::Spec = ::idempotency::__private::Spec { biz: "pay", ttl: .., lease: .. };
+//!     let __idem_key = ::std::format!("order_{}_pay", order_id);
+//!     let __idem_biz_no = ::core::option::Option::None;
+//!     let __idem_fingerprint = ::idempotency::__private::Fingerprint::new().arg("order_id", &order_id);
+//!     let __idem_engine = ::core::clone::Clone::clone(&(idem));
+//!     ::idempotency::__private::run(::core::convert::AsRef::<::idempotency::Idem<_>>::as_ref(&__idem_engine), &__IDEM_SPEC, __idem_key, __idem_fingerprint, __idem_biz_no,
+//!         move |mut __idem_tx| async move {
+//!             let __idem_out: Result<Receipt, PayError> = {
+//!                 let tx: &mut Transaction<'_, MySql> = &mut __idem_tx;
+//!                 async move { body }.await
+//!             };
+//!             (__idem_tx, __idem_out)
+//!         }).await
+//! }
+//! ```
+//!
+//! A parameter marked `#[idem(skip_if_default)]` goes in with
+//! `.arg_unless_default("coupon", &coupon)` instead of `.arg(..)`.
+//!
+//! The `let __idem_out: <declared return type>` keeps the user's signature in
+//! charge of inference, so type errors in the body land on the body. Every
+//! `::idempotency` above is the `crate = "..."` path when one is given.
+//!
+//! With `steps`, the same, but the call goes to `run_steps` and the body
+//! gets the step context where it would get the transaction:
+//!
+//! ```ignore
+//! ::idempotency::__private::run_steps(/* the same arguments */, move |mut __idem_steps| async move {
+//!     let __idem_out: Result<Receipt, PayError> = {
+//!         let steps: &mut Steps<MySql> = &mut __idem_steps;
+//!         async move { body }.await
+//!     };
+//!     (__idem_steps, __idem_out)
+//! })
+//! ```
+//!
+//! With `join`, the transaction stays a parameter (the caller passes it);
+//! the call goes to `run_joined` with it, and the body gets a savepoint of
+//! it where it would get the engine's transaction:
+//!
+//! ```ignore
+//! ::idempotency::__private::run_joined(/* the same arguments */, tx, move |mut __idem_tx| async move {
+//!     let __idem_out: Result<Receipt, PayError> = {
+//!         let tx: &mut Transaction<'_, MySql> = &mut __idem_tx;
+//!         async move { body }.await
+//!     };
+//!     (__idem_tx, __idem_out)
+//! })
+//! ```
+//!
+//! A method of an `#[async_trait]` impl arrives as a fn returning
+//! `Pin<Box<dyn Future<..>>>`: `async_trait` unboxes it before the rewrite
+//! and boxes the result again (its own Input/Output at its top).
+
+use proc_macro2::{Span, TokenStream};
+use quote::{ToTokens, quote, quote_spanned};
+use syn::ItemFn;
+
+use crate::async_trait;
+use crate::attr::{self, Args};
+use crate::key::{Piece, Template};
+use crate::sig::{self, Checked, Fingerprinted};
+
+pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
+    let mut func: ItemFn = match syn::parse2(item.clone()) {
+        Ok(f) => f,
+        Err(e) => {
+            // Not a fn at all: keep the item as written for the IDE's sake.
+            let message = if syn::parse2::<syn::ItemImpl>(item.clone()).is_ok() {
+                "#[idempotent] goes on a method, not on its impl: put it on the `async fn` inside \
+                 (under `#[async_trait]` too, which stays on the impl)"
+            } else {
+                "#[idempotent] applies to an `async fn`"
+            };
+            let mut out = item;
+            out.extend(syn::Error::new(e.span(), message).into_compile_error());
+            return out;
+        }
+    };
+    // A method of an `#[async_trait]` impl arrives expanded already.
+    let boxed = async_trait::unbox(&mut func);
+    let checked = attr::parse(args).and_then(|args| sig::check(&mut func, &args).map(|c| (args, c)));
+    match checked {
+        Ok((args, checked)) => {
+            rewrite(&mut func, &args, checked);
+            if let Some(boxed) = boxed {
+                async_trait::rebox(&mut func, boxed);
+            }
+            quote!(#func)
+        }
+        Err(e) => {
+            // Emit the fn as written beside the error, so callers still
+            // type-check; minus `#[idem(..)]`, which only this macro knows.
+            // `allow`: the engine parameter goes unused in the fn as written.
+            if let Some(boxed) = boxed {
+                async_trait::restore(&mut func, boxed);
+            }
+            let func = strip_param_attrs(func);
+            let mut out = e.into_compile_error();
+            out.extend(quote!(#[allow(unused_variables)] #func));
+            out
+        }
+    }
+}
+
+fn strip_param_attrs(mut func: ItemFn) -> ItemFn {
+    for input in &mut func.sig.inputs {
+        if let syn::FnArg::Typed(p) = input {
+            p.attrs.retain(|a| !a.path().is_ident("idem"));
+        }
+    }
+    func
+}
+
+fn rewrite(func: &mut ItemFn, args: &Args, checked: Checked) {
+    let Checked { engine, tx, tx_index, steps, steps_index, fingerprinted, ret } = checked;
+    // The engine supplies these: callers never pass them (but for `join`'s
+    // transaction, which is the caller's).
+    let supplied = [tx_index.filter(|_| args.join.is_none()), steps_index];
+    if supplied.iter().any(Option::is_some) {
+        func.sig.inputs = std::mem::take(&mut func.sig.inputs)
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| !supplied.contains(&Some(*i)))
+            .map(|(_, input)| input)
+            .collect();
+    }
+
+    let krate = &args.krate;
+    let biz = &args.biz;
+    let ttl = args.ttl_ms;
+    let lease = args.lease_ms;
+    let key = render(&args.key.1);
+    let biz_no = match &args.biz_no {
+        Some((_, template)) => {
+            let rendered = render(template);
+            quote!(::core::option::Option::Some(#rendered))
+        }
+        None => quote!(::core::option::Option::None),
+    };
+    let fingerprint_args = fingerprinted.iter().map(|Fingerprinted { name, span, unless_default }| {
+        let label = name.to_string();
+        // At the type's span too, so a missing trait is "required by" the parameter.
+        let method = syn::Ident::new(if *unless_default { "arg_unless_default" } else { "arg" }, *span);
+        quote_spanned!(*span=> .#method(#label, &#name))
+    });
+    // The plain mode hands the body the transaction; `steps`, the step
+    // context; `join`, a savepoint of the caller's transaction, which goes
+    // in as an argument.
+    let mut callers_tx = None;
+    let (entry, handed, bind) = match steps {
+        Some((pat, ty)) => (quote!(run_steps), quote!(__idem_steps), Some(quote!(let #pat: #ty = &mut __idem_steps;))),
+        None => {
+            let entry = if args.join.is_some() { quote!(run_joined) } else { quote!(run) };
+            if let (Some(_), Some((syn::Pat::Ident(name), _))) = (&args.join, &tx) {
+                let name = &name.ident;
+                callers_tx = Some(quote!(#name,));
+            }
+            (entry, quote!(__idem_tx), tx.map(|(pat, ty)| quote!(let #pat: #ty = &mut __idem_tx;)))
+        }
+    };
+    let block = &func.block;
+    let ret_span = syn::spanned::Spanned::span(&ret);
+
+    // Spanned on the return type, so "`T: Serialize` is not satisfied" points there.
+    let awaited = quote_spanned!(ret_span=> __idem_call.await);
+    let krate_at_ret = respan(krate.to_token_stream(), ret_span);
+    let assert_replayable = quote_spanned!(ret_span=> #krate_at_ret::__private::assert_replayable::<#ret>(););
+    let body = quote!({
+        const __IDEM_SPEC: #krate::__private::Spec = #krate::__private::Spec {
+            biz: #biz,
+            ttl: ::core::time::Duration::from_millis(#ttl),
+            lease: ::core::time::Duration::from_millis(#lease),
+        };
+        #assert_replayable
+        let __idem_key = #key;
+        let __idem_biz_no = #biz_no;
+        let __idem_fingerprint = #krate::__private::Fingerprint::new() #(#fingerprint_args)*;
+        let __idem_engine = ::core::clone::Clone::clone(&(#engine));
+        let __idem_call = #krate::__private::#entry(
+            ::core::convert::AsRef::<#krate::Idem<_>>::as_ref(&__idem_engine),
+            &__IDEM_SPEC,
+            __idem_key,
+            __idem_fingerprint,
+            __idem_biz_no,
+            #callers_tx
+            move |mut #handed| async move {
+                let __idem_out: #ret = {
+                    #bind
+                    async move #block.await
+                };
+                (#handed, __idem_out)
+            },
+        );
+        #awaited
+    });
+    func.block = syn::parse2(body).expect("generated block parses");
+}
+
+/// `tokens`, every one of them at `span`.
+fn respan(tokens: TokenStream, span: Span) -> TokenStream {
+    tokens
+        .into_iter()
+        .map(|mut token| {
+            token.set_span(span);
+            token
+        })
+        .collect()
+}
+
+/// `::std::format!("order_{}_pay", order_id)` for `order_<order_id>_pay`.
+fn render(template: &Template) -> TokenStream {
+    let mut format = String::new();
+    let mut values = Vec::new();
+    for piece in &template.pieces {
+        match piece {
+            // Literal text holds only key characters, so no braces to escape.
+            Piece::Text(text) => format.push_str(text),
+            Piece::Param(path) => {
+                format.push_str("{}");
+                // Every segment was checked to parse as Rust (`key.rs`).
+                let mut expr: TokenStream = if path[0] == "self" {
+                    quote!(self)
+                } else {
+                    let root: syn::Ident = syn::parse_str(&path[0]).expect("template checked its root");
+                    quote!(#root)
+                };
+                for field in &path[1..] {
+                    let member: syn::Member = syn::parse_str(field).expect("template checked fields");
+                    expr = quote!(#expr.#member);
+                }
+                values.push(quote!(&#expr));
+            }
+        }
+    }
+    quote!(::std::format!(#format #(, #values)*))
+}
+
+#[cfg(test)]
+mod tests {
+    use proc_macro2::TokenTree;
+    use quote::quote;
+
+    /// Every identifier in `tokens`, at any depth.
+    fn idents(tokens: proc_macro2::TokenStream, out: &mut Vec<String>) {
+        for token in tokens {
+            match token {
+                TokenTree::Ident(ident) => out.push(ident.to_string()),
+                TokenTree::Group(group) => idents(group.stream(), out),
+                _ => {}
+            }
+        }
+    }
+
+    fn expanded(args: proc_macro2::TokenStream) -> Vec<String> {
+        let item = quote! {
+            async fn pay(engine: &Idem<Db>, tx: &mut Transaction<'_, Db>, order_id: u64) -> Result<u64, Error> {
+                Ok(order_id)
+            }
+        };
+        let mut out = Vec::new();
+        idents(super::idempotent(args, item), &mut out);
+        out
+    }
+
+    fn expanded_with(args: proc_macro2::TokenStream, item: proc_macro2::TokenStream) -> Vec<String> {
+        let mut out = Vec::new();
+        idents(super::idempotent(args, item), &mut out);
+        out
+    }
+
+    /// Guards the plain mode against the `steps` branch: without `steps`
+    /// the body still gets the transaction and calls `run`.
+    #[test]
+    fn only_steps_calls_run_steps() {
+        let plain = expanded(quote!(key = "o_<order_id>", ttl = "1h", biz = "pay"));
+        assert!(plain.iter().any(|i| i == "run") && plain.iter().any(|i| i == "__idem_tx"), "{plain:?}");
+        assert!(!plain.iter().any(|i| i == "run_steps" || i == "__idem_steps"), "{plain:?}");
+
+        let item = quote! {
+            async fn charge(engine: &Idem<Db>, steps: &mut Steps<Db>, order_id: u64) -> Result<u64, Error> {
+                Ok(order_id)
+            }
+        };
+        let two_phase = expanded_with(quote!(key = "o_<order_id>", ttl = "1h", biz = "charge", steps), item);
+        assert!(two_phase.iter().any(|i| i == "run_steps") && two_phase.iter().any(|i| i == "__idem_steps"));
+        assert!(!two_phase.iter().any(|i| i == "run" || i == "__idem_tx" || i == "compile_error"), "{two_phase:?}");
+        // The step context is not an argument: neither in the signature nor in the fingerprint.
+        let signature = two_phase.iter().position(|i| i == "charge").unwrap();
+        let body = two_phase.iter().position(|i| i == "__IDEM_SPEC").unwrap();
+        assert!(!two_phase[signature..body].iter().any(|i| i == "Steps"), "{two_phase:?}");
+        assert!(!two_phase.windows(2).any(|w| w[0] == "arg" && w[1] == "steps"));
+    }
+
+    /// Guards `join` against the plain mode: the caller's transaction stays
+    /// in the signature and goes to `run_joined`, ahead of the body.
+    #[test]
+    fn join_hands_the_callers_transaction_to_run_joined() {
+        let joined = expanded(quote!(key = "o_<order_id>", ttl = "1h", biz = "pay", join));
+        assert!(joined.iter().any(|i| i == "run_joined"), "{joined:?}");
+        assert!(!joined.iter().any(|i| i == "run" || i == "compile_error"), "{joined:?}");
+        let signature = joined.iter().position(|i| i == "pay").unwrap();
+        let body = joined.iter().position(|i| i == "__IDEM_SPEC").unwrap();
+        assert!(joined[signature..body].iter().any(|i| i == "Transaction"), "the caller passes it: {joined:?}");
+        assert!(joined.windows(2).any(|w| w == ["__idem_biz_no", "tx"]), "{joined:?}");
+        assert!(!joined.windows(2).any(|w| w[0] == "arg" && w[1] == "tx"), "never fingerprinted");
+
+        let plain = expanded(quote!(key = "o_<order_id>", ttl = "1h", biz = "pay"));
+        let signature = plain.iter().position(|i| i == "pay").unwrap();
+        let body = plain.iter().position(|i| i == "__IDEM_SPEC").unwrap();
+        assert!(!plain[signature..body].iter().any(|i| i == "Transaction"), "the engine supplies it: {plain:?}");
+    }
+
+    /// Only the marked parameter goes in by `arg_unless_default`; the
+    /// others keep `arg`, whose bytes records already hold.
+    #[test]
+    fn skip_if_default_changes_only_its_own_argument() {
+        let item = quote! {
+            async fn pay(
+                engine: &Idem<Db>,
+                order_id: u64,
+                #[idem(skip_if_default)] coupon: Option<String>,
+                amount: i64,
+            ) -> Result<u64, Error> {
+                Ok(order_id)
+            }
+        };
+        let out = expanded_with(quote!(key = "o_<order_id>", ttl = "1h", biz = "pay"), item);
+        let calls: Vec<(&str, &str)> = out
+            .windows(2)
+            .filter(|w| w[0] == "arg" || w[0] == "arg_unless_default")
+            .map(|w| (w[0].as_str(), w[1].as_str()))
+            .collect();
+        assert_eq!(calls, [("arg", "order_id"), ("arg_unless_default", "coupon"), ("arg", "amount")], "{out:?}");
+        assert!(!out.iter().any(|i| i == "skip_if_default" || i == "compile_error"), "{out:?}");
+    }
+
+    /// Regression for `crate = "..."`: a path left as `::idempotency` would still
+    /// compile wherever the facade is also a direct dependency (as in the ui
+    /// tests), so no `idempotency` may be left in the code at all.
+    #[test]
+    fn the_crate_path_replaces_every_default_path() {
+        let default = expanded(quote!(key = "o_<order_id>", ttl = "1h", biz = "pay", biz_no = "<order_id>"));
+        assert!(default.iter().filter(|i| *i == "idempotency").count() >= 5, "{default:?}");
+        let renamed = expanded(quote!(
+            key = "o_<order_id>",
+            ttl = "1h",
+            biz = "pay",
+            biz_no = "<order_id>",
+            crate = "my::deps::renamed"
+        ));
+        assert!(!renamed.iter().any(|i| i == "idempotency"), "{renamed:?}");
+        let paths = renamed.windows(3).filter(|w| w == &["my", "deps", "renamed"]).count();
+        assert_eq!(paths, default.iter().filter(|i| *i == "idempotency").count());
+    }
+}

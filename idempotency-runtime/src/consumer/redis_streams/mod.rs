@@ -1,0 +1,429 @@
+//! Redis Streams consumers (feature `redis-streams`, on the [`redis`]
+//! client the claims use): a consumer group read with `XREADGROUP`, your
+//! handler called once per entry, and the entry settled by what the handler
+//! returned and the [`Outcome`] of the `#[idempotent]` call it made: the
+//! same contract as the RabbitMQ ([`amqp`](crate::amqp)) and NATS
+//! ([`nats`](crate::nats)) runners, on the same core.
+//!
+//! ```ignore
+//! // Entries: XADD orders * message_id <id> payload <json>
+//! idempotency::redis_streams::Consumer::new(redis_client, "orders", "stock")
+//!     .consumer_name("stock-1")
+//!     .max_deliver(4)
+//!     .run_with_id(tokio::signal::ctrl_c(), move |message_id: String, event: OrderPaid| {
+//!         let idem = idem.clone();
+//!         // #[idempotent(key = "<message_id>", ...)]
+//!         async move { deduct_stock(&idem, message_id, event).await }
+//!     })
+//!     .await
+//! ```
+//!
+//! An entry carries its payload (JSON) in the field `payload` and, for
+//! [`Consumer::run_with_id`], its message id in the field `message_id`
+//! (both names can be changed). The message id is never the entry id: an
+//! entry id is given per append, so a copy of one event published again (an
+//! outbox relay that crashed before marking it sent) gets a new one, and a
+//! call keyed by it would run again.
+//!
+//! How an entry is settled (a handler's `Err` is judged by the
+//! [`idempotency::Error`](crate::Error) it carries, through [`AsIdemError`], else
+//! by the outcome of its last `#[idempotent]` call):
+//!
+//! | what happened | settlement |
+//! |---|---|
+//! | the handler returned `Ok` (its call executed or replayed, or it dealt with the failure) | `XACK` |
+//! | `Err` carrying `Error::Storage` (the database failed or is down) | left pending, claimable again after [`Consumer::storage_delay`], its delivery count unchanged: not counted |
+//! | `Err` carrying `Error::InProgress`, or outcome `InProgress` | left pending, claimable again after [`Consumer::in_progress_delay`], not counted |
+//! | `Err` carrying `KeyReused`, `InvalidKey` or any other `idempotency::Error` but those two, or outcome `KeyReused`/`Rejected`; no `payload` field, or one that does not deserialize (or, for [`Consumer::run_with_id`], no UTF-8 `message_id` field) | a copy to the dead-letter stream and `XACK`, in one `MULTI` |
+//! | any other `Err` (the body's own), or a panic | left pending, claimable again after [`Consumer::retry_delay`], until its delivery count reaches [`Consumer::max_deliver`]; then dead-lettered |
+//! | the dead-letter copy or a settlement cannot be sent (Redis down) | left pending: claimed again once idle for [`Consumer::claim_idle`] |
+//! | taken but not started when the runner stops | given back: claimable at once, not counted |
+//!
+//! Redis Streams has no delayed redelivery, so "left pending, claimable
+//! again after a delay" is `XCLAIM <stream> <group> <me> 0 <id> IDLE
+//! <claim_idle - delay> JUSTID`: the entry stays in the group's pending list,
+//! idle as if delivered `claim_idle - delay` ago, so the next `XAUTOCLAIM`
+//! of any consumer of the group (each runs one every
+//! [`Consumer::claim_interval`]) takes it once `delay` has passed (a delay
+//! longer than `claim_idle` waits `claim_idle`). Uncounted, the same call
+//! sets `RETRYCOUNT <delivered - 1>`, which the claim brings back to what it
+//! was. While it waits, the entry holds no slot of [`Consumer::concurrency`].
+//!
+//! The count is Redis's own: the times the pending list says the entry was
+//! delivered (`XPENDING`). As on NATS, an entry taken over from a consumer
+//! that died counts one more, so an entry that kills every consumer that
+//! takes it is dead-lettered at [`Consumer::max_deliver`] instead of going
+//! round forever.
+//!
+//! A consumer that dies (or hangs) leaves its entries pending: after
+//! [`Consumer::claim_idle`] (default 30 s; keep it above the handler's
+//! longest run) any other consumer of the group takes them with
+//! `XAUTOCLAIM`, and the call replays what the dead one committed.
+//!
+//! The dead-letter stream (default `<stream>:dead`) gets the entry's fields
+//! and `idem_dead_reason` ([`Reason::as_str`]), `idem_stream`,
+//! `idem_entry_id`, `idem_delivered` and `idem_error` (the handler's error,
+//! or why the payload was refused); the copy and the `XACK` go in one
+//! `MULTI`, so neither happens without the other.
+//!
+//! The runner creates the group (`XGROUP CREATE <stream> <group> 0
+//! MKSTREAM`; an existing one is kept), starting at the stream's first entry,
+//! and again if it vanishes (a Redis restarted without persistence). Reads
+//! are `XREADGROUP ... COUNT <free slots> BLOCK <at most 1 s> STREAMS
+//! <stream> >`, on a connection of their own. A Redis that is unreachable is waited
+//! out (50 ms, doubling up to 2 s between tries): no busy loop, and once it
+//! answers the runner goes on; errors Redis answers to the commands
+//! themselves (`WRONGTYPE`, `NOPERM`, `ERR`: not a stream, no rights, a
+//! Redis older than 6.2) end it. One Redis, not a Redis Cluster.
+
+mod reader;
+pub(crate) mod reply;
+pub(crate) mod settler;
+
+use std::fmt::Debug;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::ConnectionManagerConfig;
+use serde::de::DeserializeOwned;
+
+use self::reader::{MAX_BLOCK, ReadJob, Reader};
+use self::reply::RawEntry;
+use self::settler::Group;
+use super::decode::{message_id_and_payload, payload};
+use super::run::{Hook, Runner, run};
+use super::settle::Policy;
+pub use super::{AsIdemError, Reason};
+use crate::outcome::Outcome;
+
+/// The field an entry's payload is read from, unless [`Consumer::payload_field`] says otherwise.
+pub const PAYLOAD_FIELD: &str = "payload";
+/// The field an entry's message id is read from, unless [`Consumer::message_id_field`] says otherwise.
+pub const MESSAGE_ID_FIELD: &str = "message_id";
+/// On a dead-letter copy: why ([`Reason::as_str`]: `poison`, `key_reused`, ...).
+pub const DEAD_REASON_FIELD: &str = "idem_dead_reason";
+/// On a dead-letter copy: the stream the entry was in.
+pub const DEAD_STREAM_FIELD: &str = "idem_stream";
+/// On a dead-letter copy: the entry's id in that stream.
+pub const DEAD_ENTRY_ID_FIELD: &str = "idem_entry_id";
+/// On a dead-letter copy: how many times it was delivered.
+pub const DEAD_DELIVERED_FIELD: &str = "idem_delivered";
+/// On a dead-letter copy: the handler's error, or why the payload was refused.
+pub const DEAD_ERROR_FIELD: &str = "idem_error";
+
+/// How an entry was settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Action {
+    /// Acked (`XACK`): the handler returned `Ok`.
+    Ack,
+    /// Left pending to come back after a delay, not counted: a call in
+    /// progress elsewhere, or the database down.
+    Requeue,
+    /// Left pending after a failure, to come back after
+    /// [`Consumer::retry_delay`]; the delivery count it had.
+    Retry {
+        /// Redis's delivery count of the entry (1 on the first).
+        delivered: u64,
+    },
+    /// Copied to the dead-letter stream and acked.
+    DeadLetter(Reason),
+    /// Left pending unsettled by the handler: the runner was stopping, or
+    /// the dead-letter copy could not be stored.
+    Returned,
+}
+
+/// What the runner did with one entry; passed to [`Consumer::on_settle`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Settled {
+    /// The outcome of the last `#[idempotent]` call the handler made, if any.
+    pub outcome: Option<Outcome>,
+    /// The settlement.
+    pub action: Action,
+    /// Redis's delivery count of the entry (1 on the first).
+    pub delivered: u64,
+    /// The entry's id in the stream.
+    pub entry_id: String,
+    /// Its message id field, if set (and UTF-8).
+    pub message_id: Option<String>,
+    /// The handler's error or panic, or why the payload was refused.
+    pub error: Option<String>,
+}
+
+/// The names one runner uses, shared by its reads and its settlements.
+pub(crate) struct Names {
+    pub(crate) stream: String,
+    pub(crate) group: String,
+    pub(crate) consumer: String,
+    pub(crate) payload_field: String,
+    pub(crate) message_id_field: String,
+}
+
+/// One delivered entry.
+pub(crate) struct Entry {
+    pub(crate) id: String,
+    pub(crate) fields: Vec<(Vec<u8>, Vec<u8>)>,
+    /// Times Redis delivered it, this delivery included.
+    pub(crate) delivered: u64,
+    /// Which field is the payload.
+    payload_at: Option<usize>,
+    pub(crate) message_id: Option<String>,
+}
+
+impl Entry {
+    /// The entry with its payload and message id found by the runner's
+    /// field names (the first field of each name; a message id that is not
+    /// UTF-8 counts as none, never as a lossy copy that could merge two ids).
+    fn new(raw: RawEntry, delivered: u64, names: &Names) -> Self {
+        let find = |name: &str| raw.fields.iter().position(|(field, _)| field == name.as_bytes());
+        let payload_at = find(&names.payload_field);
+        let message_id = find(&names.message_id_field).and_then(|i| String::from_utf8(raw.fields[i].1.clone()).ok());
+        Entry { id: raw.id, fields: raw.fields, delivered, payload_at, message_id }
+    }
+
+    fn payload(&self) -> Option<&[u8]> {
+        self.payload_at.map(|i| self.fields[i].1.as_slice())
+    }
+
+    /// An entry read with the default field names, first delivered (for
+    /// the fuzz targets' door, `crate::fuzz`).
+    #[cfg(fuzzing)]
+    pub(crate) fn with_default_names(raw: RawEntry) -> Self {
+        let names = Names {
+            stream: String::new(),
+            group: String::new(),
+            consumer: String::new(),
+            payload_field: PAYLOAD_FIELD.to_owned(),
+            message_id_field: MESSAGE_ID_FIELD.to_owned(),
+        };
+        Entry::new(raw, 1, &names)
+    }
+}
+
+/// Consumes a Redis stream as one consumer of a consumer group, calling a
+/// handler per entry and settling each by its outcome; see the
+/// [module docs](self).
+#[must_use]
+pub struct Consumer {
+    client: redis::Client,
+    stream: String,
+    group: String,
+    consumer_name: String,
+    dead_letter_stream: String,
+    payload_field: String,
+    message_id_field: String,
+    concurrency: usize,
+    claim_idle: Duration,
+    claim_interval: Duration,
+    policy: Policy,
+    on_settle: Option<Hook<Settled>>,
+}
+
+impl Debug for Consumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("stream", &self.stream)
+            .field("group", &self.group)
+            .field("consumer_name", &self.consumer_name)
+            .field("dead_letter_stream", &self.dead_letter_stream)
+            .field("concurrency", &self.concurrency)
+            .field("max_deliver", &self.policy.bound)
+            .field("claim_idle", &self.claim_idle)
+            .field("claim_interval", &self.claim_interval)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Consumer {
+    /// A runner for the group `group` of `stream` (created when absent),
+    /// dead-lettering to `<stream>:dead`, under a consumer name of its own
+    /// (`idem-` and 32 random hex digits; see [`consumer_name`](Self::consumer_name)).
+    pub fn new(client: redis::Client, stream: impl Into<String>, group: impl Into<String>) -> Self {
+        let stream = stream.into();
+        let mut consumer_name = "idem-".to_owned();
+        crate::random::push_token(&mut consumer_name);
+        let second = Duration::from_secs(1);
+        Consumer {
+            client,
+            dead_letter_stream: format!("{stream}:dead"),
+            stream,
+            group: group.into(),
+            consumer_name,
+            payload_field: PAYLOAD_FIELD.to_owned(),
+            message_id_field: MESSAGE_ID_FIELD.to_owned(),
+            concurrency: 1,
+            claim_idle: Duration::from_secs(30),
+            claim_interval: second,
+            policy: Policy { bound: 4, retry_delay: second, in_progress_delay: second, storage_delay: second },
+            on_settle: None,
+        }
+    }
+
+    /// This consumer's name in the group. Give each instance a stable one
+    /// (say the host's name): a restarted instance under a new name leaves
+    /// its old name in the group's consumer list (its pending entries are
+    /// claimed by the others all the same).
+    pub fn consumer_name(mut self, name: impl Into<String>) -> Self {
+        self.consumer_name = name.into();
+        self
+    }
+
+    /// Where dead letters go. Default `<stream>:dead`.
+    pub fn dead_letter_stream(mut self, stream: impl Into<String>) -> Self {
+        self.dead_letter_stream = stream.into();
+        self
+    }
+
+    /// The field holding the payload. Default [`PAYLOAD_FIELD`].
+    pub fn payload_field(mut self, field: impl Into<String>) -> Self {
+        self.payload_field = field.into();
+        self
+    }
+
+    /// The field holding the message id ([`run_with_id`](Self::run_with_id)).
+    /// Default [`MESSAGE_ID_FIELD`].
+    pub fn message_id_field(mut self, field: impl Into<String>) -> Self {
+        self.message_id_field = field.into();
+        self
+    }
+
+    /// How many entries are handled at once (and at most read at once).
+    /// Default 1: one at a time, in order.
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n.max(1);
+        self
+    }
+
+    /// At which delivery a failing entry is dead-lettered instead of left
+    /// for another try (at least 1). Default 4: the first delivery and three more.
+    pub fn max_deliver(mut self, n: u64) -> Self {
+        self.policy.bound = n.max(1);
+        self
+    }
+
+    /// How long an entry stays pending before any consumer of the group
+    /// takes it over (`XAUTOCLAIM`'s min-idle-time): a consumer that died
+    /// holds its entries this long. Default 30 s; keep it above the
+    /// handler's longest run, and above the delays (a longer delay waits
+    /// this long). At least 1 ms.
+    pub fn claim_idle(mut self, idle: Duration) -> Self {
+        self.claim_idle = idle.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How often this consumer looks for entries to take over (and so how
+    /// late, at most, a delayed entry comes back). Default 1 s.
+    pub fn claim_interval(mut self, interval: Duration) -> Self {
+        self.claim_interval = interval.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long a failed entry waits before it comes back. Default 1 s.
+    pub fn retry_delay(mut self, delay: Duration) -> Self {
+        self.policy.retry_delay = delay;
+        self
+    }
+
+    /// How long an entry whose key is in progress elsewhere waits. Default 1 s.
+    pub fn in_progress_delay(mut self, delay: Duration) -> Self {
+        self.policy.in_progress_delay = delay;
+        self
+    }
+
+    /// How long an entry whose handler failed with `Error::Storage` (the
+    /// database failed or is down) waits, uncounted. Default 1 s.
+    pub fn storage_delay(mut self, delay: Duration) -> Self {
+        self.policy.storage_delay = delay;
+        self
+    }
+
+    /// Called after each entry is settled (for logs, metrics, tests).
+    pub fn on_settle(mut self, hook: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
+        self.on_settle = Some(Arc::new(hook));
+        self
+    }
+
+    /// Consumes until `shutdown` resolves (or Redis answers an error no wait
+    /// mends), calling `handler` with each payload deserialized from JSON
+    /// into `T`. On shutdown no new entry is taken, the read in flight is
+    /// waited for (at most 1 s) and what it brought given back, and the
+    /// runner waits for the entries being handled to be settled.
+    pub async fn run<T, F, Fut, R, E, S>(self, shutdown: S, handler: F) -> redis::RedisResult<()>
+    where
+        T: DeserializeOwned + Send + 'static,
+        F: Fn(T) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<R, E>> + Send + 'static,
+        R: Send + 'static,
+        E: AsIdemError + Debug + Send + 'static,
+        S: Future,
+    {
+        self.consume(shutdown, payload::<Group, T>, handler).await
+    }
+
+    /// Like [`run`](Consumer::run), handing the handler the entry's message
+    /// id field too, so it can key its call by the message rather than by
+    /// business fields (`#[idempotent(key = "<message_id>", ...)]`). An entry
+    /// without one is poison: dead-lettered unhandled.
+    pub async fn run_with_id<T, F, Fut, R, E, S>(self, shutdown: S, handler: F) -> redis::RedisResult<()>
+    where
+        T: DeserializeOwned + Send + 'static,
+        F: Fn(String, T) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<R, E>> + Send + 'static,
+        R: Send + 'static,
+        E: AsIdemError + Debug + Send + 'static,
+        S: Future,
+    {
+        let handler = move |(id, message)| handler(id, message);
+        self.consume(shutdown, message_id_and_payload::<Group, T>, handler).await
+    }
+
+    async fn consume<I, F, Fut, R, E, S>(
+        self,
+        shutdown: S,
+        decode: fn(&Entry) -> Result<I, String>,
+        handler: F,
+    ) -> redis::RedisResult<()>
+    where
+        I: Send + 'static,
+        F: Fn(I) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<R, E>> + Send + 'static,
+        R: Send + 'static,
+        E: AsIdemError + Debug + Send + 'static,
+        S: Future,
+    {
+        // Both connect lazily and reconnect by themselves; the reader's
+        // answers may take the whole block time.
+        let read_config = ConnectionManagerConfig::new().set_response_timeout(Some(MAX_BLOCK + Duration::from_secs(5)));
+        let reads = self.client.get_connection_manager_lazy(read_config)?;
+        let settlements = self.client.get_connection_manager_lazy(ConnectionManagerConfig::new())?;
+        let names = Arc::new(Names {
+            stream: self.stream,
+            group: self.group,
+            consumer: self.consumer_name,
+            payload_field: self.payload_field,
+            message_id_field: self.message_id_field,
+        });
+        tracing::info!(stream = %names.stream, group = %names.group, consumer = %names.consumer,
+            "idem redis streams consumer started");
+        let reader = Reader::new(ReadJob {
+            conn: reads,
+            names: Arc::clone(&names),
+            claim_idle: self.claim_idle,
+            claim_interval: self.claim_interval,
+        });
+        let runner = Runner {
+            transport: Group {
+                conn: settlements,
+                names,
+                dead_letter_stream: self.dead_letter_stream,
+                claim_idle: self.claim_idle,
+            },
+            policy: self.policy,
+            concurrency: self.concurrency,
+            on_settle: self.on_settle,
+        };
+        run(runner, reader, shutdown, decode, handler).await
+    }
+}

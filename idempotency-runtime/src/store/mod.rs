@@ -1,0 +1,625 @@
+//! Layer 3, the `idem_record` table: the final truth. One committed row per
+//! `(biz_type, idem_key)`, inserted in the same transaction as the body.
+//!
+//! [`record`] holds the protocol a call follows (open, commit, settle),
+//! written once over [`RecordSql`]; each backend has its own file with only
+//! what differs: its DDL, its SQL text, its lock-wait bounds and the way it
+//! reports conflicts (by code). The statements they share in shape are
+//! written once by `record_queries!`. How those statements are sent (straight,
+//! or behind a pooler in transaction mode) is [`pooling`]'s, applied by the
+//! same macros.
+
+use std::future::Future;
+use std::time::Duration;
+
+use sqlx::{Pool, Transaction};
+
+pub(crate) mod calls;
+#[cfg(feature = "mysql")]
+mod mysql;
+pub(crate) mod outbox;
+pub(crate) mod pooling;
+#[cfg(feature = "postgres")]
+mod postgres;
+pub(crate) mod record;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+mod tokens;
+
+pub(crate) use pooling::on_pool;
+pub use pooling::{Db, Pooling};
+pub use tokens::{TokenId, TokenRow};
+pub(crate) use tokens::{TokenQueries, token_queries};
+
+/// `status` of a row inserted before the body ran; it turns `SUCCEEDED` in the
+/// same transaction, so a committed row never holds it.
+pub(crate) const PROCESSING: i16 = 0;
+/// `status` of a row whose response is stored.
+pub(crate) const SUCCEEDED: i16 = 1;
+
+/// A row about to be inserted. Times are Unix epoch milliseconds.
+#[derive(Debug, Clone, Copy)]
+pub struct NewRecord<'a> {
+    pub biz: &'a str,
+    pub key: &'a str,
+    pub biz_no: Option<&'a str>,
+    pub params_hash: &'a str,
+    pub status: i16,
+    pub response: Option<&'a str>,
+    pub now_ms: i64,
+    pub expires_ms: i64,
+}
+
+/// A committed row, as read back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredRecord {
+    pub params_hash: String,
+    pub status: i16,
+    pub response: Option<String>,
+    pub expires_ms: i64,
+}
+
+impl StoredRecord {
+    /// Whether the row answers duplicates at `now_ms`: finished and not expired.
+    pub fn is_live(&self, now_ms: i64) -> bool {
+        self.status == SUCCEEDED && self.expires_ms > now_ms
+    }
+}
+
+/// The columns `read_locking` and `read_plain` select, in order.
+pub type RecordRow = (String, i16, Option<String>, i64);
+
+impl From<RecordRow> for StoredRecord {
+    fn from((params_hash, status, response, expires_ms): RecordRow) -> Self {
+        StoredRecord { params_hash, status, response, expires_ms }
+    }
+}
+
+/// How a database error matters to the engine. Decided by error kind and
+/// code, never by message text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// The unique index on `(biz_type, idem_key)` refused the row.
+    Duplicate,
+    /// A lock wait ran past its bound: someone else holds the key.
+    LockTimeout,
+    /// Deadlock or serialization failure: the transaction may be retried.
+    Conflict,
+    /// Anything else.
+    Other,
+}
+
+/// A database `idempotency` can keep its records in: SQLite, MySQL/MariaDB or
+/// PostgreSQL (`sqlx::Sqlite`, `sqlx::MySql`, `sqlx::Postgres`), each behind
+/// its cargo feature. Sealed: implemented by `idempotency` for those three only.
+/// (`HasStatementCache`: statements can be sent unnamed, behind a pooler in
+/// transaction mode; see [`Builder::transaction_pooler`](crate::Builder).)
+pub trait Backend:
+    sqlx::Database + Sized + RecordSql + outbox::OutboxSql + calls::CallSql + sqlx::database::HasStatementCache
+{
+}
+
+/// What each backend writes in its own SQL: the statements the record
+/// protocol ([`record`]) is built from. Public in name only: this module is
+/// private, so nothing outside the crate can name it, and so implement
+/// [`Backend`] (the sealed-trait pattern).
+pub trait RecordSql: sqlx::Database + Sized {
+    /// Creates `idem_record`, `idem_meta` and their indexes if absent, and
+    /// records `namespace` in `idem_meta` unless the database holds one.
+    fn migrate(db: &Db<Self>, namespace: &str) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// The namespace recorded by [`migrate`](RecordSql::migrate), if any.
+    fn namespace(db: &Db<Self>) -> impl Future<Output = Result<Option<String>, sqlx::Error>> + Send;
+
+    // Issued tokens without Redis (`crate::token::database`), in `idem_token`,
+    // which `migrate` creates beside `idem_record`. Times are epoch ms.
+
+    /// Inserts a token issued now, live (and kept) until `expires_ms`.
+    /// `Ok(false)`: the primary key `(biz_type, token)` is taken.
+    fn token_insert(
+        db: &Db<Self>,
+        id: TokenId<'_>,
+        now_ms: i64,
+        expires_ms: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// The one conditional statement that consumes a token: marks it used at
+    /// `now_ms` (the row kept until `used_until_ms`, to answer "already
+    /// used") if it is `id.subject`'s, unused and live. `Ok(true)`: this
+    /// call consumed it.
+    fn token_consume(
+        db: &Db<Self>,
+        id: TokenId<'_>,
+        now_ms: i64,
+        used_until_ms: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// The row of a token, whoever it belongs to, without locking.
+    fn token_read(
+        db: &Db<Self>,
+        biz: &str,
+        token: &str,
+    ) -> impl Future<Output = Result<Option<TokenRow>, sqlx::Error>> + Send;
+
+    /// Makes the token consumed at `used_at_ms` unused again, until its own
+    /// expiry. `Ok(false)`: that consumption is not the row's (any more).
+    fn token_give_back(
+        db: &Db<Self>,
+        id: TokenId<'_>,
+        used_at_ms: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Deletes up to `limit` tokens kept until `now_ms` or before: expired
+    /// unused ones, and used ones past the time they answer "already used".
+    fn token_purge_expired(
+        db: &Db<Self>,
+        now_ms: i64,
+        limit: i64,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// Opens the transaction the record and the body share.
+    fn begin(pool: &Pool<Self>) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send {
+        pool.begin()
+    }
+
+    /// Opens a transaction for a call without a Redis claim: its record
+    /// statements ([`insert`](RecordSql::insert), [`read_locking`](RecordSql::read_locking),
+    /// [`delete_expired`](RecordSql::delete_expired) with `Some(wait)`) may
+    /// wait at most `wait` on a duplicate still in flight, until
+    /// [`end_bound`](RecordSql::end_bound). A backend that bounds lock waits
+    /// per transaction sets the bound here, in the same round trip as `BEGIN`;
+    /// by default the bound rides on each statement (see
+    /// [`bounded`](RecordSql::bounded)), or is the server's own.
+    fn begin_bounded(
+        pool: &Pool<Self>,
+        wait: Duration,
+    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send {
+        let _ = wait;
+        Self::begin(pool)
+    }
+
+    /// Ends the bound of [`begin_bounded`](RecordSql::begin_bounded) before
+    /// the body runs, putting back the session's own setting, so the body's
+    /// own lock waits are left alone. Nothing to end by default.
+    fn end_bound(
+        pooling: Pooling,
+        tx: &mut Transaction<'_, Self>,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send {
+        let _ = (pooling, tx);
+        async { Ok(()) }
+    }
+
+    /// Bounds the record statements that follow in `tx`, a transaction the
+    /// caller opened (the `join` mode), as [`begin_bounded`](RecordSql::begin_bounded)
+    /// bounds one of our own, until [`end_bound`](RecordSql::end_bound).
+    /// Nothing to set by default (the bound rides on each statement).
+    fn bound_within(
+        pooling: Pooling,
+        tx: &mut Transaction<'_, Self>,
+        wait: Duration,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send {
+        let _ = (pooling, tx, wait);
+        async { Ok(()) }
+    }
+
+    /// `sql` as sent: with `Some(wait)`, a backend that bounds lock waits
+    /// per statement says so in the statement itself.
+    fn bounded(sql: &'static str, wait: Option<Duration>) -> sqlx::SqlStr {
+        let _ = wait;
+        sqlx::SqlSafeStr::into_sql_str(sql)
+    }
+
+    /// Inserts `rec`. `Ok(false)`: a committed row holds the key; the
+    /// transaction stays usable.
+    fn insert(
+        pooling: Pooling,
+        tx: &mut Transaction<'_, Self>,
+        rec: &NewRecord<'_>,
+        wait: Option<Duration>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Stores the response in the row this transaction inserted, with the
+    /// status, `updated_at` and `expires_at` of `rec` (the ttl counts from
+    /// the end of the body, as when the record goes in last).
+    fn mark_succeeded(
+        pooling: Pooling,
+        tx: &mut Transaction<'_, Self>,
+        rec: &NewRecord<'_>,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Reads the latest committed row of a key inside the call's
+    /// transaction: a locking read where the isolation level would otherwise
+    /// show an older snapshot (MySQL's `LOCK IN SHARE MODE`).
+    fn read_locking(
+        pooling: Pooling,
+        conn: &mut Self::Connection,
+        biz: &str,
+        key: &str,
+        wait: Option<Duration>,
+    ) -> impl Future<Output = Result<Option<StoredRecord>, sqlx::Error>> + Send;
+
+    /// Reads the committed row of a key without taking or waiting on locks
+    /// (a plain read, outside any transaction).
+    fn read_plain(
+        db: &Db<Self>,
+        biz: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<StoredRecord>, sqlx::Error>> + Send;
+
+    /// Deletes the row of a key if it expired at or before `now_ms`.
+    fn delete_expired(
+        pooling: Pooling,
+        conn: &mut Self::Connection,
+        biz: &str,
+        key: &str,
+        now_ms: i64,
+        wait: Option<Duration>,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// Deletes up to `limit` expired rows (any key).
+    fn purge_expired(db: &Db<Self>, now_ms: i64, limit: i64) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// How an error of this backend matters to the engine.
+    fn classify(error: &sqlx::Error) -> ErrorClass;
+
+    /// `ident` quoted for this backend's SQL. Only for identifiers checked
+    /// at compile time (layer 4's `state::Ident`): none holds a quote.
+    fn quote(ident: &str) -> String;
+
+    /// The `n`th bind placeholder (from 1).
+    fn placeholder(n: usize) -> String;
+
+    /// Rows a statement changed.
+    fn rows_affected(done: &Self::QueryResult) -> u64;
+
+    /// What makes a `SELECT` inside a transaction read the latest committed
+    /// row rather than the transaction's snapshot (empty where the default
+    /// isolation level already does).
+    fn latest_committed_suffix() -> &'static str {
+        ""
+    }
+
+    /// Whether the database has a clock of its own to read (a server).
+    /// SQLite's file lives on this host, whose clock is the database's.
+    const HAS_CLOCK: bool = true;
+
+    /// The database's clock in Unix epoch microseconds (see
+    /// [`crate::clock`]), read in the simple protocol: no statement is
+    /// prepared, so a pooler in transaction mode passes it.
+    fn clock_us(pool: &Pool<Self>) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
+}
+
+/// The database clock's reading, for [`crate::clock::Clock`].
+impl<DB: Backend> crate::clock::ClockSource for Pool<DB> {
+    fn database_us(&self) -> impl Future<Output = Result<i64, sqlx::Error>> + Send {
+        DB::clock_us(self)
+    }
+}
+
+/// Reads the one `BIGINT` that `sql` (a constant) selects, in the simple
+/// protocol.
+pub(crate) async fn select_bigint<DB>(pool: &Pool<DB>, sql: &'static str) -> Result<i64, sqlx::Error>
+where
+    DB: sqlx::Database,
+    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    i64: sqlx::Type<DB> + for<'r> sqlx::Decode<'r, DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    use sqlx::Row;
+    let row = sqlx::raw_sql(sql).fetch_one(pool).await?;
+    row.try_get(0)
+}
+
+/// SQL of the statements every backend runs in the same shape.
+pub(crate) struct Queries {
+    pub insert: &'static str,
+    pub mark_succeeded: &'static str,
+    pub read_locking: &'static str,
+    pub read_plain: &'static str,
+    pub delete_expired: &'static str,
+    pub purge_expired: &'static str,
+    /// Creates `idem_meta`: one row per setting, such as the namespace.
+    pub meta_ddl: &'static str,
+    /// Records the namespace unless one is recorded (binds: the namespace).
+    pub init_namespace: &'static str,
+}
+
+/// The statement reading the namespace back; the same on every backend.
+pub(crate) const NAMESPACE: &str = "SELECT value FROM idem_meta WHERE name = 'namespace'";
+
+/// Writes the [`RecordSql`] methods that differ only in SQL text, each
+/// statement sent as the engine's [`Pooling`] allows ([`on_pool!`] for
+/// those outside the call's transaction).
+macro_rules! record_queries {
+    ($q:expr) => {
+        async fn insert(
+            pooling: $crate::store::Pooling,
+            tx: &mut ::sqlx::Transaction<'_, Self>,
+            rec: &$crate::store::NewRecord<'_>,
+            wait: Option<::std::time::Duration>,
+        ) -> Result<bool, ::sqlx::Error> {
+            let sql = Self::bounded($q.insert, wait);
+            // Placeholders in column order: biz_type, idem_key, biz_no, params_hash,
+            // status, response, created_at, updated_at, expires_at.
+            let done = ::sqlx::query(sql)
+                .persistent(pooling.persistent())
+                .bind(rec.biz)
+                .bind(rec.key)
+                .bind(rec.biz_no)
+                .bind(rec.params_hash)
+                .bind(rec.status)
+                .bind(rec.response)
+                .bind(rec.now_ms)
+                .bind(rec.now_ms)
+                .bind(rec.expires_ms)
+                .execute(&mut **tx)
+                .await;
+            $crate::store::inserted(done.map(|d| d.rows_affected()))
+        }
+
+        async fn mark_succeeded(
+            pooling: $crate::store::Pooling,
+            tx: &mut ::sqlx::Transaction<'_, Self>,
+            rec: &$crate::store::NewRecord<'_>,
+        ) -> Result<(), ::sqlx::Error> {
+            ::sqlx::query($q.mark_succeeded)
+                .persistent(pooling.persistent())
+                .bind(rec.status)
+                .bind(rec.response)
+                .bind(rec.now_ms)
+                .bind(rec.expires_ms)
+                .bind(rec.biz)
+                .bind(rec.key)
+                .execute(&mut **tx)
+                .await
+                .map(drop)
+        }
+
+        async fn read_locking(
+            pooling: $crate::store::Pooling,
+            conn: &mut Self::Connection,
+            biz: &str,
+            key: &str,
+            wait: Option<::std::time::Duration>,
+        ) -> Result<Option<$crate::store::StoredRecord>, ::sqlx::Error> {
+            let sql = Self::bounded($q.read_locking, wait);
+            let row: Option<$crate::store::RecordRow> = ::sqlx::query_as(sql)
+                .persistent(pooling.persistent())
+                .bind(biz)
+                .bind(key)
+                .fetch_optional(&mut *conn)
+                .await?;
+            Ok(row.map(Into::into))
+        }
+
+        async fn read_plain(
+            db: &$crate::store::Db<Self>,
+            biz: &str,
+            key: &str,
+        ) -> Result<Option<$crate::store::StoredRecord>, ::sqlx::Error> {
+            let row: Option<$crate::store::RecordRow> = $crate::store::on_pool!(db, |on, persistent| {
+                ::sqlx::query_as($q.read_plain).persistent(persistent).bind(biz).bind(key).fetch_optional(on).await
+            })?;
+            Ok(row.map(Into::into))
+        }
+
+        async fn delete_expired(
+            pooling: $crate::store::Pooling,
+            conn: &mut Self::Connection,
+            biz: &str,
+            key: &str,
+            now_ms: i64,
+            wait: Option<::std::time::Duration>,
+        ) -> Result<u64, ::sqlx::Error> {
+            let sql = Self::bounded($q.delete_expired, wait);
+            let done = ::sqlx::query(sql)
+                .persistent(pooling.persistent())
+                .bind(biz)
+                .bind(key)
+                .bind(now_ms)
+                .execute(&mut *conn)
+                .await?;
+            Ok(done.rows_affected())
+        }
+
+        async fn namespace(db: &$crate::store::Db<Self>) -> Result<Option<String>, ::sqlx::Error> {
+            $crate::store::on_pool!(db, |on, persistent| {
+                ::sqlx::query_scalar($crate::store::NAMESPACE).persistent(persistent).fetch_optional(on).await
+            })
+        }
+
+        async fn purge_expired(db: &$crate::store::Db<Self>, now_ms: i64, limit: i64) -> Result<u64, ::sqlx::Error> {
+            $crate::store::on_pool!(db, |on, persistent| {
+                let done = ::sqlx::query($q.purge_expired).persistent(persistent).bind(now_ms).bind(limit).execute(on);
+                done.await.map(|d| d.rows_affected())
+            })
+        }
+    };
+}
+pub(crate) use record_queries;
+
+/// An insert's answer: `Ok(true)` inserted, `Ok(false)` the key is taken
+/// (a unique violation, or 0 rows under `ON CONFLICT DO NOTHING`).
+pub(crate) fn inserted(result: Result<u64, sqlx::Error>) -> Result<bool, sqlx::Error> {
+    match result {
+        Ok(rows) => Ok(rows == 1),
+        Err(e) if is_unique_violation(&e) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// The part of [`RecordSql::classify`] all backends share.
+pub(crate) fn is_unique_violation(error: &sqlx::Error) -> bool {
+    error.as_database_error().is_some_and(|e| e.kind() == sqlx::error::ErrorKind::UniqueViolation)
+}
+
+/// Errors of real servers, classified by code: a unique violation, a lock
+/// wait past its bound, a deadlock, and anything else. Against the servers
+/// on this machine (`IDEM_MYSQL_URL`, `IDEM_PG_URL`); skipped when one does
+/// not answer, unless `IDEM_REQUIRE_SERVICES=1`.
+#[cfg(test)]
+mod classification {
+    use std::time::Duration;
+
+    use sqlx::Pool;
+
+    use super::{ErrorClass, RecordSql};
+
+    /// What differs per server for the test below.
+    struct Server {
+        /// Creates `idem_classify` with rows 1 and 2.
+        ddl: &'static str,
+        /// Makes this transaction's next lock wait give up quickly.
+        short_lock_wait: &'static str,
+        /// Whether row locks exist (SQLite locks the whole database).
+        row_locks: bool,
+    }
+
+    fn unreachable(service: &str, e: impl std::fmt::Display) {
+        assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "{service} unreachable: {e}");
+        eprintln!("skipped: {service} unreachable ({e})");
+    }
+
+    async fn classifies<DB>(pool: Pool<DB>, server: Server)
+    where
+        DB: RecordSql,
+        DB::QueryResult: std::fmt::Debug,
+        for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+        for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    {
+        let class = |e: &sqlx::Error| DB::classify(e);
+        sqlx::raw_sql(server.ddl).execute(&pool).await.expect("ddl");
+        let lock = |id: i32| {
+            if id == 1 {
+                "UPDATE idem_classify SET v = v + 1 WHERE id = 1"
+            } else {
+                "UPDATE idem_classify SET v = v + 1 WHERE id = 2"
+            }
+        };
+
+        let dup = sqlx::raw_sql("INSERT INTO idem_classify VALUES (1, 0)").execute(&pool).await.unwrap_err();
+        assert_eq!(class(&dup), ErrorClass::Duplicate, "{dup:?}");
+        let null = sqlx::raw_sql("INSERT INTO idem_classify VALUES (3, NULL)").execute(&pool).await.unwrap_err();
+        assert_eq!(class(&null), ErrorClass::Other, "{null:?}");
+
+        let mut a = pool.begin().await.unwrap();
+        sqlx::raw_sql(lock(1)).execute(&mut *a).await.unwrap();
+        // A connection of its own, closed afterwards: its short lock wait
+        // must not reach the deadlock below through the pool.
+        let mut b = pool.acquire().await.unwrap().detach();
+        sqlx::raw_sql(server.short_lock_wait).execute(&mut b).await.unwrap();
+        let waited = sqlx::raw_sql(lock(1)).execute(&mut b).await.unwrap_err();
+        assert_eq!(class(&waited), ErrorClass::LockTimeout, "{waited:?}");
+        drop(b);
+        if !server.row_locks {
+            return;
+        }
+
+        let mut b = pool.begin().await.unwrap();
+        sqlx::raw_sql(lock(2)).execute(&mut *b).await.unwrap();
+        let a_waits = tokio::spawn(async move {
+            let r = sqlx::raw_sql(lock(2)).execute(&mut *a).await;
+            (a, r)
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let b_result = sqlx::raw_sql(lock(1)).execute(&mut *b).await;
+        let (a, a_result) = a_waits.await.unwrap();
+        let deadlock = match (a_result, b_result) {
+            (Err(e), _) | (_, Err(e)) => e,
+            (Ok(_), Ok(_)) => panic!("no deadlock"),
+        };
+        assert_eq!(class(&deadlock), ErrorClass::Conflict, "{deadlock:?}");
+        drop((a, b));
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_errors_are_classified_by_code() {
+        use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+        let file = std::env::temp_dir().join(format!("idem-classify-{}.db", crate::random::token()));
+        let options = SqliteConnectOptions::new().filename(&file).create_if_missing(true);
+        let pool = SqlitePoolOptions::new().max_connections(2).connect_with(options).await.expect("sqlite");
+        let ddl = "CREATE TABLE idem_classify (id INT PRIMARY KEY, v INT NOT NULL); \
+                   INSERT INTO idem_classify VALUES (1, 0), (2, 0)";
+        classifies(pool, Server { ddl, short_lock_wait: "PRAGMA busy_timeout = 300", row_locks: false }).await;
+        let _ = std::fs::remove_file(file);
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_errors_are_classified_by_code() {
+        let url = std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        let pool = match sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&url).await {
+            Ok(pool) => pool,
+            Err(e) => return unreachable("mysql", e),
+        };
+        let ddl = "CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); \
+                   INSERT IGNORE INTO idem_classify VALUES (1, 0), (2, 0)";
+        let short = "SET SESSION innodb_lock_wait_timeout = 1";
+        classifies(pool, Server { ddl, short_lock_wait: short, row_locks: true }).await;
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_errors_are_classified_by_code() {
+        let url = std::env::var("IDEM_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        let pool = match sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&url).await {
+            Ok(pool) => pool,
+            Err(e) => return unreachable("postgres", e),
+        };
+        let ddl = "SELECT pg_advisory_xact_lock(7306232718293614); \
+                   CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); \
+                   INSERT INTO idem_classify VALUES (1, 0), (2, 0) ON CONFLICT DO NOTHING";
+        classifies(pool, Server { ddl, short_lock_wait: "SET lock_timeout = 300", row_locks: true }).await;
+    }
+}
+
+/// Each server's clock, read as the engines read it: within a second of
+/// this host's (the servers here share its clock), and the round trip that
+/// bounds a reading's error. Skipped when a server does not answer, unless
+/// `IDEM_REQUIRE_SERVICES=1`.
+#[cfg(test)]
+mod clock_reading {
+    use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+    use sqlx::Pool;
+
+    use super::RecordSql;
+
+    async fn reads<DB: RecordSql>(pool: Pool<DB>, server: &str) {
+        let mut best = Duration::MAX;
+        for _ in 0..20 {
+            let sent = Instant::now();
+            let db_us = DB::clock_us(&pool).await.expect("the clock query");
+            best = best.min(sent.elapsed());
+            let host_us = i64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros()).unwrap();
+            assert!((db_us - host_us).abs() < 1_000_000, "{server}: {db_us} vs the host's {host_us}");
+        }
+        println!("{server}: a clock reading's round trip is {best:?} at best (its error at most half that)");
+    }
+
+    fn unreachable(service: &str, e: impl std::fmt::Display) {
+        assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "{service} unreachable: {e}");
+        eprintln!("skipped: {service} unreachable ({e})");
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test]
+    async fn mysql_clock_is_read() {
+        let url = std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        match sqlx::mysql::MySqlPoolOptions::new().max_connections(1).connect(&url).await {
+            Ok(pool) => reads(pool, "mysql").await,
+            Err(e) => unreachable("mysql", e),
+        }
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test]
+    async fn postgres_clock_is_read() {
+        let url = std::env::var("IDEM_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        match sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&url).await {
+            Ok(pool) => reads(pool, "postgres").await,
+            Err(e) => unreachable("postgres", e),
+        }
+    }
+}
