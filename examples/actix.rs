@@ -31,61 +31,19 @@
 //!   -H 'Idempotency-Token: <token>' -H 'Content-Type: application/json' -d '{"amount":1999}'
 //! ```
 
-use std::fmt;
+#[path = "shop/mod.rs"]
+mod shop;
+
 use std::future::{Ready, ready};
-use std::str::FromStr;
-use std::time::Duration;
 
 use actix_web::dev::Payload;
 use actix_web::http::StatusCode;
 use actix_web::middleware::from_fn;
 use actix_web::{App, FromRequest, HttpRequest, HttpResponse, HttpServer, Responder, ResponseError, web};
+use idempotency::Idem;
 use idempotency::http::actix::{Path, Problem, check_principal, replay_header};
 use idempotency::http::{IdempotencyKey, IdempotencyToken, KeyOrToken};
-use idempotency::state::{Advanced, advance};
-use idempotency::{Backend, Idem, TokenError, idempotent, transition};
-use serde::{Deserialize, Serialize};
-use sqlx::{AssertSqlSafe, Transaction};
-
-/// The business action pay tokens are issued for.
-const PAY_TOKENS: &str = "http_pay";
-/// How long a pay token lives: the time a user may take to fill the form.
-const PAY_TOKEN_TTL: Duration = Duration::from_secs(15 * 60);
-
-/// What `GET /orders/{id}/pay-token` answers.
-#[derive(Debug, Serialize)]
-struct PayToken {
-    token: String,
-    /// Seconds the token stays usable.
-    expires_in: u64,
-}
-
-/// The order's state column and its allowed moves (layer 4).
-#[derive(Clone, Copy, Debug, PartialEq, idempotency::State)]
-#[state(table = "orders", id = "id", column = "status")]
-#[state(transitions(Pending -> Paid, Paid -> Refunded, Pending -> Closed))]
-enum OrderStatus {
-    Pending,
-    Paid,
-    Refunded,
-    Closed,
-}
-
-/// The request body.
-#[derive(Debug, Serialize, Deserialize)]
-struct PayReq {
-    /// Integer cents.
-    amount: i64,
-}
-
-/// What a successful payment answers, and what a retry replays.
-#[derive(Debug, Serialize, Deserialize)]
-struct PayResponse {
-    order_id: i64,
-    amount: i64,
-    payment_id: i64,
-    status: String,
-}
+use shop::{ApiError, PAY_TOKEN_TTL, PAY_TOKENS, PayResponse, PayToken, Refusal, Store};
 
 impl Responder for PayResponse {
     type Body = actix_web::body::BoxBody;
@@ -95,77 +53,31 @@ impl Responder for PayResponse {
     }
 }
 
-/// The handler's error: the engine's, or the business rules'. An `Err` is
-/// never recorded, so the same request may be sent again.
-#[derive(Debug)]
-enum ApiError {
-    Idem(idempotency::Error),
-    /// The token is refused (403) or cannot be checked (503).
-    Token(TokenError),
-    /// The order exists but can no longer be paid (closed, refunded).
-    NotPayable(i64),
-    NotFound(i64),
-    BadAmount,
-}
-
-impl From<idempotency::Error> for ApiError {
-    fn from(e: idempotency::Error) -> Self {
-        ApiError::Idem(e)
-    }
-}
-
-impl From<TokenError> for ApiError {
-    fn from(e: TokenError) -> Self {
-        ApiError::Token(e)
-    }
-}
-
-impl From<sqlx::Error> for ApiError {
-    fn from(e: sqlx::Error) -> Self {
-        // Rolled back, nothing written: retryable, like the engine's own storage failures (503).
-        ApiError::Idem(e.into())
-    }
-}
-
-impl fmt::Display for ApiError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ApiError::Idem(e) => e.fmt(f),
-            ApiError::Token(e) => e.fmt(f),
-            ApiError::NotPayable(id) => write!(f, "order {id} is not pending payment"),
-            ApiError::NotFound(id) => write!(f, "no order {id}"),
-            ApiError::BadAmount => f.write_str("amount must be a positive number of cents"),
-        }
-    }
-}
-
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
-        self.problem().status
+        match self {
+            ApiError::Idem(e) => ResponseError::status_code(e),
+            ApiError::Token(e) => ResponseError::status_code(e),
+            ApiError::Refused(refusal) => refusal_problem(refusal).status,
+        }
     }
 
     fn error_response(&self) -> HttpResponse {
         match self {
             ApiError::Idem(e) => e.error_response(),
             ApiError::Token(e) => e.error_response(),
-            _ => self.problem().error_response(),
+            ApiError::Refused(refusal) => refusal_problem(refusal).error_response(),
         }
     }
 }
 
-impl ApiError {
-    /// The answer, in the same `application/problem+json` shape as the engine's.
-    fn problem(&self) -> Problem {
-        let (status, code) = match self {
-            ApiError::Idem(e) => return Problem::from(e),
-            ApiError::Token(e) => return Problem::from(e),
-            ApiError::NotPayable(_) => (StatusCode::CONFLICT, "ORDER_NOT_PAYABLE"),
-            ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "ORDER_NOT_FOUND"),
-            ApiError::BadAmount => (StatusCode::UNPROCESSABLE_ENTITY, "INVALID_AMOUNT"),
-        };
-        let title = status.canonical_reason().unwrap_or("Error");
-        Problem { status, code, title, detail: self.to_string(), retry_after: None }
-    }
+/// A business refusal in the same `application/problem+json` shape as the
+/// engine's answers.
+fn refusal_problem(refusal: &Refusal) -> Problem {
+    let (status, code) = refusal.status_and_code();
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let title = status.canonical_reason().unwrap_or("Error");
+    Problem { status, code, title, detail: refusal.to_string(), retry_after: None }
 }
 
 /// The authenticated principal; here simply the `X-User-Id` header. None
@@ -196,8 +108,7 @@ impl FromRequest for UserId {
     }
 }
 
-/// The handler and its routes for one database. MySQL and SQLite take the
-/// same SQL (`?` placeholders); only the type and the new row's id differ.
+/// The handlers and their routes for one database.
 macro_rules! pay_service {
     ($module:ident, $db:ty, $payment_id:path) => {
         mod $module {
@@ -206,6 +117,8 @@ macro_rules! pay_service {
             pub struct App {
                 pub idem: Idem<$db>,
             }
+
+            shop::payments!($db, $payment_id);
 
             /// A token for paying an order, for this user alone.
             async fn pay_token(
@@ -236,75 +149,6 @@ macro_rules! pay_service {
                 }
             }
 
-            /// Once per (user, Idempotency-Key). The key template is scoped
-            /// to the principal; `app` (the engine's root) is not part of the
-            /// fingerprint, everything else is.
-            #[idempotent(key = "<user>:<idem_key>", ttl = "24h", biz = "http_pay", engine = app.idem)]
-            async fn pay_by_key(
-                app: &App,
-                tx: &mut Transaction<'_, $db>,
-                user: String,
-                idem_key: String,
-                order_id: i64,
-                req: PayReq,
-            ) -> Result<PayResponse, ApiError> {
-                charge(tx, &user, order_id, &req).await
-            }
-
-            /// Once per token: every submit of one token meets this record
-            /// (another `biz`, so a client's key can never name it).
-            #[idempotent(key = "<user>:<token>", ttl = "24h", biz = "http_pay_token", engine = app.idem)]
-            async fn pay_by_token(
-                app: &App,
-                tx: &mut Transaction<'_, $db>,
-                user: String,
-                token: String,
-                order_id: i64,
-                req: PayReq,
-            ) -> Result<PayResponse, ApiError> {
-                charge(tx, &user, order_id, &req).await
-            }
-
-            /// The payment itself, in the call's transaction.
-            async fn charge(
-                tx: &mut Transaction<'_, $db>,
-                user: &str,
-                order_id: i64,
-                req: &PayReq,
-            ) -> Result<PayResponse, ApiError> {
-                if req.amount <= 0 {
-                    return Err(ApiError::BadAmount);
-                }
-                // Layer 4: the order's own state decides, even when two keys
-                // (a client that invents a new one per retry) reach this body.
-                match advance(transition!(OrderStatus: Pending -> Paid)).run(&mut **tx, order_id).await? {
-                    Advanced::Applied => {}
-                    Advanced::AlreadyThere => {
-                        // Paid before, under another key: success, with that payment.
-                        let (payment_id, amount): (i64, i64) =
-                            sqlx::query_as("SELECT id, amount FROM payments WHERE order_id = ?")
-                                .bind(order_id)
-                                .fetch_one(&mut **tx)
-                                .await?;
-                        return Ok(PayResponse { order_id, amount, payment_id, status: "PAID".into() });
-                    }
-                    Advanced::Conflict { .. } => return Err(ApiError::NotPayable(order_id)),
-                    Advanced::NotFound => return Err(ApiError::NotFound(order_id)),
-                }
-                let inserted = sqlx::query("INSERT INTO payments (order_id, user_id, amount) VALUES (?, ?, ?)")
-                    .bind(order_id)
-                    .bind(user)
-                    .bind(req.amount)
-                    .execute(&mut **tx)
-                    .await?;
-                Ok(PayResponse {
-                    order_id,
-                    amount: req.amount,
-                    payment_id: $payment_id(&inserted),
-                    status: "PAID".into(),
-                })
-            }
-
             /// The routes, for `App::configure` in each worker.
             pub fn routes(app: web::Data<App>) -> impl Fn(&mut web::ServiceConfig) + Clone + Send + 'static {
                 move |config| {
@@ -318,59 +162,8 @@ macro_rules! pay_service {
     };
 }
 
-fn mysql_payment_id(result: &sqlx::mysql::MySqlQueryResult) -> i64 {
-    i64::try_from(result.last_insert_id()).unwrap_or(i64::MAX)
-}
-
-fn sqlite_payment_id(result: &sqlx::sqlite::SqliteQueryResult) -> i64 {
-    result.last_insert_rowid()
-}
-
-pay_service!(on_mysql, sqlx::MySql, mysql_payment_id);
-pay_service!(on_sqlite, sqlx::Sqlite, sqlite_payment_id);
-
-const MYSQL_DDL: &str = "
-    CREATE TABLE IF NOT EXISTS orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL);
-    CREATE TABLE IF NOT EXISTS payments (
-        id BIGINT AUTO_INCREMENT PRIMARY KEY, order_id BIGINT NOT NULL,
-        user_id VARCHAR(64) NOT NULL, amount BIGINT NOT NULL, KEY (order_id));";
-const SQLITE_DDL: &str = "
-    CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, status TEXT NOT NULL);
-    CREATE TABLE IF NOT EXISTS payments (
-        id INTEGER PRIMARY KEY AUTOINCREMENT, order_id INTEGER NOT NULL,
-        user_id TEXT NOT NULL, amount INTEGER NOT NULL);";
-
-/// Orders 1..=10000 as `PENDING`, in one statement; existing rows are kept.
-fn seed_orders(insert_ignore: &'static str) -> AssertSqlSafe<String> {
-    let rows: Vec<String> = (1..=10_000).map(|id| format!("({id},'PENDING')")).collect();
-    // Safe: made of a literal and integers only.
-    AssertSqlSafe(format!("{insert_ignore} INTO orders (id, status) VALUES {}", rows.join(",")))
-}
-
-/// The engine, with the Redis claim when `IDEM_REDIS_URL` is set.
-fn engine<DB: Backend>(pool: sqlx::Pool<DB>, redis: Option<redis::Client>) -> Idem<DB> {
-    let builder = Idem::builder(pool);
-    match redis {
-        Some(client) => builder.redis(client).build(),
-        None => builder.build(),
-    }
-}
-
-/// Deletes expired records and tokens now and then, keeping `idem_record`
-/// and `idem_token` bounded.
-fn purge_periodically<DB: Backend>(idem: Idem<DB>) {
-    tokio::spawn(async move {
-        loop {
-            if let Err(e) = idem.purge_expired(1_000).await {
-                eprintln!("purge failed: {e}");
-            }
-            if let Err(e) = idem.tokens().purge_expired(1_000).await {
-                eprintln!("token purge failed: {e}");
-            }
-            tokio::time::sleep(Duration::from_secs(3_600)).await;
-        }
-    });
-}
+pay_service!(on_mysql, sqlx::MySql, shop::mysql_payment_id);
+pay_service!(on_sqlite, sqlx::Sqlite, shop::sqlite_payment_id);
 
 /// Serves `routes` behind the replay marker, on every core.
 async fn serve(addr: &str, routes: impl Fn(&mut web::ServiceConfig) + Clone + Send + 'static) -> std::io::Result<()> {
@@ -387,34 +180,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let addr = std::env::var("IDEM_HTTP_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let redis = std::env::var("IDEM_REDIS_URL").ok().map(redis::Client::open).transpose()?;
     println!("{}", if redis.is_some() { "with the Redis claim" } else { "without Redis" });
-
-    if let Ok(url) = std::env::var("IDEM_MYSQL_URL") {
-        let pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(16).connect(&url).await?;
-        let idem = engine(pool, redis);
-        idem.migrate().await?;
-        sqlx::raw_sql(MYSQL_DDL).execute(idem.pool()).await?;
-        sqlx::query(seed_orders("INSERT IGNORE")).execute(idem.pool()).await?;
-        purge_periodically(idem.clone());
-        println!("on MySQL");
-        serve(&addr, on_mysql::routes(web::Data::new(on_mysql::App { idem }))).await?;
-    } else {
-        let pool = match std::env::var("IDEM_SQLITE_URL") {
-            Ok(url) => {
-                let options = sqlx::sqlite::SqliteConnectOptions::from_str(&url)?
-                    .create_if_missing(true)
-                    .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
-                    .busy_timeout(Duration::from_secs(5));
-                sqlx::sqlite::SqlitePoolOptions::new().max_connections(8).connect_with(options).await?
-            }
-            Err(_) => Idem::sqlite_memory().await?.pool().clone(),
-        };
-        let idem = engine(pool, redis);
-        idem.migrate().await?;
-        sqlx::raw_sql(SQLITE_DDL).execute(idem.pool()).await?;
-        sqlx::query(seed_orders("INSERT OR IGNORE")).execute(idem.pool()).await?;
-        purge_periodically(idem.clone());
-        println!("on SQLite");
-        serve(&addr, on_sqlite::routes(web::Data::new(on_sqlite::App { idem }))).await?;
+    match shop::open(redis).await? {
+        Store::MySql(idem) => {
+            println!("on MySQL");
+            serve(&addr, on_mysql::routes(web::Data::new(on_mysql::App { idem }))).await?;
+        }
+        Store::Sqlite(idem) => {
+            println!("on SQLite");
+            serve(&addr, on_sqlite::routes(web::Data::new(on_sqlite::App { idem }))).await?;
+        }
     }
     Ok(())
 }
