@@ -219,20 +219,21 @@ async fn alternating(
         .collect()
 }
 
-/// One plain `GET` per call of the keys in `keys` (those the replays read:
+/// One plain `HGET` per call of the result fields in `fields` (those the replays read:
 /// the same result comes back), through redis-rs (`get`) and hand-written
 /// on plain sockets the calling tasks own (`tcp`, no client library in
 /// between): the least a replay's one Redis round trip costs.
-async fn plain_gets(client: &redis::Client, tasks: usize, keys: Vec<String>) -> Vec<(&'static str, Call)> {
+async fn plain_gets(client: &redis::Client, tasks: usize, fields: Vec<(String, Vec<u8>)>) -> Vec<(&'static str, Call)> {
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
-    let keys = Arc::new(keys);
+    let fields = Arc::new(fields);
     let redis = redis::aio::ConnectionManager::new(client.clone()).await.expect("redis");
-    let k = keys.clone();
+    let f = fields.clone();
     let get = call(move |i: usize| {
-        let (mut conn, key) = (redis.clone(), k[i % k.len()].clone());
+        let (mut conn, (hash, field)) = (redis.clone(), f[i % f.len()].clone());
         async move {
-            let found: Option<String> = redis::cmd("GET").arg(&key).query_async(&mut conn).await.expect("get");
-            assert!(found.is_some(), "{key} holds no result");
+            let found: Option<Vec<u8>> =
+                redis::cmd("HGET").arg(&hash).arg(&field).query_async(&mut conn).await.expect("hget");
+            assert!(found.is_some(), "{hash} holds no result");
         }
     });
     let redis::ConnectionAddr::Tcp(host, port) = client.get_connection_info().addr() else { return vec![("get", get)] };
@@ -244,11 +245,14 @@ async fn plain_gets(client: &redis::Client, tasks: usize, keys: Vec<String>) -> 
     }
     let sockets = Arc::new(sockets);
     let tcp = call(move |i: usize| {
-        let (sockets, key) = (sockets.clone(), keys[i % keys.len()].clone());
+        let (sockets, (hash, field)) = (sockets.clone(), fields[i % fields.len()].clone());
         async move {
             let mut socket = sockets[i % sockets.len()].lock().await;
-            let request = format!("*2\r\n$3\r\nGET\r\n${}\r\n{key}\r\n", key.len());
-            socket.get_mut().write_all(request.as_bytes()).await.expect("tcp write");
+            let mut request =
+                format!("*3\r\n$4\r\nHGET\r\n${}\r\n{hash}\r\n${}\r\n", hash.len(), field.len()).into_bytes();
+            request.extend_from_slice(&field);
+            request.extend_from_slice(b"\r\n");
+            socket.get_mut().write_all(&request).await.expect("tcp write");
             // A bulk string: `$<length>\r\n`, the bytes, `\r\n`.
             let mut header = String::new();
             socket.read_line(&mut header).await.expect("tcp read");
@@ -633,11 +637,36 @@ macro_rules! backend {
                     let mut turns = vec![("replay", replay)];
                     if let Claims::Single(c) = claims {
                         let mut conn = c.get_multiplexed_async_connection().await.expect("redis");
-                        let pattern = format!("idem:*:bench_pay:{tag}_?");
-                        let keys: Vec<String> =
-                            redis::cmd("KEYS").arg(&pattern).query_async(&mut conn).await.expect("keys");
-                        assert_eq!(keys.len(), 10, "the replayed results in redis");
-                        turns.extend(plain_gets(c, tasks, keys).await);
+                        // Each replayed result: its field in the hash of its window.
+                        let namespace = idem.redis_namespace().await.expect("namespace").expect("migrated");
+                        let mut fields = Vec::new();
+                        for n in 0..10 {
+                            let at = idempotency::redis_layout::locate(
+                                namespace.as_str(),
+                                "bench_pay",
+                                &format!("{tag}_{n}"),
+                            )
+                            .expect("namespace");
+                            let hashes: Vec<String> = redis::cmd("KEYS")
+                                .arg(format!("{}*", at.results_prefix))
+                                .query_async(&mut conn)
+                                .await
+                                .expect("keys");
+                            for hash in hashes {
+                                let held: bool = redis::cmd("HEXISTS")
+                                    .arg(&hash)
+                                    .arg(&at.field[..])
+                                    .query_async(&mut conn)
+                                    .await
+                                    .expect("hexists");
+                                if held {
+                                    fields.push((hash, at.field.to_vec()));
+                                    break;
+                                }
+                            }
+                        }
+                        assert_eq!(fields.len(), 10, "the replayed results in redis");
+                        turns.extend(plain_gets(c, tasks, fields).await);
                     }
                     // A replay is short: from one task five times the calls, so
                     // that its median and GET's hold still from run to run
