@@ -454,8 +454,11 @@ macro_rules! runner_suite {
                     for &(slot, outcome, catch_up) in &slots {
                         // Instance 2 catches up S0..S7, each finished by 0 or 1:
                         // replayed (S7 may still be running), never executed.
+                        // Elsewhere a slot comes late only when a busy machine
+                        // woke its runner after the slot's time (seen in a full
+                        // CI run: instance 0's S10); how it ended still counts.
                         let late = instance == 2 && slot <= 7;
-                        assert_eq!(catch_up, late, "instance {instance} S{slot}");
+                        assert!(catch_up || !late, "instance {instance} S{slot} was not caught up");
                         if late {
                             let replayed = outcome == DoneElsewhere || (slot == 7 && outcome == InProgressElsewhere);
                             assert!(replayed, "instance 2 ran S{slot} again: {outcome:?} {slots:?}");
