@@ -23,11 +23,16 @@
 //! dropped. Results also go to `target/idem-growth.json`.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use idempotency::{Idem, idempotent};
+use idempotency_testkit::TestBackend;
 use serde::{Deserialize, Serialize};
+use support::{drive, percentile, quick};
+
+#[path = "support/mod.rs"]
+mod support;
 
 /// Connections per database's pool.
 const POOL: u32 = 24;
@@ -35,10 +40,6 @@ const TASKS: [usize; 2] = [1, 16];
 /// Rows one fill statement inserts.
 const FILL_CHUNK: u64 = 500_000;
 const PURGE_BATCH: u32 = 5_000;
-
-fn quick() -> bool {
-    std::env::var("IDEM_BENCH_QUICK").is_ok_and(|v| v == "1")
-}
 
 /// How many live records the big database holds.
 fn rows() -> u64 {
@@ -64,48 +65,6 @@ fn key(run: u64, i: u64) -> String {
         z ^ (z >> 31)
     };
     format!("{:016x}{:016x}", mix(run ^ (i << 20)), mix(i ^ (run << 32)))
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1e3
-}
-
-/// `tasks` tasks call `call(i)` for fresh `i` until `calls` are made or
-/// `until` is set; returns (wall time, sorted latencies).
-async fn drive<F, Fut>(tasks: usize, calls: u64, until: Option<Arc<AtomicBool>>, call: F) -> (Duration, Vec<Duration>)
-where
-    F: Fn(u64) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = ()> + Send,
-{
-    let (call, next) = (Arc::new(call), Arc::new(AtomicU64::new(0)));
-    let start = Instant::now();
-    let handles: Vec<_> = (0..tasks)
-        .map(|_| {
-            let (call, next, until) = (call.clone(), next.clone(), until.clone());
-            tokio::spawn(async move {
-                let mut lat = Vec::new();
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= calls || until.as_ref().is_some_and(|u| u.load(Ordering::Relaxed)) {
-                        break lat;
-                    }
-                    let t = Instant::now();
-                    call(i).await;
-                    lat.push(t.elapsed());
-                }
-            })
-        })
-        .collect();
-    let mut all = Vec::new();
-    for h in handles {
-        all.extend(h.await.expect("bench task"));
-    }
-    let wall = start.elapsed();
-    all.sort();
-    (wall, all)
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -150,12 +109,12 @@ struct Report {
 }
 
 macro_rules! backend {
-    ($module:ident, $db:ty, $name:literal, $url:expr, $fill:literal, $expired:literal, $sizes:literal) => {
+    ($module:ident, $backend:ty, $name:literal, $fill:literal, $expired:literal, $sizes:literal) => {
         mod $module {
             use super::*;
             use sqlx::{Pool, Transaction};
 
-            type Db = $db;
+            type Db = <$backend as TestBackend>::Db;
 
             #[idempotent(key = "order_<k>", ttl = "24h", biz = "pay")]
             async fn pay(
@@ -168,32 +127,12 @@ macro_rules! backend {
                 Ok(Receipt { note: "n".repeat(125 - k.len()), order_id: k })
             }
 
-            async fn admin() -> Option<Pool<Db>> {
-                sqlx::pool::PoolOptions::<Db>::new().max_connections(1).connect(&$url).await.ok()
-            }
-
-            /// A private database and an engine over it.
-            async fn open(name: &str) -> (Pool<Db>, Idem<Db>) {
-                let admin = admin().await.expect("admin");
-                for sql in [format!("DROP DATABASE IF EXISTS {name}"), format!("CREATE DATABASE {name}")] {
-                    sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&admin).await.expect("create database");
-                }
-                admin.close().await;
-                let url = format!("{}/{name}", $url.rsplit_once('/').expect("url with a database").0);
-                let pool =
-                    sqlx::pool::PoolOptions::<Db>::new().max_connections(POOL).connect(&url).await.expect("pool");
+            /// A private database (the testkit's) and an engine over it.
+            async fn open(name: &str) -> Option<(Pool<Db>, Idem<Db>)> {
+                let pool = <$backend as TestBackend>::open_private(name, POOL).await?;
                 let idem = Idem::new(pool.clone());
                 idem.migrate().await.expect("migrate");
-                (pool, idem)
-            }
-
-            async fn drop_database(pool: Pool<Db>, name: &str) {
-                pool.close().await;
-                let admin = admin().await.expect("admin");
-                sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name}")))
-                    .execute(&admin)
-                    .await
-                    .expect("drop database");
+                Some((pool, idem))
             }
 
             /// Inserts records `from..to` in SQL: live ones, or already expired.
@@ -254,17 +193,14 @@ macro_rules! backend {
             }
 
             pub async fn run(report: &mut Report) {
-                if admin().await.is_none() {
-                    println!("skipped: {} unreachable", $name);
-                    return;
-                }
                 let n = rows();
                 let names = [
                     format!("idem_growth_empty_{}", std::process::id()),
                     format!("idem_growth_big_{}", std::process::id()),
                 ];
-                let (empty_pool, empty) = open(&names[0]).await;
-                let (big_pool, big) = open(&names[1]).await;
+                // `None`: the server is unreachable (the testkit said so).
+                let Some((empty_pool, empty)) = open(&names[0]).await else { return };
+                let (big_pool, big) = open(&names[1]).await.expect("the server answered a moment ago");
                 let started = Instant::now();
                 fill(&big_pool, 0, n, false).await;
                 let analyze = if $name == "postgres" { "ANALYZE idem_record" } else { "ANALYZE TABLE idem_record" };
@@ -289,10 +225,10 @@ macro_rules! backend {
                         for (side, idem) in [&empty, &big].into_iter().enumerate() {
                             let idem = idem.clone();
                             let run = ((turn * 2 + side as u64) << 8) | tasks as u64;
-                            let (w, l) = drive(tasks, calls_for(tasks) / turns, None, move |i| {
+                            let (w, l) = drive(tasks, (calls_for(tasks) / turns) as usize, None, move |i| {
                                 let idem = idem.clone();
                                 async move {
-                                    pay(&idem, key(run, i)).await.expect("first call");
+                                    pay(&idem, key(run, i as u64)).await.expect("first call");
                                 }
                             })
                             .await;
@@ -321,10 +257,10 @@ macro_rules! backend {
                 settle(&big_pool).await;
                 let load = |run: u64, stop: Arc<AtomicBool>| {
                     let idem = big.clone();
-                    drive(16, u64::MAX, Some(stop), move |i| {
+                    drive(16, usize::MAX, Some(stop), move |i| {
                         let idem = idem.clone();
                         async move {
-                            pay(&idem, key(run, i)).await.expect("first call");
+                            pay(&idem, key(run, i as u64)).await.expect("first call");
                         }
                     })
                 };
@@ -381,8 +317,8 @@ macro_rules! backend {
                 });
 
                 drop((empty, big));
-                drop_database(empty_pool, &names[0]).await;
-                drop_database(big_pool, &names[1]).await;
+                <$backend as TestBackend>::drop_private(empty_pool, &names[0]).await;
+                <$backend as TestBackend>::drop_private(big_pool, &names[1]).await;
             }
         }
     };
@@ -393,9 +329,8 @@ macro_rules! backend {
 // year, expired ones expired in 1970.
 backend!(
     mariadb,
-    sqlx::MySql,
+    idempotency_testkit::backend::MySql,
     "mariadb",
-    idempotency_testkit::mysql_url(),
     "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) \
      SELECT 'pay', CONCAT('order_', MD5(seq)), NULL, CONCAT(MD5(seq), MD5(seq)), 1, \
      CONCAT('{\"order_id\":\"', MD5(seq), '\",\"note\":\"', REPEAT('n', 93), '\"}'), 0, 0, 33000000000000 \
@@ -412,9 +347,8 @@ backend!(
 
 backend!(
     postgres,
-    sqlx::Postgres,
+    idempotency_testkit::backend::Postgres,
     "postgres",
-    idempotency_testkit::pg_url(),
     "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) \
      SELECT 'pay', 'order_' || md5(g::text), NULL, md5(g::text) || md5(g::text), 1, \
      '{\"order_id\":\"' || md5(g::text) || '\",\"note\":\"' || repeat('n', 93) || '\"}', 0, 0, 33000000000000 \
@@ -444,19 +378,6 @@ mod redis_memory {
         Ok(Receipt { note: "n".repeat(125 - k.len()), order_id: k })
     }
 
-    fn info(redis: &RedisServer, field: &str) -> i64 {
-        let mut conn = redis.client().get_connection().expect("redis");
-        let info: String = redis::cmd("INFO").arg("memory").query(&mut conn).expect("INFO");
-        let prefix = format!("{field}:");
-        info.lines().find_map(|l| l.strip_prefix(&prefix)).and_then(|v| v.trim().parse().ok()).expect("INFO field")
-    }
-
-    fn results_held(redis: &RedisServer) -> i64 {
-        let mut conn = redis.client().get_connection().expect("redis");
-        let keys: Vec<String> = redis::cmd("KEYS").arg("idem:{growth.*}:r*").query(&mut conn).expect("KEYS");
-        keys.iter().map(|k| redis::cmd("HLEN").arg(k).query::<i64>(&mut conn).expect("HLEN")).sum()
-    }
-
     pub async fn run(report: &mut Report) {
         let Some(redis) = RedisServer::start() else { return };
         let file = std::env::temp_dir().join(format!("idem-growth-{}.db", std::process::id()));
@@ -472,19 +393,19 @@ mod redis_memory {
         idem.migrate().await.expect("migrate");
         pay(&idem, key(9, 0)).await.expect("warm up");
         let deadline = Instant::now() + Duration::from_secs(20);
-        while results_held(&redis) < 1 && Instant::now() < deadline {
+        while redis.results_held("growth") < 1 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let calls: i64 = if quick() { 2_000 } else { 10_000 };
-        let before = info(&redis, "used_memory");
+        let before = redis.used_memory();
         for i in 1..=calls {
             pay(&idem, key(9, i as u64)).await.expect("first call");
         }
         let deadline = Instant::now() + Duration::from_secs(30);
-        while results_held(&redis) < calls + 1 && Instant::now() < deadline {
+        while redis.results_held("growth") < calls + 1 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        report.redis_bytes_per_result = Some((info(&redis, "used_memory") - before) as f64 / calls as f64);
+        report.redis_bytes_per_result = Some((redis.used_memory() - before) as f64 / calls as f64);
         drop(idem);
         pool.close().await;
         for suffix in ["", "-wal", "-shm"] {

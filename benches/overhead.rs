@@ -20,7 +20,11 @@ use std::time::{Duration, Instant};
 
 use idempotency::{Idem, idempotent};
 use serde::{Deserialize, Serialize};
+use support::{drive, percentile, quick};
 use tokio::sync::Barrier;
+
+#[path = "support/mod.rs"]
+mod support;
 
 const ORDERS: i64 = 1_000;
 const CONCURRENCY: usize = 32;
@@ -124,52 +128,6 @@ struct Row {
     executions: Option<usize>,
 }
 
-fn quick() -> bool {
-    std::env::var("IDEM_BENCH_QUICK").is_ok_and(|v| v == "1")
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i].as_secs_f64() * 1e3
-}
-
-/// Runs `calls` calls from `tasks` tasks; returns (wall time, latencies).
-async fn drive<F, Fut>(tasks: usize, calls: usize, call: F) -> (Duration, Vec<Duration>)
-where
-    F: Fn(usize) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = ()> + Send,
-{
-    let call = Arc::new(call);
-    let next = Arc::new(AtomicUsize::new(0));
-    let start = Instant::now();
-    let mut handles = Vec::new();
-    for _ in 0..tasks {
-        let (call, next) = (call.clone(), next.clone());
-        handles.push(tokio::spawn(async move {
-            let mut lat = Vec::new();
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= calls {
-                    break lat;
-                }
-                let t = Instant::now();
-                call(i).await;
-                lat.push(t.elapsed());
-            }
-        }));
-    }
-    let mut all = Vec::with_capacity(calls);
-    for h in handles {
-        all.extend(h.await.expect("bench task"));
-    }
-    let wall = start.elapsed();
-    all.sort();
-    (wall, all)
-}
-
 /// One call of a row measured in alternating slices with others.
 type Call = Arc<dyn Fn(usize) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync>;
 
@@ -205,7 +163,7 @@ async fn alternating(
         for r in order {
             let row = rows[r].1.clone();
             // Call numbers run on across slices: a fresh key stays fresh.
-            let (wall, lat) = drive(tasks, per_slice, move |i| row(slice * per_slice + i)).await;
+            let (wall, lat) = drive(tasks, per_slice, None, move |i| row(slice * per_slice + i)).await;
             totals[r].0 += wall;
             totals[r].1.extend(lat);
         }
@@ -696,7 +654,7 @@ macro_rules! backend {
                         let before = executions.load(Ordering::Relaxed);
                         let (l2, t2, e2) = (local.clone(), tag.clone(), executions.clone());
                         let local_calls = calls * 20;
-                        let timing = drive(tasks, local_calls, move |i| {
+                        let timing = drive(tasks, local_calls, None, move |i| {
                             let (idem, tag, e) = (l2.clone(), t2.clone(), e2.clone());
                             async move { replay_one(&idem, &tag, i, &e, "replay-local").await }
                         })

@@ -7,13 +7,12 @@ mod suite;
 /// The backend the suite runs on here.
 type SuiteBackend = idempotency_testkit::backend::Postgres;
 
-use std::str::FromStr;
 use std::time::Duration;
 
 use idempotency::{Idem, idempotent};
 use idempotency_testkit::{TestBackend, pg_url, reach, unique};
 use sqlx::Transaction;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgPoolOptions;
 
 use suite::Db;
 use suite::fixture::TestError;
@@ -46,14 +45,14 @@ async fn the_body_sees_the_sessions_own_lock_timeout() {
     assert_eq!(lock_timeout_in_body(&idem, unique("pglock")).await.unwrap(), "2s");
 }
 
-/// Sequential scans of `idem_record` so far, after the engine's connection
-/// flushed its counters.
-async fn record_seq_scans(engine: &sqlx::PgPool, reader: &sqlx::PgPool) -> i64 {
+/// Sequential scans of `idem_record` so far, read on the engine's one
+/// connection once it flushed its counters.
+async fn record_seq_scans(engine: &sqlx::PgPool) -> i64 {
     // Counters reach the shared view when a session goes idle, at most once a
-    // second unless forced; the engine's pool has one connection, so this is it.
+    // second unless forced.
     sqlx::query("SELECT pg_stat_force_next_flush()").execute(engine).await.expect("flush");
     sqlx::query_scalar("SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'idem_record'")
-        .fetch_one(reader)
+        .fetch_one(engine)
         .await
         .expect("seq_scan")
 }
@@ -67,9 +66,8 @@ async fn record_seq_scans(engine: &sqlx::PgPool, reader: &sqlx::PgPool) -> i64 {
 #[tokio::test]
 async fn purge_walks_the_expiry_index_not_the_table() {
     let name = unique("purgeidx").replace('-', "_");
-    let Some(reader) = SuiteBackend::open_private(&name).await else { return };
-    let options = PgConnectOptions::from_str(&pg_url()).expect("postgres url").database(&name);
-    let engine = PgPoolOptions::new().max_connections(1).connect_with(options).await.expect("engine pool");
+    // One connection: the one whose counters the purges add to.
+    let Some(engine) = SuiteBackend::open_private(&name, 1).await else { return };
     let idem = Idem::new(engine.clone());
     idem.migrate().await.expect("migrate");
     // Filled in SQL, live rows first: 100,000 live, 20,000 expired (ages 1..=20,000 ms).
@@ -77,23 +75,22 @@ async fn purge_walks_the_expiry_index_not_the_table() {
                 SELECT $1, 'k' || g, repeat('0', 64), 1, '{}', 0, 0, CASE WHEN $1 = 't_fill' THEN $2 ELSE g END \
                 FROM generate_series(1, $3) g";
     for (biz, rows) in [("t_fill", 100_000), ("t_gone", 20_000)] {
-        sqlx::query(fill).bind(biz).bind(i64::MAX / 2).bind(rows).execute(&reader).await.expect("fill");
+        sqlx::query(fill).bind(biz).bind(i64::MAX / 2).bind(rows).execute(&engine).await.expect("fill");
     }
-    sqlx::query("ANALYZE idem_record").execute(&reader).await.expect("analyze");
+    sqlx::query("ANALYZE idem_record").execute(&engine).await.expect("analyze");
 
-    let before = record_seq_scans(&engine, &reader).await;
+    let before = record_seq_scans(&engine).await;
     for _ in 0..4 {
         assert_eq!(idem.purge_expired(5_000).await.unwrap(), 5_000);
     }
     assert_eq!(idem.purge_expired(5_000).await.unwrap(), 0, "nothing left to delete");
-    assert_eq!(record_seq_scans(&engine, &reader).await - before, 0, "a purge scanned idem_record");
+    assert_eq!(record_seq_scans(&engine).await - before, 0, "a purge scanned idem_record");
 
     let left: Vec<(String, i64)> = sqlx::query_as("SELECT biz_type, COUNT(*) FROM idem_record GROUP BY biz_type")
-        .fetch_all(&reader)
+        .fetch_all(&engine)
         .await
         .unwrap();
     assert_eq!(left, [("t_fill".to_owned(), 100_000)]);
     drop(idem);
-    engine.close().await;
-    SuiteBackend::drop_private(reader, &name).await;
+    SuiteBackend::drop_private(engine, &name).await;
 }

@@ -35,20 +35,6 @@ async fn pay(
     Ok(Receipt { order_id, note })
 }
 
-fn used_memory(redis: &RedisServer) -> i64 {
-    let mut conn = redis.client().get_connection().expect("redis");
-    let info: String = redis::cmd("INFO").arg("memory").query(&mut conn).expect("INFO");
-    info.lines().find_map(|l| l.strip_prefix("used_memory:")).and_then(|v| v.trim().parse().ok()).expect("used_memory")
-}
-
-/// How many results Redis holds for `namespace`: the fields of its result hashes.
-fn results_held(redis: &RedisServer, namespace: &str) -> i64 {
-    let mut conn = redis.client().get_connection().expect("redis");
-    let keys: Vec<String> =
-        redis::cmd("KEYS").arg(format!("idem:{{{namespace}.*}}:r*")).query(&mut conn).expect("KEYS");
-    keys.iter().map(|k| redis::cmd("HLEN").arg(k).query::<i64>(&mut conn).expect("HLEN")).sum()
-}
-
 async fn engine(redis: &RedisServer, file: &std::path::Path, namespace: &str, hot: Duration) -> Idem<Sqlite> {
     // No fsync per commit: the database here only keeps the records.
     let options = sqlx::sqlite::SqliteConnectOptions::new()
@@ -66,8 +52,8 @@ async fn engine(redis: &RedisServer, file: &std::path::Path, namespace: &str, ho
 
 async fn until_held(redis: &RedisServer, namespace: &str, n: i64) {
     let deadline = Instant::now() + Duration::from_secs(20);
-    while results_held(redis, namespace) < n {
-        assert!(Instant::now() < deadline, "the results never all landed: {}", results_held(redis, namespace));
+    while redis.results_held(namespace) < n {
+        assert!(Instant::now() < deadline, "the results never all landed: {}", redis.results_held(namespace));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -79,13 +65,13 @@ async fn cached_results_cost_at_most_twice_their_bytes_and_leave_with_the_hot_wi
     let idem = engine(&redis, &file, "mem_long", HOT_LONG).await;
     until_held(&redis, "mem_long", 1).await;
 
-    let before = used_memory(&redis);
+    let before = redis.used_memory();
     for order_id in 1..=CALLS as u64 {
         let receipt = pay(&idem, order_id).await.expect("call");
         assert_eq!(serde_json::to_string(&receipt).unwrap().len(), 150);
     }
     until_held(&redis, "mem_long", CALLS as i64 + 1).await;
-    let per_result = (used_memory(&redis) - before) as f64 / CALLS as f64;
+    let per_result = (redis.used_memory() - before) as f64 / CALLS as f64;
     println!(
         "redis memory: {CALLS} results of 150 bytes: {per_result:.0} bytes each ({:.2}x the result)",
         per_result / 150.0
@@ -102,7 +88,7 @@ async fn cached_results_cost_at_most_twice_their_bytes_and_leave_with_the_hot_wi
     }
     until_held(&redis, "mem_short", 1).await;
     tokio::time::sleep(2 * HOT_SHORT + Duration::from_millis(300)).await;
-    assert_eq!(results_held(&redis, "mem_short"), 0, "results outlived two hot windows");
+    assert_eq!(redis.results_held("mem_short"), 0, "results outlived two hot windows");
     let (again, outcome) = idempotency::observe(pay(&short, 7)).await;
     assert_eq!((again.unwrap().order_id, outcome), (7, Some(idempotency::Outcome::Replayed)));
     let _ = std::fs::remove_file(file);

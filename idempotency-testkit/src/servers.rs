@@ -149,6 +149,24 @@ impl RedisServer {
         self.process.lock().unwrap().kill();
     }
 
+    /// Bytes the server holds (`INFO memory`'s `used_memory`).
+    pub fn used_memory(&self) -> i64 {
+        let mut conn = self.client().get_connection().expect("redis");
+        let info: String = redis::cmd("INFO").arg("memory").query(&mut conn).expect("INFO");
+        info.lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("used_memory")
+    }
+
+    /// How many results it holds for `namespace`: the fields of its result hashes.
+    pub fn results_held(&self, namespace: &str) -> i64 {
+        let mut conn = self.client().get_connection().expect("redis");
+        let keys: Vec<String> =
+            redis::cmd("KEYS").arg(format!("idem:{{{namespace}.*}}:r*")).query(&mut conn).expect("KEYS");
+        keys.iter().map(|k| redis::cmd("HLEN").arg(k).query::<i64>(&mut conn).expect("HLEN")).sum()
+    }
+
     /// Starts it again on the same port (empty), waiting until it answers.
     /// Blocking: call it from `spawn_blocking` inside a runtime.
     pub fn restart(&self) {

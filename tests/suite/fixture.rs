@@ -266,7 +266,7 @@ pub(crate) async fn engine_on_private_redis(redis_timeout: Duration) -> Option<(
 /// An engine with the shared Redis over a database of its own.
 pub(crate) async fn engine_on_private_database(name: &str) -> Option<(sqlx::Pool<Db>, Idem<Db>)> {
     let client = redis_client().await?;
-    let pool = B::open_private(name).await?;
+    let pool = B::open_private(name, 2).await?;
     B::prepare(&pool).await;
     let idem = Idem::builder(pool.clone()).redis(client).build();
     idem.migrate().await.expect("migrate");

@@ -45,7 +45,7 @@ async fn all_records(pool: &sqlx::Pool<Db>) -> Vec<(String, String)> {
 #[tokio::test]
 async fn purge_expired_deletes_expired_records_in_batches() {
     let name = unique("purge").replace('-', "_");
-    let Some(pool) = B::open_private(&name).await else { return };
+    let Some(pool) = B::open_private(&name, 2).await else { return };
     B::prepare(&pool).await;
     let idem = Idem::new(pool.clone());
     idem.migrate().await.expect("migrate");

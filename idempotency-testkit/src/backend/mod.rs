@@ -65,8 +65,9 @@ pub trait TestBackend: Send + Sync + 'static {
     fn open(name: &str, max_connections: u32) -> impl Future<Output = Option<Pool<Self::Db>>> + Send;
 
     /// A database of its own, for a test that must see every row of
-    /// `idem_record`; `name` is a plain identifier (`[a-z0-9_]`).
-    fn open_private(name: &str) -> impl Future<Output = Option<Pool<Self::Db>>> + Send;
+    /// `idem_record`, and a pool of up to `max_connections` on it; `name` is
+    /// a plain identifier (`[a-z0-9_]`).
+    fn open_private(name: &str, max_connections: u32) -> impl Future<Output = Option<Pool<Self::Db>>> + Send;
 
     /// Closes a database [`open_private`](Self::open_private) made and drops
     /// it (SQLite: deletes its files).

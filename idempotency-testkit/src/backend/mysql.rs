@@ -43,13 +43,19 @@ impl TestBackend for MySql {
         .await
     }
 
-    async fn open_private(name: &str) -> Option<Pool<sqlx::MySql>> {
+    async fn open_private(name: &str, max_connections: u32) -> Option<Pool<sqlx::MySql>> {
         let admin = Self::open(name, 1).await?;
         let create = sqlx::AssertSqlSafe(format!("CREATE DATABASE `{name}`"));
         sqlx::raw_sql(create).execute(&admin).await.expect("create database");
         admin.close().await;
         let options = MySqlConnectOptions::from_str(&mysql_url()).expect("mysql url").database(name);
-        Some(MySqlPoolOptions::new().max_connections(2).connect_with(options).await.expect("private database"))
+        Some(
+            MySqlPoolOptions::new()
+                .max_connections(max_connections)
+                .connect_with(options)
+                .await
+                .expect("private database"),
+        )
     }
 
     async fn drop_private(pool: Pool<sqlx::MySql>, name: &str) {

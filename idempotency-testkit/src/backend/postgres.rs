@@ -45,13 +45,19 @@ impl TestBackend for Postgres {
         .await
     }
 
-    async fn open_private(name: &str) -> Option<Pool<sqlx::Postgres>> {
+    async fn open_private(name: &str, max_connections: u32) -> Option<Pool<sqlx::Postgres>> {
         let admin = Self::open(name, 1).await?;
         let create = sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"));
         sqlx::raw_sql(create).execute(&admin).await.expect("create database");
         admin.close().await;
         let options = PgConnectOptions::from_str(&pg_url()).expect("postgres url").database(name);
-        Some(PgPoolOptions::new().max_connections(2).connect_with(options).await.expect("private database"))
+        Some(
+            PgPoolOptions::new()
+                .max_connections(max_connections)
+                .connect_with(options)
+                .await
+                .expect("private database"),
+        )
     }
 
     async fn drop_private(pool: Pool<sqlx::Postgres>, name: &str) {

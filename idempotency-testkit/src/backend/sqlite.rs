@@ -55,8 +55,8 @@ impl TestBackend for Sqlite {
     }
 
     /// `open`'s file is already a database of its own.
-    async fn open_private(name: &str) -> Option<Pool<sqlx::Sqlite>> {
-        Self::open(name, 2).await
+    async fn open_private(name: &str, max_connections: u32) -> Option<Pool<sqlx::Sqlite>> {
+        Self::open(name, max_connections).await
     }
 
     async fn drop_private(pool: Pool<sqlx::Sqlite>, name: &str) {

@@ -41,7 +41,7 @@ const BOUNDS: Bounds = Bounds {
 pub async fn run<B: NemesisBackend>(cfg: &Config, child_test: &str) -> Option<Summary> {
     let redis = RedisServer::start()?;
     let db_name = crate::unique("idem_nemesis").replace('-', "_");
-    let admin = B::open_private(&db_name).await?;
+    let admin = B::open_private(&db_name, 2).await?;
     B::create_tables(&admin).await;
     Idem::new(admin.clone()).migrate().await.expect("migrate");
     B::orders(&admin, RUN, cfg.keys).await;
