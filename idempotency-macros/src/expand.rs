@@ -18,16 +18,27 @@
 //!     let __idem_biz_no = ::core::option::Option::None;
 //!     let __idem_fingerprint = ::idempotency::__private::Fingerprint::new().arg("order_id", &order_id);
 //!     let __idem_engine = ::core::clone::Clone::clone(&(idem));
-//!     ::idempotency::__private::run(::core::convert::AsRef::<::idempotency::Idem<_>>::as_ref(&__idem_engine), &__IDEM_SPEC, __idem_key, __idem_fingerprint, __idem_biz_no,
-//!         move |mut __idem_tx| async move {
+//!     let mut __idem_value = None;
+//!     let mut __idem_error = None;
+//!     let __idem_ended = {
+//!         let __idem_error = &mut __idem_error;
+//!         let mut __idem_body = ::idempotency::__private::Body::new(&mut __idem_value, move |mut __idem_tx| async move {
 //!             let __idem_out: Result<Receipt, PayError> = {
 //!                 let tx: &mut Transaction<'_, MySql> = &mut __idem_tx;
 //!                 async move { body }.await
 //!             };
-//!             (__idem_tx, __idem_out)
-//!         }).await
+//!             (__idem_tx, ::idempotency::__private::stored(__idem_out, __idem_error))
+//!         });
+//!         ::idempotency::__private::run(::core::convert::AsRef::<::idempotency::Idem<_>>::as_ref(&__idem_engine),
+//!             &__IDEM_SPEC, __idem_key, __idem_fingerprint, __idem_biz_no, &mut __idem_body).await
+//!     };
+//!     ::idempotency::__private::answer(__idem_ended, __idem_value, __idem_error)
 //! }
 //! ```
+//!
+//! `run` is generic over the backend only: it takes the body behind `dyn`
+//! (`Body`), so the call flow is built once per backend and each fn adds
+//! its body, its value's JSON (`stored`, `Body::decode`) and `answer`.
 //!
 //! A parameter marked `#[idem(skip_if_default)]` goes in with
 //! `.arg_unless_default("coupon", &coupon)` instead of `.arg(..)`.
@@ -40,13 +51,14 @@
 //! gets the step context where it would get the transaction:
 //!
 //! ```ignore
-//! ::idempotency::__private::run_steps(/* the same arguments */, move |mut __idem_steps| async move {
+//! let mut __idem_body = ::idempotency::__private::Body::new(&mut __idem_value, move |mut __idem_steps| async move {
 //!     let __idem_out: Result<Receipt, PayError> = {
 //!         let steps: &mut Steps<MySql> = &mut __idem_steps;
 //!         async move { body }.await
 //!     };
-//!     (__idem_steps, __idem_out)
-//! })
+//!     (__idem_steps, ::idempotency::__private::stored(__idem_out, __idem_error))
+//! });
+//! ::idempotency::__private::run_steps(/* the same arguments */, &mut __idem_body).await
 //! ```
 //!
 //! With `join`, the transaction stays a parameter (the caller passes it);
@@ -54,13 +66,7 @@
 //! it where it would get the engine's transaction:
 //!
 //! ```ignore
-//! ::idempotency::__private::run_joined(/* the same arguments */, tx, move |mut __idem_tx| async move {
-//!     let __idem_out: Result<Receipt, PayError> = {
-//!         let tx: &mut Transaction<'_, MySql> = &mut __idem_tx;
-//!         async move { body }.await
-//!     };
-//!     (__idem_tx, __idem_out)
-//! })
+//! ::idempotency::__private::run_joined(/* the same arguments */, tx, &mut __idem_body).await
 //! ```
 //!
 //! A method of an `#[async_trait]` impl arrives as a fn returning
@@ -178,8 +184,10 @@ fn rewrite(func: &mut ItemFn, args: &Args, checked: Checked) {
     let ret_span = syn::spanned::Spanned::span(&ret);
 
     // Spanned on the return type, so "`T: Serialize` is not satisfied" points there.
-    let awaited = quote_spanned!(ret_span=> __idem_call.await);
     let krate_at_ret = respan(krate.to_token_stream(), ret_span);
+    let stored = quote_spanned!(ret_span=> #krate_at_ret::__private::stored(__idem_out, __idem_error));
+    let answered =
+        quote_spanned!(ret_span=> #krate_at_ret::__private::answer(__idem_ended, __idem_value, __idem_error));
     let assert_replayable = quote_spanned!(ret_span=> #krate_at_ret::__private::assert_replayable::<#ret>(););
     let body = quote!({
         const __IDEM_SPEC: #krate::__private::Spec = #krate::__private::Spec {
@@ -192,22 +200,29 @@ fn rewrite(func: &mut ItemFn, args: &Args, checked: Checked) {
         let __idem_biz_no = #biz_no;
         let __idem_fingerprint = #krate::__private::Fingerprint::new() #(#fingerprint_args)*;
         let __idem_engine = ::core::clone::Clone::clone(&(#engine));
-        let __idem_call = #krate::__private::#entry(
-            ::core::convert::AsRef::<#krate::Idem<_>>::as_ref(&__idem_engine),
-            &__IDEM_SPEC,
-            __idem_key,
-            __idem_fingerprint,
-            __idem_biz_no,
-            #callers_tx
-            move |mut #handed| async move {
+        let mut __idem_value = ::core::option::Option::None;
+        let mut __idem_error = ::core::option::Option::None;
+        let __idem_ended = {
+            let __idem_error = &mut __idem_error;
+            let mut __idem_body = #krate::__private::Body::new(&mut __idem_value, move |mut #handed| async move {
                 let __idem_out: #ret = {
                     #bind
                     async move #block.await
                 };
-                (#handed, __idem_out)
-            },
-        );
-        #awaited
+                (#handed, #stored)
+            });
+            #krate::__private::#entry(
+                ::core::convert::AsRef::<#krate::Idem<_>>::as_ref(&__idem_engine),
+                &__IDEM_SPEC,
+                __idem_key,
+                __idem_fingerprint,
+                __idem_biz_no,
+                #callers_tx
+                &mut __idem_body,
+            )
+            .await
+        };
+        #answered
     });
     func.block = syn::parse2(body).expect("generated block parses");
 }

@@ -113,7 +113,9 @@ pub mod redis_layout {
 #[doc(hidden)]
 pub mod __private {
     pub use crate::call::joined::run_joined;
+    pub use crate::call::prebuilt::flows as prebuilt_flows;
     pub use crate::call::run;
+    pub use crate::call::typed::{Body, answer, stored};
     pub use crate::fingerprint::Fingerprint;
     pub use crate::spec::{Replayable, Spec, assert_replayable};
     pub use crate::steps::run_steps;

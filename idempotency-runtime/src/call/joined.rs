@@ -12,14 +12,11 @@
 //!
 //! entry point → **call flow** → record protocol → backend
 
-use std::future::Future;
-
-use serde::Serialize;
-use serde::de::DeserializeOwned;
 use sqlx::Transaction;
 use tracing::Instrument;
 
-use super::{CallError, Done, answer, replay, replay_row, stored_form};
+use super::typed::{BoxFuture, CallError, Failed, Typed};
+use super::{Done, answer, replay, replay_row};
 use crate::engine::Idem;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -32,58 +29,55 @@ use crate::store::Backend;
 use crate::store::pooling::around_body;
 use crate::store::record::{Joined, RecordKey, rollback};
 
+/// The body as the flow runs it: handed a savepoint of the caller's transaction.
+type DynBody<'a, 't, DB> = dyn Typed<Transaction<'t, DB>> + 'a;
+
 /// Runs `body` once per `(spec.biz, key)` inside `tx`, the caller's
 /// transaction; the code the attribute writes for `join` calls this.
-/// `body` gets a savepoint of `tx` and hands it back with its result.
-/// `Ok` means done in the caller's transaction: it is recorded when, and
-/// only if, the caller commits.
-pub async fn run_joined<'t, DB, T, E, F, Fut>(
-    engine: &Idem<DB>,
+/// `body` gets a savepoint of `tx` and hands it back with its result's
+/// JSON. `Ok` means done in the caller's transaction: it is recorded when,
+/// and only if, the caller commits. Built once per backend, as [`run`](super::run).
+pub fn run_joined<'a, 't: 'a, DB: Backend>(
+    engine: &'a Idem<DB>,
     spec: &'static Spec,
     key: String,
     fingerprint: Fingerprint,
     biz_no: Option<String>,
     tx: &'t mut Transaction<'_, DB>,
-    body: F,
-) -> Result<T, E>
-where
-    DB: Backend,
-    T: Serialize + DeserializeOwned,
-    E: From<Error>,
-    F: FnOnce(Transaction<'t, DB>) -> Fut,
-    Fut: Future<Output = (Transaction<'t, DB>, Result<T, E>)>,
-{
-    let timer = Timer::start();
-    let checked = validate_key(&key);
-    // A rejected key is not logged: it may hold anything the caller sent.
-    let shown_key = if checked.is_ok() { key.as_str() } else { "<invalid>" };
-    let span =
-        tracing::info_span!("idem", biz = spec.biz, key = shown_key, mode = "join", outcome = tracing::field::Empty);
-    let result = match checked {
-        Ok(()) => call(engine, spec, &key, fingerprint, biz_no.as_deref(), tx, body).instrument(span.clone()).await,
-        Err(e) => Err(e.into()),
-    };
-    answer(spec, &span, timer, result)
+    body: &'a mut DynBody<'_, 't, DB>,
+) -> BoxFuture<'a, Result<(), CallError>> {
+    Box::pin(async move {
+        let timer = Timer::start();
+        let checked = validate_key(&key);
+        // A rejected key is not logged: it may hold anything the caller sent.
+        let shown_key = if checked.is_ok() { key.as_str() } else { "<invalid>" };
+        let span = tracing::info_span!(
+            "idem",
+            biz = spec.biz,
+            key = shown_key,
+            mode = "join",
+            outcome = tracing::field::Empty
+        );
+        let result = match checked {
+            Ok(()) => call(engine, spec, &key, fingerprint, biz_no.as_deref(), tx, body).instrument(span.clone()).await,
+            Err(e) => Err(e.into()),
+        };
+        answer(spec, &span, timer, result)
+    })
 }
 
 /// The call, its key already checked. Nothing reaches the caller's
 /// transaction before the key, the business number and the arguments are
 /// found good.
-async fn call<'t, DB, T, E, F, Fut>(
+async fn call<'t, DB: Backend>(
     engine: &Idem<DB>,
     spec: &'static Spec,
     key: &str,
     fingerprint: Fingerprint,
     biz_no: Option<&str>,
     tx: &'t mut Transaction<'_, DB>,
-    body: F,
-) -> Result<Done<T>, CallError<E>>
-where
-    DB: Backend,
-    T: Serialize + DeserializeOwned,
-    F: FnOnce(Transaction<'t, DB>) -> Fut,
-    Fut: Future<Output = (Transaction<'t, DB>, Result<T, E>)>,
-{
+    body: &mut DynBody<'_, 't, DB>,
+) -> Result<Done, CallError> {
     if let Some(no) = biz_no {
         validate_biz_no(no)?;
     }
@@ -93,60 +87,56 @@ where
     engine.now_ms().await;
 
     if let Some(answer) = engine.gate().cached(spec.biz, key) {
-        let value = replay(&id, &answer.fingerprint, &answer.response)?;
-        return Ok(Done { value, outcome: Outcome::Replayed, source: Some(Source::Local) });
+        replay(&id, &answer.fingerprint, &answer.response, body)?;
+        return Ok(Done { outcome: Outcome::Replayed, source: Some(Source::Local) });
     }
     // A row found here is never remembered: it may be the caller's own,
     // written earlier in this transaction and not committed.
     let savepoint = match engine.records().join(tx, &id).await? {
         Joined::Go(savepoint) => savepoint,
         Joined::Taken(row) => {
-            let value = replay_row(&id, row)?.value;
-            return Ok(Done { value, outcome: Outcome::Replayed, source: Some(Source::Database) });
+            replay_row(&id, row, body)?;
+            return Ok(Done { outcome: Outcome::Replayed, source: Some(Source::Database) });
         }
     };
     let executed = Box::pin(execute(engine, &id, savepoint, body));
     // Events the body queues take their ids from the call (`outbox::queue`).
     #[cfg(feature = "outbox")]
     let executed = crate::outbox::scope(engine, spec.biz, key, executed);
-    let value = executed.await?;
-    Ok(Done { value, outcome: Outcome::Executed, source: None })
+    executed.await?;
+    Ok(Done { outcome: Outcome::Executed, source: None })
 }
 
 /// The body in its savepoint, then the finished record beside it.
-async fn execute<'t, DB, T, E, F, Fut>(
+async fn execute<'t, DB: Backend>(
     engine: &Idem<DB>,
     id: &RecordKey<'_>,
     savepoint: Transaction<'t, DB>,
-    body: F,
-) -> Result<T, CallError<E>>
-where
-    DB: Backend,
-    T: Serialize + DeserializeOwned,
-    F: FnOnce(Transaction<'t, DB>) -> Fut,
-    Fut: Future<Output = (Transaction<'t, DB>, Result<T, E>)>,
-{
+    body: &mut DynBody<'_, 't, DB>,
+) -> Result<(), CallError> {
     // A panic or a drop here drops the savepoint, which sqlx rolls back on
     // the connection's next use: the caller's own writes stay.
-    let (savepoint, result) = around_body(engine.db().pooling, body(savepoint)).await;
+    let (savepoint, result) = around_body(engine.db().pooling, body.run(savepoint)).await;
     // No settling after a failure, unlike a call of our own: a duplicate
     // cannot have committed in between (our record holds the key), and a
     // deadlock may have ended the caller's whole transaction, which only
     // the body's own error tells the caller.
-    let value = match result {
-        Ok(value) => value,
-        Err(e) => {
+    let response = match result {
+        Ok(response) => response,
+        Err(Failed::Body) => {
             rollback(savepoint).await;
-            return Err(CallError::Body(e));
+            return Err(CallError::Body);
         }
-    };
-    let (value, response) = match stored_form(&value) {
-        Ok(stored) => stored,
-        Err(e) => {
+        Err(Failed::Serialize(e)) => {
             rollback(savepoint).await;
             return Err(Error::Serialize(e).into());
         }
     };
+    // Read back from its stored form, as in a call of our own.
+    if let Err(e) = body.decode(&response) {
+        rollback(savepoint).await;
+        return Err(Error::Serialize(e).into());
+    }
     engine.records().finish_joined(savepoint, id, &response).await?;
-    Ok(value)
+    Ok(())
 }

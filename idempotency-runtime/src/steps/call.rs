@@ -5,15 +5,13 @@
 //!
 //! entry point → **call flow** → gate → call protocol → backend
 
-use std::future::Future;
 use std::sync::Arc;
 
-use serde::Serialize;
-use serde::de::DeserializeOwned;
 use tracing::Instrument;
 
 use super::context::{Parts, Steps};
 use super::protocol::{self, CallKey, Finished, Opened};
+use crate::call::typed::{BoxFuture, CallError, Failed, Typed};
 use crate::engine::Idem;
 use crate::error::Error;
 use crate::error::Failure;
@@ -29,85 +27,72 @@ use crate::store::pooling::around_body;
 use crate::store::record::rollback;
 use crate::store::{Backend, PROCESSING, SUCCEEDED};
 
-/// Why a call did not return a value: the engine's reason (a recorded
-/// failure included), or the body's.
-enum CallError<E> {
-    Idem(Error),
-    Body(E),
-}
+/// The body as the flow runs it: handed the step context.
+type DynBody<'a, DB> = dyn Typed<Steps<DB>> + 'a;
 
 /// How a call ended: its result, how it is reported, and what the gate
 /// hands on to duplicates (a succeeded result only).
-struct Ended<T, E> {
-    result: Result<T, CallError<E>>,
+struct Ended {
+    result: Result<(), CallError>,
     outcome: Outcome,
     source: Option<Source>,
     answer: Option<Arc<Answer>>,
 }
 
-impl<T, E> Ended<T, E> {
+impl Ended {
     fn error(error: Error) -> Self {
         Ended { outcome: Outcome::of(&error), result: Err(CallError::Idem(error)), source: None, answer: None }
     }
 
-    fn body(error: E) -> Self {
-        Ended { result: Err(CallError::Body(error)), outcome: Outcome::Failed, source: None, answer: None }
+    fn body() -> Self {
+        Ended { result: Err(CallError::Body), outcome: Outcome::Failed, source: None, answer: None }
     }
 }
 
 /// Runs `body` once per `(spec.biz, key)`, in two phases; the code the
 /// attribute writes for `steps` calls this. `body` gets the step context
-/// and hands it back with its result.
-pub async fn run_steps<DB, T, E, F, Fut>(
-    engine: &Idem<DB>,
+/// and hands it back with its result's JSON. Built once per backend, as
+/// [`run`](crate::__private::run).
+pub fn run_steps<'a, DB: Backend>(
+    engine: &'a Idem<DB>,
     spec: &'static Spec,
     key: String,
     fingerprint: Fingerprint,
     biz_no: Option<String>,
-    body: F,
-) -> Result<T, E>
-where
-    DB: Backend,
-    T: Serialize + DeserializeOwned,
-    E: From<Error>,
-    F: FnOnce(Steps<DB>) -> Fut,
-    Fut: Future<Output = (Steps<DB>, Result<T, E>)>,
-{
-    let timer = Timer::start();
-    let checked = validate_key(&key);
-    // A rejected key is not logged: it may hold anything the caller sent.
-    let shown_key = if checked.is_ok() { key.as_str() } else { "<invalid>" };
-    let span =
-        tracing::info_span!("idem", biz = spec.biz, key = shown_key, mode = "steps", outcome = tracing::field::Empty);
-    let ended = match checked {
-        Ok(()) => call(engine, spec, &key, fingerprint, biz_no.as_deref(), body).instrument(span.clone()).await,
-        Err(e) => Ended::error(e),
-    };
-    span.record("outcome", ended.outcome.as_str());
-    outcome::report(ended.outcome);
-    crate::metrics::call_finished(spec.biz, ended.outcome, ended.source, timer);
-    match ended.result {
-        Ok(value) => Ok(value),
-        Err(CallError::Idem(e)) => Err(E::from(e)),
-        Err(CallError::Body(e)) => Err(e),
-    }
+    body: &'a mut DynBody<'_, DB>,
+) -> BoxFuture<'a, Result<(), CallError>> {
+    Box::pin(async move {
+        let timer = Timer::start();
+        let checked = validate_key(&key);
+        // A rejected key is not logged: it may hold anything the caller sent.
+        let shown_key = if checked.is_ok() { key.as_str() } else { "<invalid>" };
+        let span = tracing::info_span!(
+            "idem",
+            biz = spec.biz,
+            key = shown_key,
+            mode = "steps",
+            outcome = tracing::field::Empty
+        );
+        let ended = match checked {
+            Ok(()) => call(engine, spec, &key, fingerprint, biz_no.as_deref(), body).instrument(span.clone()).await,
+            Err(e) => Ended::error(e),
+        };
+        span.record("outcome", ended.outcome.as_str());
+        outcome::report(ended.outcome);
+        crate::metrics::call_finished(spec.biz, ended.outcome, ended.source, timer);
+        ended.result
+    })
 }
 
 /// The call, its key already checked: the gate, then the database.
-async fn call<DB, T, E, F, Fut>(
+async fn call<DB: Backend>(
     engine: &Idem<DB>,
     spec: &'static Spec,
     key: &str,
     fingerprint: Fingerprint,
     biz_no: Option<&str>,
-    body: F,
-) -> Ended<T, E>
-where
-    DB: Backend,
-    T: Serialize + DeserializeOwned,
-    F: FnOnce(Steps<DB>) -> Fut,
-    Fut: Future<Output = (Steps<DB>, Result<T, E>)>,
-{
+    body: &mut DynBody<'_, DB>,
+) -> Ended {
     if let Some(no) = biz_no
         && let Err(e) = validate_biz_no(no)
     {
@@ -142,8 +127,8 @@ where
             }
             ended
         }
-        Entry::Replay(answer, source) => match replay(&id, &answer.fingerprint, &answer.response) {
-            Ok(value) => Ended { result: Ok(value), outcome: Outcome::Replayed, source: Some(source), answer: None },
+        Entry::Replay(answer, source) => match replay(&id, &answer.fingerprint, &answer.response, body) {
+            Ok(()) => Ended { result: Ok(()), outcome: Outcome::Replayed, source: Some(source), answer: None },
             Err(e) => Ended::error(e),
         },
         Entry::Busy { may_have_committed } => {
@@ -152,7 +137,7 @@ where
             if may_have_committed {
                 match protocol::read(engine.db(), &id).await {
                     Ok(Some(row)) if row.status != PROCESSING => {
-                        let ended = from_row(&id, row, Outcome::Replayed);
+                        let ended = from_row(&id, row, Outcome::Replayed, body);
                         if let Some(answer) = &ended.answer {
                             engine.gate().remember(spec.biz, key, answer);
                         }
@@ -168,37 +153,34 @@ where
 }
 
 /// Phase one, the body with its steps, and the final transaction.
-async fn execute<DB, T, E, F, Fut>(engine: &Idem<DB>, id: &CallKey<'_>, body: F) -> Ended<T, E>
-where
-    DB: Backend,
-    T: Serialize + DeserializeOwned,
-    F: FnOnce(Steps<DB>) -> Fut,
-    Fut: Future<Output = (Steps<DB>, Result<T, E>)>,
-{
+async fn execute<DB: Backend>(engine: &Idem<DB>, id: &CallKey<'_>, body: &mut DynBody<'_, DB>) -> Ended {
     let db = engine.db();
     let held = match protocol::open(db, engine.clock(), id).await {
         Ok(Opened::Held(held)) => held,
-        Ok(Opened::Finished(row)) => return from_row(id, row, Outcome::Replayed),
+        Ok(Opened::Finished(row)) => return from_row(id, row, Outcome::Replayed, body),
         Ok(Opened::Busy) => return Ended::error(id.in_progress()),
         Err(e) => return Ended::error(e),
     };
 
-    let (steps, result) = around_body(db.pooling, body(Steps::new(engine.clone(), id, held))).await;
+    let (steps, result) = around_body(db.pooling, body.run(Steps::new(engine.clone(), id, held))).await;
     let parts = steps.into_parts();
     if parts.fenced {
         if let Some(tx) = parts.tx {
             rollback(tx).await;
         }
-        return new_owners_outcome(engine, id).await;
+        return new_owners_outcome(engine, id, body).await;
     }
-    let (status, response, value) = match result {
-        Ok(value) => match stored_form(&value) {
-            Ok((value, response)) => (SUCCEEDED, response, Some(value)),
+    // A value is read back from its stored form before anything is
+    // finished: the first caller gets what every replay will.
+    let (status, response) = match result {
+        Ok(response) => match body.decode(&response) {
+            Ok(()) => (SUCCEEDED, response),
             Err(e) => return give_up(engine, parts, Ended::error(Error::Serialize(e))).await,
         },
-        Err(error) => match &parts.failure {
-            Some(failure) => (FAILED, failure.as_json().to_owned(), None),
-            None => return give_up(engine, parts, Ended::body(error)).await,
+        Err(Failed::Serialize(e)) => return give_up(engine, parts, Ended::error(Error::Serialize(e))).await,
+        Err(Failed::Body) => match &parts.failure {
+            Some(failure) => (FAILED, failure.as_json().to_owned()),
+            None => return give_up(engine, parts, Ended::body()).await,
         },
     };
 
@@ -215,22 +197,22 @@ where
     };
     let last = protocol::Final { status, response: &response, ttl: id.ttl, has_steps };
     match protocol::finish(db.pooling, tx, engine.clock(), owner, last).await {
-        Ok(Finished::Ours { expires_ms }) => match value {
-            Some(value) => Ended {
-                result: Ok(value),
+        Ok(Finished::Ours { expires_ms }) => match status {
+            SUCCEEDED => Ended {
+                result: Ok(()),
                 outcome: Outcome::Executed,
                 source: None,
                 answer: Some(Arc::new(Answer { fingerprint: id.fingerprint.to_owned(), response, expires_ms })),
             },
-            None => Ended {
+            _ => Ended {
                 result: Err(CallError::Idem(permanent(id, response))),
                 outcome: Outcome::Executed,
                 source: None,
                 answer: None,
             },
         },
-        Ok(Finished::Fenced) => new_owners_outcome(engine, id).await,
-        Err(e) => after_failed_finish(engine, id, owner, e).await,
+        Ok(Finished::Fenced) => new_owners_outcome(engine, id, body).await,
+        Err(e) => after_failed_finish(engine, id, owner, e, body).await,
     }
 }
 
@@ -238,7 +220,7 @@ where
 /// transaction rolls back, its recorded steps stay, and the key is handed
 /// on at once. A call that was neither resumed nor reached outside is
 /// deleted, as if it never ran.
-async fn give_up<DB: Backend, T, E>(engine: &Idem<DB>, parts: Parts<DB>, ended: Ended<T, E>) -> Ended<T, E> {
+async fn give_up<DB: Backend>(engine: &Idem<DB>, parts: Parts<DB>, ended: Ended) -> Ended {
     let db = engine.db();
     if let Some(tx) = parts.tx {
         rollback(tx).await;
@@ -253,9 +235,9 @@ async fn give_up<DB: Backend, T, E>(engine: &Idem<DB>, parts: Parts<DB>, ended: 
 
 /// Fenced off: the key was taken over. The new owner's outcome answers:
 /// its result or failure once it finished, `InProgress` while it runs.
-async fn new_owners_outcome<DB: Backend, T: DeserializeOwned, E>(engine: &Idem<DB>, id: &CallKey<'_>) -> Ended<T, E> {
+async fn new_owners_outcome<DB: Backend>(engine: &Idem<DB>, id: &CallKey<'_>, body: &mut DynBody<'_, DB>) -> Ended {
     match protocol::read(engine.db(), id).await {
-        Ok(Some(row)) if row.status != PROCESSING => from_row(id, row, Outcome::Replayed),
+        Ok(Some(row)) if row.status != PROCESSING => from_row(id, row, Outcome::Replayed, body),
         Ok(_) => Ended::error(id.in_progress()),
         Err(e) => Ended::error(e),
     }
@@ -264,17 +246,18 @@ async fn new_owners_outcome<DB: Backend, T: DeserializeOwned, E>(engine: &Idem<D
 /// The final transaction failed. If it was its `COMMIT` whose answer was
 /// lost, the call may have finished all the same: the row says, and a row
 /// finished under our fence is our own commit.
-async fn after_failed_finish<DB: Backend, T: DeserializeOwned, E>(
+async fn after_failed_finish<DB: Backend>(
     engine: &Idem<DB>,
     id: &CallKey<'_>,
     owner: Owner,
     error: sqlx::Error,
-) -> Ended<T, E> {
+    body: &mut DynBody<'_, DB>,
+) -> Ended {
     match protocol::read(engine.db(), id).await {
         Ok(Some(row)) if row.status != PROCESSING => {
             let outcome =
                 if row.id == owner.id && row.fence == owner.fence { Outcome::Executed } else { Outcome::Replayed };
-            from_row(id, row, outcome)
+            from_row(id, row, outcome, body)
         }
         _ => {
             protocol::release(engine.db(), engine.clock(), owner).await;
@@ -284,7 +267,7 @@ async fn after_failed_finish<DB: Backend, T: DeserializeOwned, E>(
 }
 
 /// The answer a finished call gives.
-fn from_row<T: DeserializeOwned, E>(id: &CallKey<'_>, row: CallRow, outcome: Outcome) -> Ended<T, E> {
+fn from_row<DB: Backend>(id: &CallKey<'_>, row: CallRow, outcome: Outcome, body: &mut DynBody<'_, DB>) -> Ended {
     let CallRow { params_hash, status, response, expires_ms, .. } = row;
     let response = response.unwrap_or_default();
     if params_hash != id.fingerprint {
@@ -293,11 +276,11 @@ fn from_row<T: DeserializeOwned, E>(id: &CallKey<'_>, row: CallRow, outcome: Out
     if status == FAILED {
         return Ended { result: Err(CallError::Idem(permanent(id, response))), outcome, source: None, answer: None };
     }
-    match replay(id, &params_hash, &response) {
-        Ok(value) => {
+    match replay(id, &params_hash, &response, body) {
+        Ok(()) => {
             let source = (outcome == Outcome::Replayed).then_some(Source::Database);
             let answer = Arc::new(Answer { fingerprint: params_hash, response, expires_ms });
-            Ended { result: Ok(value), outcome, source, answer: Some(answer) }
+            Ended { result: Ok(()), outcome, source, answer: Some(answer) }
         }
         Err(e) => Ended::error(e),
     }
@@ -307,18 +290,16 @@ fn permanent(id: &CallKey<'_>, failure: String) -> Error {
     Error::Permanent { biz: id.biz, key: id.key.to_owned(), failure: Failure::from_json(failure) }
 }
 
-/// A stored result for this call: its value, or `KeyReused` when it was
-/// stored for other arguments.
-fn replay<T: DeserializeOwned>(id: &CallKey<'_>, stored_fingerprint: &str, response: &str) -> Result<T, Error> {
+/// A stored result for this call, decoded as its value; `KeyReused` when
+/// it was stored for other arguments.
+fn replay<DB: Backend>(
+    id: &CallKey<'_>,
+    stored_fingerprint: &str,
+    response: &str,
+    body: &mut DynBody<'_, DB>,
+) -> Result<(), Error> {
     if stored_fingerprint != id.fingerprint {
         return Err(id.reused());
     }
-    serde_json::from_str(response).map_err(|source| Error::Replay { biz: id.biz, key: id.key.to_owned(), source })
-}
-
-/// The result as it is stored, and read back from there: the first caller
-/// gets what every replay will.
-fn stored_form<T: Serialize + DeserializeOwned>(value: &T) -> Result<(T, String), serde_json::Error> {
-    let response = serde_json::to_string(value)?;
-    Ok((serde_json::from_str(&response)?, response))
+    body.decode(response).map_err(|source| Error::Replay { biz: id.biz, key: id.key.to_owned(), source })
 }
