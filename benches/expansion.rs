@@ -5,7 +5,9 @@
 //! rebuild after an edit of one fn's body (incremental, as `cargo build`
 //! after saving a file), and the debug binary each annotated fn adds. A
 //! third crate, the attribute on its first fn only, tells the cost paid
-//! once (the call flow, built once per backend) from the cost per fn.
+//! once (the call flow, built once per backend) from the cost per fn; a
+//! fourth, every fn annotated but all returning one type, the cost of the
+//! expansion from that of serde_json reading and writing a new result type.
 //!
 //! `cargo bench --bench expansion`. The crates and their target directory
 //! live under `target/expansion/` (the dependencies build once, on the first
@@ -26,9 +28,11 @@ enum Kind {
     Annotated,
     /// The attribute on the first fn only.
     One,
+    /// The attribute on every fn, all of them returning the first fn's type.
+    Shared,
 }
 
-const KINDS: [Kind; 3] = [Kind::Plain, Kind::Annotated, Kind::One];
+const KINDS: [Kind; 4] = [Kind::Plain, Kind::Annotated, Kind::One, Kind::Shared];
 
 impl Kind {
     fn name(self) -> &'static str {
@@ -36,6 +40,7 @@ impl Kind {
             Kind::Plain => "plain",
             Kind::Annotated => "annotated",
             Kind::One => "one",
+            Kind::Shared => "shared",
         }
     }
 }
@@ -99,6 +104,8 @@ fn main() {
     let average = (sizes[1] as f64 - sizes[0] as f64) / fns as f64 / 1e3;
     println!("debug binary per annotated fn: {per_fn:.1} KB, and {once:.0} KB once (the flow, for one backend)");
     println!("  ((annotated - one) / {}; (annotated - plain) / {fns} = {average:.1} KB)", fns - 1);
+    let shared = (sizes[3] as f64 - sizes[2] as f64) / (fns as f64 - 1.0) / 1e3;
+    println!("debug binary per annotated fn returning a type another fn returns: {shared:.1} KB");
 }
 
 fn row(what: &str, plain: Duration, annotated: Duration) {
@@ -151,7 +158,7 @@ fn write_workspace(root: &Path, repo: &Path, fns: usize) {
     let repo = repo.canonicalize().expect("the crate's checkout");
     std::fs::write(
         root.join("Cargo.toml"),
-        "[workspace]\nmembers = [\"plain\", \"annotated\", \"one\"]\nresolver = \"3\"\n\n\
+        "[workspace]\nmembers = [\"plain\", \"annotated\", \"one\", \"shared\"]\nresolver = \"3\"\n\n\
          [profile.dev]\n# The default dev profile, written out: what a newcomer builds with.\n\
          debug = true\nincremental = true\n",
     )
@@ -194,7 +201,8 @@ fn write_crate(root: &Path, kind: Kind, fns: usize, edit: usize) {
     );
     for i in 0..fns {
         let note = if i == fns / 2 { format!("edit {edit}") } else { format!("fn {i}") };
-        let annotated = kind == Kind::Annotated || (kind == Kind::One && i == 0);
+        let annotated = kind != Kind::Plain && (kind != Kind::One || i == 0);
+        let ret = if kind == Kind::Shared { 0 } else { i };
         let attr = if annotated {
             format!("#[idempotent(key = \"order_<order_id>_f{i}\", ttl = \"24h\", biz = \"f{i}\")]\n")
         } else {
@@ -205,13 +213,13 @@ fn write_crate(root: &Path, kind: Kind, fns: usize, edit: usize) {
             "#[derive(Debug, Serialize, Deserialize)]\n\
              pub struct Receipt{i} {{ pub order_id: i64, pub amount: i64, pub note: String }}\n\n\
              {attr}pub async fn f{i}(idem: &Idem<Sqlite>, tx: &mut Transaction<'_, Sqlite>, order_id: i64, amount: i64) \
-             -> Result<Receipt{i}, Error> {{\n\
+             -> Result<Receipt{ret}, Error> {{\n\
              \x20   sqlx::query(\"UPDATE accounts SET balance = balance - ? WHERE id = ?\")\n\
              \x20       .bind(amount)\n\
              \x20       .bind(order_id)\n\
              \x20       .execute(&mut **tx)\n\
              \x20       .await?;\n\
-             \x20   Ok(Receipt{i} {{ order_id, amount, note: \"{note}\".to_owned() }})\n\
+             \x20   Ok(Receipt{ret} {{ order_id, amount, note: \"{note}\".to_owned() }})\n\
              }}\n\n"
         )
         .expect("writing to a String");
@@ -219,11 +227,11 @@ fn write_crate(root: &Path, kind: Kind, fns: usize, edit: usize) {
     src.push_str(
         "#[tokio::main]\nasync fn main() -> Result<(), Error> {\n    let idem = Idem::sqlite_memory().await?;\n",
     );
-    if kind != Kind::Annotated {
+    if kind == Kind::Plain || kind == Kind::One {
         src.push_str("    let mut tx = idem.pool().begin().await?;\n");
     }
     for i in 0..fns {
-        if kind == Kind::Annotated || (kind == Kind::One && i == 0) {
+        if kind == Kind::Annotated || kind == Kind::Shared || (kind == Kind::One && i == 0) {
             writeln!(src, "    println!(\"{{:?}}\", f{i}(&idem, {i}, 100).await?);")
         } else {
             writeln!(src, "    println!(\"{{:?}}\", f{i}(&idem, &mut tx, {i}, 100).await?);")
