@@ -45,7 +45,7 @@ struct Done {
 /// calls this. `body` gets the transaction the record is written in and
 /// hands it back with its result's JSON (`call/typed.rs`). Generic over the
 /// backend alone: built once per backend (and, for the backends compiled
-/// in, in this crate: [`prebuilt`]), not once per annotated fn.
+/// in, in this crate: `call/prebuilt.rs`), not once per annotated fn.
 pub fn run<'a, DB: Backend>(
     engine: &'a Idem<DB>,
     spec: &'static Spec,
