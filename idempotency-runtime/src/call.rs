@@ -29,7 +29,7 @@ pub(crate) mod joined;
 pub(crate) mod prebuilt;
 pub(crate) mod typed;
 
-use typed::{BoxFuture, CallError, Failed, Typed};
+use typed::{BoxFuture, CallError, Failed, Typed, run_and_read};
 
 /// The body as the flow runs it: handed the record's transaction.
 type DynBody<'a, DB> = dyn Typed<Transaction<'static, DB>> + 'a;
@@ -179,7 +179,7 @@ async fn execute<DB: Backend>(
         Opened::Taken(row) => return replay_row(id, row, body),
     };
 
-    let (tx, result) = around_body(engine.db().pooling, body.run(tx)).await;
+    let (tx, result) = around_body(engine.db().pooling, run_and_read(body, tx)).await;
     let response = match result {
         Ok(response) => response,
         Err(Failed::Body) => {
@@ -198,14 +198,6 @@ async fn execute<DB: Backend>(
             return Err(Error::Serialize(e).into());
         }
     };
-    // The first caller gets what every replay will (a skipped field, a
-    // float that JSON cannot hold), and a result that cannot replay fails
-    // before anything commits.
-    if let Err(e) = body.decode(&response) {
-        rollback(tx).await;
-        return Err(Error::Serialize(e).into());
-    }
-
     match records.commit(tx, id, &response, claimed).await? {
         Committed::Ours { expires_ms } => Ok(Recorded { response, expires_ms, outcome: Outcome::Executed }),
         Committed::Theirs(row) => replay_row(id, row, body),

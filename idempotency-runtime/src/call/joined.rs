@@ -15,7 +15,7 @@
 use sqlx::Transaction;
 use tracing::Instrument;
 
-use super::typed::{BoxFuture, CallError, Failed, Typed};
+use super::typed::{BoxFuture, CallError, Failed, Typed, run_and_read};
 use super::{Done, answer, replay, replay_row};
 use crate::engine::Idem;
 use crate::error::Error;
@@ -116,7 +116,7 @@ async fn execute<'t, DB: Backend>(
 ) -> Result<(), CallError> {
     // A panic or a drop here drops the savepoint, which sqlx rolls back on
     // the connection's next use: the caller's own writes stay.
-    let (savepoint, result) = around_body(engine.db().pooling, body.run(savepoint)).await;
+    let (savepoint, result) = around_body(engine.db().pooling, run_and_read(body, savepoint)).await;
     // No settling after a failure, unlike a call of our own: a duplicate
     // cannot have committed in between (our record holds the key), and a
     // deadlock may have ended the caller's whole transaction, which only
@@ -132,11 +132,6 @@ async fn execute<'t, DB: Backend>(
             return Err(Error::Serialize(e).into());
         }
     };
-    // Read back from its stored form, as in a call of our own.
-    if let Err(e) = body.decode(&response) {
-        rollback(savepoint).await;
-        return Err(Error::Serialize(e).into());
-    }
     engine.records().finish_joined(savepoint, id, &response).await?;
     Ok(())
 }

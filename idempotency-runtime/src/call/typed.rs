@@ -71,6 +71,19 @@ pub trait Typed<H>: Send {
     fn decode(&mut self, response: &str) -> Result<(), serde_json::Error>;
 }
 
+/// Runs the body and reads its value back from the JSON it gave: the first
+/// caller gets what every replay will (a skipped field, a float that JSON
+/// cannot hold), and a result that cannot replay fails before anything
+/// commits.
+pub(crate) async fn run_and_read<H: Send>(body: &mut (dyn Typed<H> + '_), handed: H) -> (H, Result<String, Failed>) {
+    let (handed, result) = body.run(handed).await;
+    let result = match result {
+        Ok(json) => body.decode(&json).map(|()| json).map_err(Failed::Serialize),
+        Err(failed) => Err(failed),
+    };
+    (handed, result)
+}
+
 /// The typed side of one annotated fn: its body, and where its value goes.
 pub struct Body<'v, F, T> {
     body: Option<F>,

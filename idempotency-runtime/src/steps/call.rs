@@ -11,7 +11,7 @@ use tracing::Instrument;
 
 use super::context::{Parts, Steps};
 use super::protocol::{self, CallKey, Finished, Opened};
-use crate::call::typed::{BoxFuture, CallError, Failed, Typed};
+use crate::call::typed::{BoxFuture, CallError, Failed, Typed, run_and_read};
 use crate::engine::Idem;
 use crate::error::Error;
 use crate::error::Failure;
@@ -162,7 +162,7 @@ async fn execute<DB: Backend>(engine: &Idem<DB>, id: &CallKey<'_>, body: &mut Dy
         Err(e) => return Ended::error(e),
     };
 
-    let (steps, result) = around_body(db.pooling, body.run(Steps::new(engine.clone(), id, held))).await;
+    let (steps, result) = around_body(db.pooling, run_and_read(body, Steps::new(engine.clone(), id, held))).await;
     let parts = steps.into_parts();
     if parts.fenced {
         if let Some(tx) = parts.tx {
@@ -170,13 +170,8 @@ async fn execute<DB: Backend>(engine: &Idem<DB>, id: &CallKey<'_>, body: &mut Dy
         }
         return new_owners_outcome(engine, id, body).await;
     }
-    // A value is read back from its stored form before anything is
-    // finished: the first caller gets what every replay will.
     let (status, response) = match result {
-        Ok(response) => match body.decode(&response) {
-            Ok(()) => (SUCCEEDED, response),
-            Err(e) => return give_up(engine, parts, Ended::error(Error::Serialize(e))).await,
-        },
+        Ok(response) => (SUCCEEDED, response),
         Err(Failed::Serialize(e)) => return give_up(engine, parts, Ended::error(Error::Serialize(e))).await,
         Err(Failed::Body) => match &parts.failure {
             Some(failure) => (FAILED, failure.as_json().to_owned()),
