@@ -331,17 +331,17 @@ backend!(
     mariadb,
     idempotency_testkit::backend::MySql,
     "mariadb",
-    "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) \
-     SELECT 'pay', CONCAT('order_', MD5(seq)), NULL, CONCAT(MD5(seq), MD5(seq)), 1, \
+    "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) \
+     SELECT UNHEX(LEFT(SHA2(CONCAT('pay', CHAR(0), 'order_', MD5(seq)), 256), 32)), 'pay', CONCAT('order_', MD5(seq)), NULL, CONCAT(MD5(seq), MD5(seq)), 1, \
      CONCAT('{\"order_id\":\"', MD5(seq), '\",\"note\":\"', REPEAT('n', 93), '\"}'), 0, 0, 33000000000000 \
      FROM seq_{from}_to_{to}",
-    "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) \
-     SELECT 'old', CONCAT('order_', MD5(seq)), NULL, CONCAT(MD5(seq), MD5(seq)), 1, \
+    "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) \
+     SELECT UNHEX(LEFT(SHA2(CONCAT('old', CHAR(0), 'order_', MD5(seq)), 256), 32)), 'old', CONCAT('order_', MD5(seq)), NULL, CONCAT(MD5(seq), MD5(seq)), 1, \
      CONCAT('{\"order_id\":\"', MD5(seq), '\",\"note\":\"', REPEAT('n', 93), '\"}'), 0, 0, seq \
      FROM seq_{from}_to_{to}",
     "SELECT CAST(t.data_length + t.index_length AS SIGNED), \
      CAST((SELECT stat_value * @@innodb_page_size FROM mysql.innodb_index_stats \
-           WHERE database_name = '{db}' AND table_name = 'idem_record' AND index_name = 'uk_idem_record_biz_key' AND stat_name = 'size') AS SIGNED) \
+           WHERE database_name = '{db}' AND table_name = 'idem_record' AND index_name = 'uk_idem_record_key_digest' AND stat_name = 'size') AS SIGNED) \
      FROM information_schema.TABLES t WHERE t.table_schema = '{db}' AND t.table_name = 'idem_record'"
 );
 
@@ -349,12 +349,12 @@ backend!(
     postgres,
     idempotency_testkit::backend::Postgres,
     "postgres",
-    "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) \
-     SELECT 'pay', 'order_' || md5(g::text), NULL, md5(g::text) || md5(g::text), 1, \
+    "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) \
+     SELECT encode(substring(sha256(convert_to('pay', 'UTF8') || decode('00', 'hex') || convert_to('order_' || md5(g::text), 'UTF8')) FROM 1 FOR 16), 'hex')::uuid, 'pay', 'order_' || md5(g::text), NULL, md5(g::text) || md5(g::text), 1, \
      '{\"order_id\":\"' || md5(g::text) || '\",\"note\":\"' || repeat('n', 93) || '\"}', 0, 0, 33000000000000 \
      FROM generate_series({from}, {to}) g",
-    "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) \
-     SELECT 'old', 'order_' || md5(g::text), NULL, md5(g::text) || md5(g::text), 1, \
+    "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) \
+     SELECT encode(substring(sha256(convert_to('old', 'UTF8') || decode('00', 'hex') || convert_to('order_' || md5(g::text), 'UTF8')) FROM 1 FOR 16), 'hex')::uuid, 'old', 'order_' || md5(g::text), NULL, md5(g::text) || md5(g::text), 1, \
      '{\"order_id\":\"' || md5(g::text) || '\",\"note\":\"' || repeat('n', 93) || '\"}', 0, 0, g \
      FROM generate_series({from}, {to}) g",
     "SELECT pg_total_relation_size('idem_record'), \

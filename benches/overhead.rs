@@ -432,7 +432,11 @@ macro_rules! backend {
                 sqlx::query($update).bind(order_id).execute(&mut *tx).await.expect("update");
                 let now =
                     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+                // The unique column as the engine writes it: the key's digest.
+                let digest: String =
+                    idempotency::key::key_digest("bench_floor", &key).iter().map(|b| format!("{b:02x}")).collect();
                 sqlx::query($insert_record)
+                    .bind(digest)
                     .bind("bench_floor")
                     .bind(&key)
                     .bind(None::<&str>)
@@ -734,7 +738,7 @@ backend!(
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT IGNORE INTO bench_orders (id, status) WITH RECURSIVE n (i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) SELECT i, 'PENDING' FROM n",
     "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = ? AND status = 'PENDING'",
-    "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (UNHEX(?), ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 );
 
 backend!(
@@ -746,7 +750,7 @@ backend!(
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT INTO bench_orders (id, status) SELECT i, 'PENDING' FROM generate_series(1, $1) AS i ON CONFLICT DO NOTHING",
     "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = $1 AND status = 'PENDING'",
-    "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+    "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (CAST($1 AS uuid), $2, $3, $4, $5, $6, $7, $8, $9, $10)"
 );
 
 fn ratio(rows: &[Row], backend: &str, redis: &str, tasks: usize, mode: &str) -> Option<f64> {

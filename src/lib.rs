@@ -46,7 +46,8 @@
 //!    waits for it in memory (up to [`Builder::lock_wait`]) and takes its
 //!    result; duplicates elsewhere meet at the unique index.
 //! 3. A transaction opens; the body runs in it, and a row goes into
-//!    `idem_record` — unique on `(biz_type, idem_key)`, the final truth —
+//!    `idem_record` — unique on the digest of `(biz_type, idem_key)`, the
+//!    final truth —
 //!    with the serialized result. Commit, then the result is cached in Redis.
 //! 4. A body that returns `Err`, panics or is dropped rolls back: nothing is
 //!    recorded, and the next call with the key executes.
@@ -93,7 +94,7 @@ pub use idempotency_runtime::{
 /// against the same rules at compile time.
 pub mod key {
     pub use idempotency_runtime::key::{
-        MAX_BIZ_NO_LEN, MAX_KEY_LEN, MIN_HEADER_KEY_LEN, validate_biz_no, validate_header_key, validate_key,
+        MAX_BIZ_NO_LEN, MAX_KEY_LEN, MIN_HEADER_KEY_LEN, key_digest, validate_biz_no, validate_header_key, validate_key,
     };
 }
 

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::time::Duration;
 
 use idempotency::{Idem, LocalCache, Outcome, idempotent};
+use idempotency_testkit::TestBackend;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -97,7 +98,7 @@ async fn forget_in_redis(client: &redis::Client, namespace: &str, biz: &str, key
 }
 
 macro_rules! local_cache_suite {
-    ($backend:ident, $db:ty, $delete:literal, $connect:expr) => {
+    ($backend:ident, $db:ty, $delete:expr, $connect:expr) => {
         mod $backend {
             use super::*;
 
@@ -271,7 +272,7 @@ local_cache_suite!(sqlite, sqlx::Sqlite, "DELETE FROM idem_record WHERE biz_type
     SqlitePoolOptions::new().max_connections(4).connect_with(options).await
 });
 
-local_cache_suite!(mysql, sqlx::MySql, "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ?", || async {
+local_cache_suite!(mysql, sqlx::MySql, <idempotency_testkit::backend::MySql as TestBackend>::DELETE_RECORD, || async {
     let url = std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
     sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&url).await
 });
@@ -279,7 +280,7 @@ local_cache_suite!(mysql, sqlx::MySql, "DELETE FROM idem_record WHERE biz_type =
 local_cache_suite!(
     postgres,
     sqlx::Postgres,
-    "DELETE FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
+    <idempotency_testkit::backend::Postgres as TestBackend>::DELETE_RECORD,
     || async {
         let url = std::env::var("IDEM_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
         sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&url).await

@@ -71,8 +71,9 @@ async fn purge_walks_the_expiry_index_not_the_table() {
     let idem = Idem::new(engine.clone());
     idem.migrate().await.expect("migrate");
     // Filled in SQL, live rows first: 100,000 live, 20,000 expired (ages 1..=20,000 ms).
-    let fill = "INSERT INTO idem_record (biz_type, idem_key, params_hash, status, response, created_at, updated_at, expires_at) \
-                SELECT $1, 'k' || g, repeat('0', 64), 1, '{}', 0, 0, CASE WHEN $1 = 't_fill' THEN $2 ELSE g END \
+    let fill = "INSERT INTO idem_record (key_digest, biz_type, idem_key, params_hash, status, response, created_at, updated_at, expires_at) \
+                SELECT encode(substring(sha256(convert_to($1, 'UTF8') || decode('00', 'hex') || convert_to('k' || g, 'UTF8')) FROM 1 FOR 16), 'hex')::uuid, \
+                $1, 'k' || g, repeat('0', 64), 1, '{}', 0, 0, CASE WHEN $1 = 't_fill' THEN $2 ELSE g END \
                 FROM generate_series(1, $3) g";
     for (biz, rows) in [("t_fill", 100_000), ("t_gone", 20_000)] {
         sqlx::query(fill).bind(biz).bind(i64::MAX / 2).bind(rows).execute(&engine).await.expect("fill");

@@ -102,6 +102,10 @@ pub enum Command {
         #[arg(long, short = 'y')]
         yes: bool,
     },
+    /// Creates the tables if absent and brings a record table of an earlier
+    /// version to this one's form (what an engine does when it starts).
+    #[command(after_help = "Example:\n  idem migrate")]
+    Migrate,
     /// Deletes expired records, a batch at a time, until none is left.
     #[command(after_help = "Example:\n  idem purge --expired --batch 5000")]
     Purge {

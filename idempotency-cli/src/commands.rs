@@ -41,6 +41,11 @@ pub async fn run(cli: Cli) -> Result<Done, Failure> {
             list(&store, &filter, json).await
         }
         Command::Forget { id, yes } => forget(&store, &id, yes).await,
+        Command::Migrate => {
+            store.migrate().await?;
+            println!("migrated: the tables are this version's");
+            Ok(Done::Ok)
+        }
         Command::Purge { batch, .. } => {
             let n = store.purge_expired(batch).await?;
             println!("purged {n} expired record{}", if n == 1 { "" } else { "s" });
@@ -70,7 +75,7 @@ fn check(command: &Command) -> Option<String> {
         Command::List { biz, older_than, .. } => {
             biz_ok(biz).or_else(|| older_than.as_deref().and_then(|d| duration_ok("--older-than", d)))
         }
-        Command::Purge { .. } => None,
+        Command::Purge { .. } | Command::Migrate => None,
         Command::Reconcile { biz, table, column, stuck_after, .. } => biz_ok(biz)
             .or_else(|| Ident::parse("table", table, true).err().map(|e| e.to_string()))
             .or_else(|| Ident::parse("column", column, false).err().map(|e| e.to_string()))

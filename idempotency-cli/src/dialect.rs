@@ -29,6 +29,15 @@ impl Dialect {
         }
     }
 
+    /// The `n`th placeholder as a `key_digest` value, bound as 32 hex digits.
+    pub fn digest_arg(self, n: usize) -> String {
+        match self {
+            Dialect::MySql => "UNHEX(?)".into(),
+            Dialect::Postgres => format!("CAST(${n} AS uuid)"),
+            Dialect::Sqlite => "unhex(?)".into(),
+        }
+    }
+
     /// `expr` as text, whatever the column's type.
     pub fn as_text(self, expr: &str) -> String {
         match self {

@@ -57,6 +57,17 @@ macro_rules! on_pool {
     }};
 }
 
+/// The row of one key, found as the engines find it: by the unique
+/// `key_digest`, checked against the full key (binds: the digest in hex,
+/// `biz`, `key`).
+fn by_key(d: Dialect) -> String {
+    format!("key_digest = {} AND biz_type = {} AND idem_key = {}", d.digest_arg(1), d.arg(2), d.arg(3))
+}
+
+fn digest_hex(biz: &str, key: &str) -> String {
+    idempotency_runtime::key::key_digest(biz, key).iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// One row of `idem_record`.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Record {
@@ -151,10 +162,10 @@ impl Store {
     /// The record of `(biz, key)`, expired or not.
     pub async fn record(&self, biz: &str, key: &str) -> Result<Option<Record>, Failure> {
         let d = self.dialect;
-        let sql =
-            format!("SELECT {} FROM idem_record WHERE biz_type = {} AND idem_key = {}", columns(d), d.arg(1), d.arg(2));
+        let sql = format!("SELECT {} FROM idem_record WHERE {}", columns(d), by_key(d));
         let row = on_pool!(self, |on, persistent| {
-            sqlx::query(AssertSqlSafe(sql)).persistent(persistent).bind(biz).bind(key).fetch_optional(on).await
+            let query = sqlx::query(AssertSqlSafe(sql)).persistent(persistent);
+            query.bind(digest_hex(biz, key)).bind(biz).bind(key).fetch_optional(on).await
         })?;
         Ok(row.as_ref().map(Record::from_row).transpose()?)
     }
@@ -216,9 +227,10 @@ impl Store {
     /// Deletes the record of `(biz, key)`; whether there was one.
     pub async fn delete(&self, biz: &str, key: &str) -> Result<bool, Failure> {
         let d = self.dialect;
-        let sql = format!("DELETE FROM idem_record WHERE biz_type = {} AND idem_key = {}", d.arg(1), d.arg(2));
+        let sql = format!("DELETE FROM idem_record WHERE {}", by_key(d));
         let done = on_pool!(self, |on, persistent| {
-            sqlx::query(AssertSqlSafe(sql)).persistent(persistent).bind(biz).bind(key).execute(on).await
+            let query = sqlx::query(AssertSqlSafe(sql)).persistent(persistent);
+            query.bind(digest_hex(biz, key)).bind(biz).bind(key).execute(on).await
         })?;
         Ok(done.rows_affected() > 0)
     }
@@ -326,6 +338,25 @@ impl Store {
     /// A PostgreSQL engine's builder, told about the pooler.
     fn postgres(&self, builder: Builder<sqlx::Postgres>) -> Builder<sqlx::Postgres> {
         builder.transaction_pooler(self.pooler)
+    }
+
+    /// Runs the engine's own `migrate`.
+    pub async fn migrate(&self) -> Result<(), Failure> {
+        match self.dialect {
+            Dialect::MySql => {
+                let pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(1).connect(&self.url).await?;
+                engine_builder(pool, None, None)?.build().migrate().await?
+            }
+            Dialect::Postgres => {
+                let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&self.url).await?;
+                self.postgres(engine_builder(pool, None, None)?).build().migrate().await?
+            }
+            Dialect::Sqlite => {
+                let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect(&self.url).await?;
+                engine_builder(pool, None, None)?.build().migrate().await?
+            }
+        }
+        Ok(())
     }
 
     /// Deletes expired records, `batch` at a time, until none is left; how many.

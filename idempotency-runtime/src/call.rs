@@ -100,7 +100,7 @@ async fn call<DB: Backend>(
     }
     let fingerprint = fingerprint.finish()?;
     let ttl = retention::record_ttl(spec.ttl);
-    let id = RecordKey { biz: spec.biz, key, fingerprint: &fingerprint, biz_no, ttl };
+    let id = RecordKey::new(spec.biz, key, &fingerprint, biz_no, ttl);
     // Expiry is stamped and judged on the database's clock: an engine's
     // first call reads it (once); later calls pay one atomic load.
     engine.now_ms().await;

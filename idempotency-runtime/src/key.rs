@@ -33,10 +33,35 @@ pub fn validate_biz_no(no: &str) -> Result<(), Error> {
     if no.len() <= MAX_BIZ_NO_LEN { Ok(()) } else { Err(Error::BizNoTooLong { len: no.len(), max: MAX_BIZ_NO_LEN }) }
 }
 
+/// The 16-byte digest of `(biz, key)`: the first half of SHA-256 over
+/// `biz`, a zero byte and `key`. The record table's unique column
+/// (`idem_record.key_digest`) and the Redis result field are both this
+/// value; 128 bits keep distinct keys apart (a collision is expected after
+/// about 2^64 keys), and the full key is kept beside it and checked.
+/// In SQL: `UNHEX(LEFT(SHA2(CONCAT(biz_type, CHAR(0), idem_key), 256), 32))`
+/// on MySQL, `encode(substring(sha256(convert_to(biz_type, 'UTF8') ||
+/// decode('00', 'hex') || convert_to(idem_key, 'UTF8')) FROM 1 FOR 16),
+/// 'hex')::uuid` on PostgreSQL.
+pub fn key_digest(biz: &str, key: &str) -> [u8; 16] {
+    use sha2::{Digest, Sha256};
+    let full = Sha256::new().chain_update(biz).chain_update([0]).chain_update(key).finalize();
+    let mut digest = [0; 16];
+    digest.copy_from_slice(&full[..16]);
+    digest
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::error::KeyError;
+
+    #[test]
+    fn the_digest_is_half_of_sha256_over_biz_nul_key() {
+        // sha256(b"pay\0order_1"), as `printf 'pay\0order_1' | sha256sum` prints it.
+        let hex: String = key_digest("pay", "order_1").iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, "6a1e907f9089e8b5c2dfa774f4e9c791");
+        assert_ne!(key_digest("pay", "order_1"), key_digest("pa", "yorder_1"));
+    }
 
     #[test]
     fn keys_are_one_to_255_key_characters() {

@@ -30,6 +30,7 @@ mod replay;
 mod status;
 mod storms;
 mod trait_methods;
+mod upgrade;
 
 use idempotency_testkit::TestBackend;
 

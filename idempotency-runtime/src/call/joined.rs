@@ -83,7 +83,7 @@ async fn call<'t, DB: Backend>(
     }
     let fingerprint = fingerprint.finish()?;
     let ttl = retention::record_ttl(spec.ttl);
-    let id = RecordKey { biz: spec.biz, key, fingerprint: &fingerprint, biz_no, ttl };
+    let id = RecordKey::new(spec.biz, key, &fingerprint, biz_no, ttl);
     engine.now_ms().await;
 
     if let Some(answer) = engine.gate().cached(spec.biz, key) {

@@ -1,5 +1,6 @@
 //! Layer 3, the `idem_record` table: the final truth. One committed row per
-//! `(biz_type, idem_key)`, inserted in the same transaction as the body.
+//! `(biz_type, idem_key)`, inserted in the same transaction as the body,
+//! found by the digest of the two ([`digest`]).
 //!
 //! [`record`] holds the protocol a call follows (open, commit, settle),
 //! written once over [`RecordSql`]; each backend has its own file with only
@@ -15,6 +16,7 @@ use std::time::Duration;
 use sqlx::{Pool, Transaction};
 
 pub(crate) mod calls;
+mod digest;
 #[cfg(feature = "mysql")]
 mod mysql;
 pub(crate) mod outbox;
@@ -25,7 +27,9 @@ pub(crate) mod record;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod tokens;
+mod upgrade;
 
+pub use digest::RowKey;
 pub(crate) use pooling::on_pool;
 pub use pooling::{Db, Pooling};
 pub use tokens::{TokenId, TokenRow};
@@ -40,8 +44,7 @@ pub(crate) const SUCCEEDED: i16 = 1;
 /// A row about to be inserted. Times are Unix epoch milliseconds.
 #[derive(Debug, Clone, Copy)]
 pub struct NewRecord<'a> {
-    pub biz: &'a str,
-    pub key: &'a str,
+    pub key: RowKey<'a>,
     pub biz_no: Option<&'a str>,
     pub params_hash: &'a str,
     pub status: i16,
@@ -79,7 +82,7 @@ impl From<RecordRow> for StoredRecord {
 /// code, never by message text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorClass {
-    /// The unique index on `(biz_type, idem_key)` refused the row.
+    /// The unique index on `key_digest` refused the row.
     Duplicate,
     /// A lock wait ran past its bound: someone else holds the key.
     LockTimeout,
@@ -104,8 +107,10 @@ pub trait Backend:
 /// private, so nothing outside the crate can name it, and so implement
 /// [`Backend`] (the sealed-trait pattern).
 pub trait RecordSql: sqlx::Database + Sized {
-    /// Creates `idem_record`, `idem_meta` and their indexes if absent, and
-    /// records `namespace` in `idem_meta` unless the database holds one.
+    /// Creates `idem_record`, `idem_meta` and their indexes if absent
+    /// (bringing an `idem_record` of an earlier version to today's form,
+    /// see [`upgrade`]), and records `namespace` in `idem_meta` unless the
+    /// database holds one.
     fn migrate(db: &Db<Self>, namespace: &str) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
     /// The namespace recorded by [`migrate`](RecordSql::migrate), if any.
@@ -233,8 +238,7 @@ pub trait RecordSql: sqlx::Database + Sized {
     fn read_locking(
         pooling: Pooling,
         conn: &mut Self::Connection,
-        biz: &str,
-        key: &str,
+        key: RowKey<'_>,
         wait: Option<Duration>,
     ) -> impl Future<Output = Result<Option<StoredRecord>, sqlx::Error>> + Send;
 
@@ -242,16 +246,14 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// (a plain read, outside any transaction).
     fn read_plain(
         db: &Db<Self>,
-        biz: &str,
-        key: &str,
+        key: RowKey<'_>,
     ) -> impl Future<Output = Result<Option<StoredRecord>, sqlx::Error>> + Send;
 
     /// Deletes the row of a key if it expired at or before `now_ms`.
     fn delete_expired(
         pooling: Pooling,
         conn: &mut Self::Connection,
-        biz: &str,
-        key: &str,
+        key: RowKey<'_>,
         now_ms: i64,
         wait: Option<Duration>,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
@@ -339,12 +341,13 @@ macro_rules! record_queries {
             wait: Option<::std::time::Duration>,
         ) -> Result<bool, ::sqlx::Error> {
             let sql = Self::bounded($q.insert, wait);
-            // Placeholders in column order: biz_type, idem_key, biz_no, params_hash,
-            // status, response, created_at, updated_at, expires_at.
+            // Placeholders in column order: key_digest, biz_type, idem_key, biz_no,
+            // params_hash, status, response, created_at, updated_at, expires_at.
             let done = ::sqlx::query(sql)
                 .persistent(pooling.persistent())
-                .bind(rec.biz)
-                .bind(rec.key)
+                .bind(rec.key.digest)
+                .bind(rec.key.biz)
+                .bind(rec.key.key)
                 .bind(rec.biz_no)
                 .bind(rec.params_hash)
                 .bind(rec.status)
@@ -368,8 +371,9 @@ macro_rules! record_queries {
                 .bind(rec.response)
                 .bind(rec.now_ms)
                 .bind(rec.expires_ms)
-                .bind(rec.biz)
-                .bind(rec.key)
+                .bind(rec.key.digest)
+                .bind(rec.key.biz)
+                .bind(rec.key.key)
                 .execute(&mut **tx)
                 .await
                 .map(drop)
@@ -378,15 +382,15 @@ macro_rules! record_queries {
         async fn read_locking(
             pooling: $crate::store::Pooling,
             conn: &mut Self::Connection,
-            biz: &str,
-            key: &str,
+            key: $crate::store::RowKey<'_>,
             wait: Option<::std::time::Duration>,
         ) -> Result<Option<$crate::store::StoredRecord>, ::sqlx::Error> {
             let sql = Self::bounded($q.read_locking, wait);
             let row: Option<$crate::store::RecordRow> = ::sqlx::query_as(sql)
                 .persistent(pooling.persistent())
-                .bind(biz)
-                .bind(key)
+                .bind(key.digest)
+                .bind(key.biz)
+                .bind(key.key)
                 .fetch_optional(&mut *conn)
                 .await?;
             Ok(row.map(Into::into))
@@ -394,11 +398,11 @@ macro_rules! record_queries {
 
         async fn read_plain(
             db: &$crate::store::Db<Self>,
-            biz: &str,
-            key: &str,
+            key: $crate::store::RowKey<'_>,
         ) -> Result<Option<$crate::store::StoredRecord>, ::sqlx::Error> {
             let row: Option<$crate::store::RecordRow> = $crate::store::on_pool!(db, |on, persistent| {
-                ::sqlx::query_as($q.read_plain).persistent(persistent).bind(biz).bind(key).fetch_optional(on).await
+                let query = ::sqlx::query_as($q.read_plain).persistent(persistent);
+                query.bind(key.digest).bind(key.biz).bind(key.key).fetch_optional(on).await
             })?;
             Ok(row.map(Into::into))
         }
@@ -406,16 +410,16 @@ macro_rules! record_queries {
         async fn delete_expired(
             pooling: $crate::store::Pooling,
             conn: &mut Self::Connection,
-            biz: &str,
-            key: &str,
+            key: $crate::store::RowKey<'_>,
             now_ms: i64,
             wait: Option<::std::time::Duration>,
         ) -> Result<u64, ::sqlx::Error> {
             let sql = Self::bounded($q.delete_expired, wait);
             let done = ::sqlx::query(sql)
                 .persistent(pooling.persistent())
-                .bind(biz)
-                .bind(key)
+                .bind(key.digest)
+                .bind(key.biz)
+                .bind(key.key)
                 .bind(now_ms)
                 .execute(&mut *conn)
                 .await?;

@@ -16,8 +16,10 @@ use super::{
 // the transaction's snapshot, not the duplicate committed since.
 // Keys compare byte for byte (`ascii_bin`): the default collations ignore
 // case, which would merge `Order-1` and `order-1`. Times are epoch ms.
+// Unique on the key's digest (`store::digest`), checked against the full key.
 const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
     id BIGINT UNSIGNED NOT NULL AUTO_INCREMENT PRIMARY KEY,
+    key_digest BINARY(16) NOT NULL,
     biz_type VARCHAR(32) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
     idem_key VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
     biz_no VARCHAR(64) NULL,
@@ -27,18 +29,18 @@ const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
     created_at BIGINT NOT NULL,
     updated_at BIGINT NOT NULL,
     expires_at BIGINT NOT NULL,
-    UNIQUE KEY uk_idem_record_biz_key (biz_type, idem_key),
+    UNIQUE KEY uk_idem_record_key_digest (key_digest),
     KEY idx_idem_record_biz_no (biz_type, biz_no),
     KEY idx_idem_record_expires_at (expires_at)
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4";
 
 // Purges walk the expiry index (`ORDER BY expires_at`), oldest first.
 const Q: Queries = Queries {
-    insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-    mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ?, expires_at = ? WHERE biz_type = ? AND idem_key = ?",
-    read_locking: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ? LOCK IN SHARE MODE",
-    read_plain: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
-    delete_expired: "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ? AND expires_at <= ?",
+    insert: "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ?, expires_at = ? WHERE key_digest = ? AND biz_type = ? AND idem_key = ?",
+    read_locking: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE key_digest = ? AND biz_type = ? AND idem_key = ? LOCK IN SHARE MODE",
+    read_plain: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE key_digest = ? AND biz_type = ? AND idem_key = ?",
+    delete_expired: "DELETE FROM idem_record WHERE key_digest = ? AND biz_type = ? AND idem_key = ? AND expires_at <= ?",
     purge_expired: "DELETE FROM idem_record WHERE expires_at <= ? ORDER BY expires_at LIMIT ?",
     meta_ddl: "CREATE TABLE IF NOT EXISTS idem_meta (
         name VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY,
@@ -79,6 +81,7 @@ impl Backend for MySql {}
 impl RecordSql for MySql {
     async fn migrate(db: &Db<Self>, namespace: &str) -> Result<(), sqlx::Error> {
         sqlx::raw_sql(DDL).execute(&db.pool).await?;
+        super::upgrade::mysql::to_key_digest(&db.pool).await?;
         sqlx::raw_sql(Q.meta_ddl).execute(&db.pool).await?;
         sqlx::raw_sql(TOKEN_DDL).execute(&db.pool).await?;
         on_pool!(db, |on, persistent| {

@@ -18,6 +18,7 @@ const MIGRATE_LOCK: &str = "SELECT pg_advisory_xact_lock(7306232718293611)";
 const DDL: [&str; 3] = [
     "CREATE TABLE IF NOT EXISTS idem_record (
         id BIGSERIAL PRIMARY KEY,
+        key_digest uuid NOT NULL,
         biz_type VARCHAR(32) NOT NULL,
         idem_key VARCHAR(255) NOT NULL,
         biz_no VARCHAR(64) NULL,
@@ -27,7 +28,7 @@ const DDL: [&str; 3] = [
         created_at BIGINT NOT NULL,
         updated_at BIGINT NOT NULL,
         expires_at BIGINT NOT NULL,
-        CONSTRAINT uk_idem_record_biz_key UNIQUE (biz_type, idem_key)
+        CONSTRAINT uk_idem_record_key_digest UNIQUE (key_digest)
     )",
     "CREATE INDEX IF NOT EXISTS idx_idem_record_biz_no ON idem_record (biz_type, biz_no)",
     "CREATE INDEX IF NOT EXISTS idx_idem_record_expires_at ON idem_record (expires_at)",
@@ -42,11 +43,11 @@ const DDL: [&str; 3] = [
 // nothing to delete is one index probe however many records live. A row a
 // call holds (`SKIP LOCKED`) is left for the next batch.
 const Q: Queries = Queries {
-    insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (biz_type, idem_key) DO NOTHING",
-    mark_succeeded: "UPDATE idem_record SET status = $1, response = $2, updated_at = $3, expires_at = $4 WHERE biz_type = $5 AND idem_key = $6",
-    read_locking: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
-    read_plain: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
-    delete_expired: "DELETE FROM idem_record WHERE biz_type = $1 AND idem_key = $2 AND expires_at <= $3",
+    insert: "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (key_digest) DO NOTHING",
+    mark_succeeded: "UPDATE idem_record SET status = $1, response = $2, updated_at = $3, expires_at = $4 WHERE key_digest = $5 AND biz_type = $6 AND idem_key = $7",
+    read_locking: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE key_digest = $1 AND biz_type = $2 AND idem_key = $3",
+    read_plain: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE key_digest = $1 AND biz_type = $2 AND idem_key = $3",
+    delete_expired: "DELETE FROM idem_record WHERE key_digest = $1 AND biz_type = $2 AND idem_key = $3 AND expires_at <= $4",
     purge_expired: "DELETE FROM idem_record WHERE id = ANY (ARRAY(SELECT id FROM idem_record WHERE expires_at <= $1 ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED))",
     meta_ddl: "CREATE TABLE IF NOT EXISTS idem_meta (name VARCHAR(64) PRIMARY KEY, value VARCHAR(255) NOT NULL)",
     init_namespace: "INSERT INTO idem_meta (name, value) VALUES ('namespace', $1) ON CONFLICT (name) DO NOTHING",
@@ -105,6 +106,7 @@ impl RecordSql for Postgres {
         for ddl in DDL {
             sqlx::raw_sql(ddl).execute(&mut *tx).await?;
         }
+        super::upgrade::postgres::to_key_digest(&mut tx).await?;
         sqlx::raw_sql(Q.meta_ddl).execute(&mut *tx).await?;
         for ddl in TOKEN_DDL {
             sqlx::raw_sql(ddl).execute(&mut *tx).await?;

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use sqlx::Transaction;
 
-use super::{Backend, Db, ErrorClass, NewRecord, PROCESSING, Pooling, SUCCEEDED, StoredRecord};
+use super::{Backend, Db, ErrorClass, NewRecord, PROCESSING, Pooling, RowKey, SUCCEEDED, StoredRecord};
 use crate::clock::Clock;
 use crate::error::Error;
 
@@ -38,14 +38,25 @@ pub(crate) struct RecordKey<'a> {
     pub fingerprint: &'a str,
     pub biz_no: Option<&'a str>,
     pub ttl: Duration,
+    /// How the table finds the key (its digest computed once per call).
+    row: RowKey<'a>,
 }
 
-impl RecordKey<'_> {
+impl<'a> RecordKey<'a> {
+    pub(crate) fn new(
+        biz: &'static str,
+        key: &'a str,
+        fingerprint: &'a str,
+        biz_no: Option<&'a str>,
+        ttl: Duration,
+    ) -> Self {
+        RecordKey { biz, key, fingerprint, biz_no, ttl, row: RowKey::new(biz, key) }
+    }
+
     /// The row to insert at `now` (database time, epoch ms).
     fn record<'r>(&'r self, status: i16, response: Option<&'r str>, now: i64) -> NewRecord<'r> {
         NewRecord {
-            biz: self.biz,
-            key: self.key,
+            key: self.row,
             biz_no: self.biz_no,
             params_hash: self.fingerprint,
             status,
@@ -214,7 +225,7 @@ impl<DB: Backend> Records<'_, DB> {
     /// The committed row of `(biz, key)`, live or expired, read without
     /// waiting on locks.
     pub(crate) async fn read(&self, biz: &str, key: &str) -> Result<Option<StoredRecord>, Error> {
-        Ok(DB::read_plain(self.db, biz, key).await?)
+        Ok(DB::read_plain(self.db, RowKey::new(biz, key)).await?)
     }
 
     /// The live committed row of `(biz, key)`, if any.
@@ -310,21 +321,23 @@ async fn insert<DB: Backend>(
     clock: &Clock,
 ) -> Result<Taken, sqlx::Error> {
     // Each round either inserts, finds the live row, or clears an expired
-    // one; a row that vanishes three times in a row is not worth chasing.
+    // one; a row that vanishes three times in a row is not worth chasing
+    // (nor is one whose digest another key holds: the read checks the full
+    // key and finds nothing).
     for _ in 0..3 {
         if DB::insert(pooling, tx, record, wait).await? {
             return Ok(Taken::No);
         }
         let now = clock.now_ms();
-        match DB::read_locking(pooling, &mut **tx, id.biz, id.key, wait).await? {
+        match DB::read_locking(pooling, &mut **tx, id.row, wait).await? {
             Some(row) if row.expires_ms > now => return Ok(Taken::By(row)),
             Some(_) => {
-                DB::delete_expired(pooling, &mut **tx, id.biz, id.key, now, wait).await?;
+                DB::delete_expired(pooling, &mut **tx, id.row, now, wait).await?;
             }
             None => {}
         }
     }
-    Err(sqlx::Error::Protocol("idem_record row of the key keeps changing".into()))
+    Err(sqlx::Error::Protocol("idem_record row of the key keeps changing, or another key holds its digest".into()))
 }
 
 /// Rolls `tx` back. A failed rollback leaves nothing to undo: the server

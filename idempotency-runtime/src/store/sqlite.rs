@@ -12,6 +12,7 @@ use super::{
 
 const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
         id INTEGER PRIMARY KEY,
+        key_digest BLOB NOT NULL UNIQUE,
         biz_type TEXT NOT NULL,
         idem_key TEXT NOT NULL,
         biz_no TEXT NULL,
@@ -20,18 +21,17 @@ const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
         response TEXT NULL,
         created_at INTEGER NOT NULL,
         updated_at INTEGER NOT NULL,
-        expires_at INTEGER NOT NULL,
-        UNIQUE (biz_type, idem_key)
+        expires_at INTEGER NOT NULL
     );
     CREATE INDEX IF NOT EXISTS idx_idem_record_biz_no ON idem_record (biz_type, biz_no);
     CREATE INDEX IF NOT EXISTS idx_idem_record_expires_at ON idem_record (expires_at);";
 
 const Q: Queries = Queries {
-    insert: "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-    mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ?, expires_at = ? WHERE biz_type = ? AND idem_key = ?",
-    read_locking: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
-    read_plain: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
-    delete_expired: "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ? AND expires_at <= ?",
+    insert: "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ?, expires_at = ? WHERE key_digest = ? AND biz_type = ? AND idem_key = ?",
+    read_locking: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE key_digest = ? AND biz_type = ? AND idem_key = ?",
+    read_plain: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE key_digest = ? AND biz_type = ? AND idem_key = ?",
+    delete_expired: "DELETE FROM idem_record WHERE key_digest = ? AND biz_type = ? AND idem_key = ? AND expires_at <= ?",
     purge_expired: "DELETE FROM idem_record WHERE id IN (SELECT id FROM idem_record WHERE expires_at <= ? ORDER BY expires_at LIMIT ?)",
     meta_ddl: "CREATE TABLE IF NOT EXISTS idem_meta (name TEXT NOT NULL PRIMARY KEY, value TEXT NOT NULL)",
     init_namespace: "INSERT INTO idem_meta (name, value) VALUES ('namespace', ?) ON CONFLICT (name) DO NOTHING",
@@ -67,7 +67,10 @@ impl Backend for Sqlite {}
 
 impl RecordSql for Sqlite {
     async fn migrate(db: &Db<Self>, namespace: &str) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(DDL).execute(&db.pool).await?;
+        let mut tx = Self::begin(&db.pool).await?;
+        super::upgrade::sqlite::to_key_digest(&mut tx, DDL).await?;
+        sqlx::raw_sql(DDL).execute(&mut *tx).await?;
+        tx.commit().await?;
         sqlx::raw_sql(Q.meta_ddl).execute(&db.pool).await?;
         sqlx::raw_sql(TOKEN_DDL).execute(&db.pool).await?;
         on_pool!(db, |on, persistent| {

@@ -47,6 +47,15 @@ pub trait TestBackend: Send + Sync + 'static {
     const CORRUPT: &'static str;
     /// Reads a record's `biz_no`: binds `biz_type`, `idem_key`.
     const BIZ_NO: &'static str;
+    /// Creates `idem_record` as versions before the key digest did (unique
+    /// on `(biz_type, idem_key)`, no `key_digest`), with its indexes (raw SQL).
+    const RECORD_TABLE_BEFORE_DIGEST: &'static str;
+    /// Inserts a row into that table: binds `biz_type`, `idem_key`, `biz_no`,
+    /// `params_hash`, `status`, `response`, `created_at`, `updated_at`, `expires_at`.
+    const INSERT_RECORD_BEFORE_DIGEST: &'static str;
+    /// The columns of each unique index of `idem_record` but its primary
+    /// key, one row each, comma-separated in index order.
+    const RECORD_UNIQUE_INDEXES: &'static str;
     /// Creates `idem_classify (id, v)` with rows 1 and 2, if missing (raw SQL,
     /// several statements): a business row two bodies can lock.
     const LOCKABLE_ROWS_DDL: &'static str;

@@ -22,10 +22,35 @@ impl TestBackend for MySql {
 
     const INSERT_LEDGER: &'static str = "INSERT INTO idem_test_ledger (k, amount) VALUES (?, ?)";
     const COUNT_LEDGER: &'static str = "SELECT COUNT(*) FROM idem_test_ledger WHERE k = ?";
-    const COUNT_RECORDS_KEY: &'static str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = ? AND idem_key = ?";
-    const DELETE_RECORD: &'static str = "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ?";
-    const CORRUPT: &'static str = "UPDATE idem_record SET response = ? WHERE biz_type = ? AND idem_key = ?";
-    const BIZ_NO: &'static str = "SELECT biz_no FROM idem_record WHERE biz_type = ? AND idem_key = ?";
+    // By the unique digest, computed by the server from `(biz, key)`: a
+    // statement by `biz_type` and `idem_key` alone would scan (and, for a
+    // write, lock) every row of the shared table.
+    const COUNT_RECORDS_KEY: &'static str =
+        "SELECT COUNT(*) FROM idem_record WHERE key_digest = UNHEX(LEFT(SHA2(CONCAT(?, CHAR(0), ?), 256), 32))";
+    const DELETE_RECORD: &'static str =
+        "DELETE FROM idem_record WHERE key_digest = UNHEX(LEFT(SHA2(CONCAT(?, CHAR(0), ?), 256), 32))";
+    const CORRUPT: &'static str =
+        "UPDATE idem_record SET response = ? WHERE key_digest = UNHEX(LEFT(SHA2(CONCAT(?, CHAR(0), ?), 256), 32))";
+    const BIZ_NO: &'static str =
+        "SELECT biz_no FROM idem_record WHERE key_digest = UNHEX(LEFT(SHA2(CONCAT(?, CHAR(0), ?), 256), 32))";
+    const RECORD_TABLE_BEFORE_DIGEST: &'static str = "CREATE TABLE idem_record (
+        id BIGINT UNSIGNED NOT NULL AUTO_INCREMENT PRIMARY KEY,
+        biz_type VARCHAR(32) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+        idem_key VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+        biz_no VARCHAR(64) NULL,
+        params_hash CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+        status SMALLINT NOT NULL,
+        response LONGTEXT NULL,
+        created_at BIGINT NOT NULL,
+        updated_at BIGINT NOT NULL,
+        expires_at BIGINT NOT NULL,
+        UNIQUE KEY uk_idem_record_biz_key (biz_type, idem_key),
+        KEY idx_idem_record_biz_no (biz_type, biz_no),
+        KEY idx_idem_record_expires_at (expires_at)
+    ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4";
+    const INSERT_RECORD_BEFORE_DIGEST: &'static str = "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)";
+    const RECORD_UNIQUE_INDEXES: &'static str = "SELECT CAST(GROUP_CONCAT(COLUMN_NAME ORDER BY SEQ_IN_INDEX) AS CHAR) FROM information_schema.STATISTICS \
+        WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'idem_record' AND NON_UNIQUE = 0 AND INDEX_NAME <> 'PRIMARY' GROUP BY INDEX_NAME";
     const LOCKABLE_ROWS_DDL: &'static str = "CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); INSERT IGNORE INTO idem_classify VALUES (1, 0), (2, 0)";
 
     const LOCK_WAIT_BOUNDED: bool = true;

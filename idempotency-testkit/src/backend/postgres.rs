@@ -22,10 +22,31 @@ impl TestBackend for Postgres {
 
     const INSERT_LEDGER: &'static str = "INSERT INTO idem_test_ledger (k, amount) VALUES ($1, $2)";
     const COUNT_LEDGER: &'static str = "SELECT COUNT(*) FROM idem_test_ledger WHERE k = $1";
-    const COUNT_RECORDS_KEY: &'static str = "SELECT COUNT(*) FROM idem_record WHERE biz_type = $1 AND idem_key = $2";
-    const DELETE_RECORD: &'static str = "DELETE FROM idem_record WHERE biz_type = $1 AND idem_key = $2";
-    const CORRUPT: &'static str = "UPDATE idem_record SET response = $1 WHERE biz_type = $2 AND idem_key = $3";
-    const BIZ_NO: &'static str = "SELECT biz_no FROM idem_record WHERE biz_type = $1 AND idem_key = $2";
+    // By the unique digest, computed by the server from `(biz, key)`.
+    const COUNT_RECORDS_KEY: &'static str = "SELECT COUNT(*) FROM idem_record WHERE key_digest = encode(substring(sha256(convert_to($1, 'UTF8') || decode('00', 'hex') || convert_to($2, 'UTF8')) FROM 1 FOR 16), 'hex')::uuid";
+    const DELETE_RECORD: &'static str = "DELETE FROM idem_record WHERE key_digest = encode(substring(sha256(convert_to($1, 'UTF8') || decode('00', 'hex') || convert_to($2, 'UTF8')) FROM 1 FOR 16), 'hex')::uuid";
+    const CORRUPT: &'static str = "UPDATE idem_record SET response = $1 WHERE key_digest = encode(substring(sha256(convert_to($2, 'UTF8') || decode('00', 'hex') || convert_to($3, 'UTF8')) FROM 1 FOR 16), 'hex')::uuid";
+    const BIZ_NO: &'static str = "SELECT biz_no FROM idem_record WHERE key_digest = encode(substring(sha256(convert_to($1, 'UTF8') || decode('00', 'hex') || convert_to($2, 'UTF8')) FROM 1 FOR 16), 'hex')::uuid";
+    const RECORD_TABLE_BEFORE_DIGEST: &'static str = "CREATE TABLE idem_record (
+        id BIGSERIAL PRIMARY KEY,
+        biz_type VARCHAR(32) NOT NULL,
+        idem_key VARCHAR(255) NOT NULL,
+        biz_no VARCHAR(64) NULL,
+        params_hash CHAR(64) NOT NULL,
+        status SMALLINT NOT NULL,
+        response TEXT NULL,
+        created_at BIGINT NOT NULL,
+        updated_at BIGINT NOT NULL,
+        expires_at BIGINT NOT NULL,
+        CONSTRAINT uk_idem_record_biz_key UNIQUE (biz_type, idem_key)
+    );
+    CREATE INDEX idx_idem_record_biz_no ON idem_record (biz_type, biz_no);
+    CREATE INDEX idx_idem_record_expires_at ON idem_record (expires_at)";
+    const INSERT_RECORD_BEFORE_DIGEST: &'static str = "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)";
+    const RECORD_UNIQUE_INDEXES: &'static str = "SELECT string_agg(a.attname::text, ',' ORDER BY k.ord) FROM pg_index i \
+        CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord) \
+        JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
+        WHERE i.indrelid = 'idem_record'::regclass AND i.indisunique AND NOT i.indisprimary GROUP BY i.indexrelid";
     /// Under an advisory lock: concurrent `CREATE TABLE IF NOT EXISTS` can
     /// collide in the catalog.
     const LOCKABLE_ROWS_DDL: &'static str = "SELECT pg_advisory_xact_lock(7306232718293614); CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); INSERT INTO idem_classify VALUES (1, 0), (2, 0) ON CONFLICT DO NOTHING";

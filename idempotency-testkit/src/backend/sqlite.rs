@@ -34,6 +34,24 @@ impl TestBackend for Sqlite {
     const DELETE_RECORD: &'static str = "DELETE FROM idem_record WHERE biz_type = ? AND idem_key = ?";
     const CORRUPT: &'static str = "UPDATE idem_record SET response = ? WHERE biz_type = ? AND idem_key = ?";
     const BIZ_NO: &'static str = "SELECT biz_no FROM idem_record WHERE biz_type = ? AND idem_key = ?";
+    const RECORD_TABLE_BEFORE_DIGEST: &'static str = "CREATE TABLE idem_record (
+        id INTEGER PRIMARY KEY,
+        biz_type TEXT NOT NULL,
+        idem_key TEXT NOT NULL,
+        biz_no TEXT NULL,
+        params_hash TEXT NOT NULL,
+        status INTEGER NOT NULL,
+        response TEXT NULL,
+        created_at INTEGER NOT NULL,
+        updated_at INTEGER NOT NULL,
+        expires_at INTEGER NOT NULL,
+        UNIQUE (biz_type, idem_key)
+    );
+    CREATE INDEX idx_idem_record_biz_no ON idem_record (biz_type, biz_no);
+    CREATE INDEX idx_idem_record_expires_at ON idem_record (expires_at);";
+    const INSERT_RECORD_BEFORE_DIGEST: &'static str = "INSERT INTO idem_record (biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)";
+    const RECORD_UNIQUE_INDEXES: &'static str = "SELECT group_concat(c.name, ',') FROM pragma_index_list('idem_record') AS l, \
+        pragma_index_info(l.name) AS c WHERE l.\"unique\" = 1 AND l.origin <> 'pk' GROUP BY l.name";
     const LOCKABLE_ROWS_DDL: &'static str = "CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); INSERT OR IGNORE INTO idem_classify VALUES (1, 0), (2, 0)";
 
     const LOCK_WAIT_BOUNDED: bool = false;

@@ -22,8 +22,6 @@
 
 use std::time::Duration;
 
-use sha2::{Digest, Sha256};
-
 use crate::fingerprint::push_lower_hex;
 use crate::namespace::Namespace;
 use crate::random::push_token;
@@ -51,10 +49,8 @@ pub(crate) struct Place {
 
 impl Place {
     pub(crate) fn of(namespace: &Namespace, biz: &str, key: &str) -> Place {
-        let digest = Sha256::new().chain_update(biz).chain_update([0]).chain_update(key).finalize();
-        let mut field = [0; 16];
-        field.copy_from_slice(&digest[..16]);
-        let shard = u16::from_be_bytes([digest[0], digest[1]]) % SHARDS;
+        let field = crate::key::key_digest(biz, key);
+        let shard = u16::from_be_bytes([field[0], field[1]]) % SHARDS;
         let mut prefix = String::with_capacity(16 + namespace.as_str().len());
         prefix.push_str("idem:{");
         prefix.push_str(namespace.as_str());
