@@ -6,8 +6,8 @@
 //! a random place. Keyed by `(biz_type, idem_key)` it spent 86-89 bytes per
 //! live record, and once it outgrew the buffer pool each insert read a page
 //! from disk. Sixteen bytes per entry (MariaDB `BINARY(16)`, PostgreSQL
-//! `uuid`, SQLite `BLOB`) make it less than half that, and its size is known
-//! from the count of live records alone.
+//! `uuid`, SQLite `BLOB`) make it about half that (47 and 40 bytes measured),
+//! and its size is known from the count of live records alone.
 
 use sqlx::encode::IsNull;
 use sqlx::error::BoxDynError;

@@ -44,7 +44,11 @@ pub(super) mod mysql {
         if has_index(&mut conn, "uk_idem_record_key_digest").await? {
             return Ok(());
         }
-        sqlx::query("SELECT GET_LOCK('idem_record_upgrade', 3600)").execute(&mut *conn).await?;
+        let locked: Option<i64> =
+            sqlx::query_scalar("SELECT GET_LOCK('idem_record_upgrade', 3600)").fetch_one(&mut *conn).await?;
+        if locked != Some(1) {
+            return Err(sqlx::Error::Protocol("idem_record upgrade: another engine held the lock for an hour".into()));
+        }
         let done = upgrade(&mut conn).await;
         let released = sqlx::query("SELECT RELEASE_LOCK('idem_record_upgrade')").execute(&mut *conn).await;
         done.and(released.map(drop))
