@@ -2,7 +2,9 @@
 //! them per call. The rules themselves live in `idempotency-rules`, which the
 //! attribute checks its templates against at compile time: one definition,
 //! so the two cannot drift. A key that breaks the rule is rejected, never
-//! escaped, trimmed or hashed: any of those could merge two distinct keys.
+//! escaped, trimmed or hashed in its place: any of those could merge two
+//! distinct keys. (The record table indexes a key by its [`key_digest`], but
+//! stores the key itself beside it and checks it.)
 
 pub use idempotency_rules::{MAX_BIZ_LEN, MAX_BIZ_NO_LEN, MAX_KEY_LEN, MIN_HEADER_KEY_LEN, is_key_char};
 
