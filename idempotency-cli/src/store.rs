@@ -68,6 +68,32 @@ fn digest_hex(biz: &str, key: &str) -> String {
     idempotency_runtime::key::key_digest(biz, key).iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Runs `$use` on an engine over one connection to `$store`'s database,
+/// with `$redis` and `$namespace` (told about the pooler on PostgreSQL):
+/// `$use` is written once, on the engine `$idem`, whatever the backend.
+macro_rules! with_engine {
+    ($store:expr, $redis:expr, $namespace:expr, |$idem:ident| $use:expr) => {{
+        let store: &Store = $store;
+        match store.dialect {
+            Dialect::MySql => {
+                let pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(1).connect(&store.url).await?;
+                let $idem = engine_builder(pool, $redis, $namespace)?.build();
+                $use
+            }
+            Dialect::Postgres => {
+                let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&store.url).await?;
+                let $idem = store.postgres(engine_builder(pool, $redis, $namespace)?).build();
+                $use
+            }
+            Dialect::Sqlite => {
+                let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect(&store.url).await?;
+                let $idem = engine_builder(pool, $redis, $namespace)?.build();
+                $use
+            }
+        }
+    }};
+}
+
 /// One row of `idem_record`.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Record {
@@ -316,23 +342,8 @@ impl Store {
 
     /// Where `(biz, key)` stands, as the engine sees it.
     pub async fn status(&self, biz: &str, key: &str) -> Result<Status, Failure> {
-        let namespace = self.namespace.clone();
-        let redis = self.redis.clone();
-        let status = match self.dialect {
-            Dialect::MySql => {
-                let pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(1).connect(&self.url).await?;
-                engine_builder(pool, redis, namespace)?.build().status(biz, key).await
-            }
-            Dialect::Postgres => {
-                let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&self.url).await?;
-                self.postgres(engine_builder(pool, redis, namespace)?).build().status(biz, key).await
-            }
-            Dialect::Sqlite => {
-                let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect(&self.url).await?;
-                engine_builder(pool, redis, namespace)?.build().status(biz, key).await
-            }
-        };
-        Ok(status?)
+        let (redis, namespace) = (self.redis.clone(), self.namespace.clone());
+        Ok(with_engine!(self, redis, namespace, |idem| idem.status(biz, key).await)?)
     }
 
     /// A PostgreSQL engine's builder, told about the pooler.
@@ -342,39 +353,12 @@ impl Store {
 
     /// Runs the engine's own `migrate`.
     pub async fn migrate(&self) -> Result<(), Failure> {
-        match self.dialect {
-            Dialect::MySql => {
-                let pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(1).connect(&self.url).await?;
-                engine_builder(pool, None, None)?.build().migrate().await?
-            }
-            Dialect::Postgres => {
-                let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&self.url).await?;
-                self.postgres(engine_builder(pool, None, None)?).build().migrate().await?
-            }
-            Dialect::Sqlite => {
-                let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect(&self.url).await?;
-                engine_builder(pool, None, None)?.build().migrate().await?
-            }
-        }
-        Ok(())
+        Ok(with_engine!(self, None, None, |idem| idem.migrate().await)?)
     }
 
     /// Deletes expired records, `batch` at a time, until none is left; how many.
     pub async fn purge_expired(&self, batch: u32) -> Result<u64, Failure> {
-        match self.dialect {
-            Dialect::MySql => {
-                let pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(1).connect(&self.url).await?;
-                purge(engine_builder(pool, None, None)?.build(), batch).await
-            }
-            Dialect::Postgres => {
-                let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&self.url).await?;
-                purge(self.postgres(engine_builder(pool, None, None)?).build(), batch).await
-            }
-            Dialect::Sqlite => {
-                let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect(&self.url).await?;
-                purge(engine_builder(pool, None, None)?.build(), batch).await
-            }
-        }
+        with_engine!(self, None, None, |idem| purge(idem, batch).await)
     }
 }
 
