@@ -139,3 +139,67 @@ async fn duplicate_whose_body_fails_after_redis_lost_the_result_replays() {
     assert_eq!(probe.runs(), 3, "both duplicates ran their bodies, which failed");
     assert_eq!(ledger_rows(&idem, &k).await, 1);
 }
+
+/// A Redis that forgot the gate's scripts (restarted, failed over, `SCRIPT
+/// FLUSH`) answers `NOSCRIPT`: the claim, the cache write and the release
+/// each load their script again and go on, so Redis keeps gating (no fall
+/// back to the database alone). `number_of_cached_scripts` shows which
+/// script each step loaded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scripts_redis_forgot_are_loaded_again() {
+    let Some((server, idem)) = engine_on_private_redis(Duration::from_secs(2)).await else { return };
+    let probe = Arc::new(Probe::default());
+    let mut conn = server.client().get_multiplexed_async_connection().await.expect("redis");
+    let flush = |mut conn: redis::aio::MultiplexedConnection| async move {
+        let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut conn).await.expect("SCRIPT FLUSH");
+    };
+    let cached_scripts = |mut conn: redis::aio::MultiplexedConnection| async move {
+        let info: String = redis::cmd("INFO").arg("memory").query_async(&mut conn).await.expect("INFO");
+        let line = info.lines().find_map(|l| l.strip_prefix("number_of_cached_scripts:")).expect("script count");
+        line.trim().parse::<u32>().expect("a count")
+    };
+
+    // Every cache write before this point has landed (the engine's warm-up
+    // call's went before this one's).
+    let settled = unique("forgot_before");
+    pay(&idem, settled.clone(), 1, &probe, Mode::Ok).await.unwrap();
+    redis_cached_response(&server.client(), &redis_location(&idem, "t_pay", &settled).await).await;
+
+    // The claim: held in Redis while the body runs.
+    flush(conn.clone()).await;
+    let k = unique("forgot");
+    let held = {
+        let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
+        tokio::spawn(async move { pay(&idem, k, 2, &probe, Mode::HeldThenOk).await })
+    };
+    until_held(&probe).await;
+    let at = redis_location(&idem, "t_pay", &k).await;
+    let claim: Option<String> = redis::cmd("GET").arg(&at.claim).query_async(&mut conn).await.expect("GET");
+    assert!(claim.is_some_and(|c| c.starts_with("p:")), "the claim is in Redis");
+    assert_eq!(cached_scripts(conn.clone()).await, 1, "the claim script, loaded again");
+
+    // The cache write, forgotten while the body ran.
+    flush(conn.clone()).await;
+    probe.open();
+    let first = held.await.unwrap().unwrap();
+    assert_eq!(redis_cached_response(&server.client(), &at).await, serde_json::to_string(&first).unwrap());
+    assert_eq!(cached_scripts(conn.clone()).await, 1, "the cache write's script, loaded again");
+
+    // A replay, from Redis.
+    flush(conn.clone()).await;
+    let (again, outcome) = idempotency::observe(pay(&idem, k.clone(), 2, &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap(), outcome), (first, Some(idempotency::Outcome::Replayed)));
+    assert_eq!(cached_scripts(conn.clone()).await, 1, "the claim script, loaded again");
+
+    // The release of a failed call: a retry goes ahead at once.
+    flush(conn.clone()).await;
+    let failing = unique("forgot_fail");
+    assert!(matches!(pay(&idem, failing.clone(), 3, &probe, Mode::Fail).await, Err(TestError::Body)));
+    assert_eq!(cached_scripts(conn.clone()).await, 2, "the claim's and the release's scripts");
+    let claim = redis_location(&idem, "t_pay", &failing).await.claim;
+    let left: Option<String> = redis::cmd("GET").arg(&claim).query_async(&mut conn).await.expect("GET");
+    assert_eq!(left, None, "released on the caller's path");
+    let (retried, outcome) = idempotency::observe(pay(&idem, failing, 3, &probe, Mode::Ok)).await;
+    assert_eq!((retried.unwrap().run, outcome), (4, Some(idempotency::Outcome::Executed)));
+    assert_eq!(probe.runs(), 4, "two first calls, the failed one and its retry");
+}

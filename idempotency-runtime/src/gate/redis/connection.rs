@@ -10,7 +10,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{FromRedisValue, ScriptInvocation};
+use redis::{FromRedisValue, Script, ScriptInvocation};
 use tokio::sync::OnceCell;
 
 use crate::clock;
@@ -95,13 +95,25 @@ impl Link {
         Duration::from_millis(down_until.saturating_sub(clock::monotonic_ms()))
     }
 
-    /// Runs a script (EVALSHA, EVAL when the server has not loaded it).
-    pub(crate) async fn run<T: FromRedisValue>(
+    /// Runs `cmd`, an `EVALSHA` of `script` ([`evalsha`](super::scripts::evalsha)),
+    /// loading the script first when the server has not (a restarted or
+    /// failed-over node, a `SCRIPT FLUSH`).
+    pub(crate) async fn eval<T: FromRedisValue>(
         &self,
-        call: &ScriptInvocation<'_>,
+        script: &Script,
+        cmd: &redis::Cmd,
         backoff: Backoff,
     ) -> Result<T, Missed> {
-        self.guarded(backoff, |mut c| async move { call.invoke_async(&mut c).await }).await
+        self.guarded(backoff, |mut c| async move {
+            match cmd.query_async(&mut c).await {
+                Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                    script.load_async(&mut c).await?;
+                    cmd.query_async(&mut c).await
+                }
+                answered => answered,
+            }
+        })
+        .await
     }
 
     /// Sends one command.

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use super::connection::{Backoff, Missed};
+use super::scripts::evalsha;
 use super::{HeldClaim, RedisGate};
 
 /// How many times work left for later (a release, a result write) is tried
@@ -68,9 +69,9 @@ impl RedisGate {
     }
 
     async fn release_with(&self, held: &HeldClaim, backoff: Backoff) -> Result<i64, Missed> {
-        let mut call = self.scripts.release.key(&held.place.claim);
+        let mut call = evalsha(&self.scripts.release, &[&held.place.claim]);
         call.arg(&held.value);
-        self.link.run::<i64>(&call, backoff).await
+        self.link.eval::<i64>(&self.scripts.release, &call, backoff).await
     }
 
     async fn release_after_failure(&self, held: &HeldClaim) {
@@ -102,10 +103,10 @@ impl RedisGate {
                 let now = claims.clock.now_ms();
                 let results = held.place.results(super::layout::window_of(now, claims.hot_window));
                 let ttl = super::layout::results_ttl_ms(now, claims.hot_window);
-                let mut call = claims.scripts.finish.key(&held.place.claim);
-                call.key(results).arg(&held.value).arg(&field[..]).arg(&done).arg(ttl);
+                let mut call = evalsha(&claims.scripts.finish, &[&held.place.claim, &results]);
+                call.arg(&held.value).arg(&field[..]).arg(&done).arg(ttl);
                 let claims = &claims;
-                async move { claims.link.run::<i64>(&call, backoff).await }
+                async move { claims.link.eval::<i64>(&claims.scripts.finish, &call, backoff).await }
             };
             if write(Backoff::Respect).await.is_ok() {
                 return;

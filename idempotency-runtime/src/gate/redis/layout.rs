@@ -20,6 +20,7 @@
 //! touching the claim and the result hashes stays in one Redis Cluster
 //! slot; 64 shards spread the results over the cluster.
 
+use std::fmt::Write;
 use std::time::Duration;
 
 use crate::fingerprint::push_lower_hex;
@@ -52,18 +53,17 @@ impl Place {
         let field = crate::key::key_digest(biz, key);
         let shard = u16::from_be_bytes([field[0], field[1]]) % SHARDS;
         let mut prefix = String::with_capacity(16 + namespace.as_str().len());
-        prefix.push_str("idem:{");
-        prefix.push_str(namespace.as_str());
-        prefix.push('.');
-        prefix.push_str(&shard.to_string());
-        prefix.push_str("}:");
+        let _ = write!(prefix, "idem:{{{}.{shard}}}:", namespace.as_str());
         let claim = [prefix.as_str(), biz, ":", key].concat();
         Place { prefix, claim, field }
     }
 
     /// The result hash of `window` (see [`window_of`]).
     pub(crate) fn results(&self, window: i64) -> String {
-        format!("{}r{window}", self.prefix)
+        // Sized up front: `format!` guesses short and grows, twice per claim.
+        let mut name = String::with_capacity(self.prefix.len() + 21);
+        let _ = write!(name, "{}r{window}", self.prefix);
+        name
     }
 
     /// The result hashes a lookup at `now_ms` reads: this window's and the

@@ -36,7 +36,7 @@ pub(crate) use connection::{Reply, Target};
 use later::MAX_BACKGROUND;
 use later::Unanswered;
 use layout::{Place, claim_value, parse_result, result_value};
-use scripts::Scripts;
+use scripts::{Scripts, evalsha};
 
 /// How long a finished result stays in Redis for fast replays unless set
 /// otherwise: between one and two of these ([`layout`]).
@@ -192,10 +192,9 @@ impl RedisGate {
     async fn send_claim(&self, held: &HeldClaim, lease: Duration, fingerprint: &str) -> Result<Option<Found>, Missed> {
         let now = self.clock.now_ms();
         let [current, previous] = held.place.results_at(now, self.hot_window);
-        let mut call = self.scripts.claim.key(&held.place.claim);
-        call.key(current).key(previous);
+        let mut call = evalsha(&self.scripts.claim, &[&held.place.claim, &current, &previous]);
         call.arg(&held.value).arg(millis(lease)).arg(&held.place.field[..]).arg(now);
-        let found: Option<Vec<u8>> = self.link.run(&call, Backoff::Respect).await?;
+        let found: Option<Vec<u8>> = self.link.eval(&self.scripts.claim, &call, Backoff::Respect).await?;
         Ok(found.map(|value| read(value, fingerprint)))
     }
 }

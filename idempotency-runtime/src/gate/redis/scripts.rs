@@ -1,8 +1,9 @@
 //! The gate's Lua scripts. Each touches the keys of one call only (one hash
 //! tag: one Redis Cluster slot), so it runs atomically wherever the call's
-//! keys live. `EVALSHA`, with `EVAL` when the server has not loaded it yet.
+//! keys live. `EVALSHA` ([`evalsha`]), loading the script first when the
+//! server has not yet (`Link::eval`).
 
-use redis::Script;
+use redis::{Cmd, Script};
 
 // The claim: a finished result of this call in the result hash of this
 // window or the one before (KEYS[2], KEYS[3]), unless it expired by the
@@ -54,4 +55,14 @@ impl Scripts {
     pub(crate) fn new() -> Self {
         Scripts { claim: Script::new(CLAIM), release: Script::new(RELEASE), finish: Script::new(FINISH) }
     }
+}
+
+/// `EVALSHA` of `script` over `keys`, as one command; the caller appends the
+/// script's arguments. Written into one buffer: redis-rs's
+/// `ScriptInvocation` allocates once per key and argument, and a claim is on
+/// every call's path, replays included.
+pub(crate) fn evalsha(script: &Script, keys: &[&str]) -> Cmd {
+    let mut cmd = Cmd::with_capacity(3 + keys.len() + 5, 256);
+    cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys.len()).arg(keys);
+    cmd
 }
