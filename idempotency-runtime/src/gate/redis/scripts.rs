@@ -17,9 +17,8 @@ local now = tonumber(ARGV[4])
 for i = 2, 3 do
   local v = redis.call('HGET', KEYS[i], ARGV[3])
   if v then
-    local expires = 0
-    for j = 2, 7 do expires = expires * 256 + string.byte(v, j) end
-    if expires > now then return v end
+    local a, b, c, d, e, f = string.byte(v, 2, 7)
+    if ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f > now then return v end
   end
 end
 local held = redis.call('GET', KEYS[1])
