@@ -105,7 +105,7 @@ async fn call<DB: Backend>(
     // first call reads it (once); later calls pay one atomic load.
     engine.now_ms().await;
 
-    let entry = engine.gate().enter(engine.db(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
+    let entry = engine.gate().enter(engine.db(), id.row(), &fingerprint, spec.lease, engine.lock_wait()).await;
     let pass = match entry {
         Entry::GoAhead(pass) => pass,
         Entry::Replay(answer, source) => {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::Clock;
-use crate::store::{Backend, Db};
+use crate::store::{Backend, Db, RowKey};
 
 pub(crate) mod local;
 pub(crate) mod memory;
@@ -118,17 +118,18 @@ impl Gate {
         Self { local: None, redis: Some(Arc::new(redis)), memory: MemoryGate::default() }
     }
 
-    /// Decides for the call `(biz, key)`; `lease` bounds a Redis claim,
-    /// `wait` the wait in memory for a duplicate running here.
+    /// Decides for the call `id` (its digest computed once, for the record
+    /// and for Redis); `lease` bounds a Redis claim, `wait` the wait in
+    /// memory for a duplicate running here.
     pub(crate) async fn enter<DB: Backend>(
         &self,
         db: &Db<DB>,
-        biz: &str,
-        key: &str,
+        id: RowKey<'_>,
         fingerprint: &str,
         lease: Duration,
         wait: Duration,
     ) -> Entry<'_> {
+        let (biz, key) = (id.biz, id.key);
         if let Some(local) = &self.local
             && let Some(answer) = local.get(biz, key)
         {
@@ -136,7 +137,7 @@ impl Gate {
         }
         #[cfg(feature = "redis")]
         if let Some(redis) = &self.redis
-            && let Some(entry) = redis.enter(db, biz, key, fingerprint, lease).await
+            && let Some(entry) = redis.enter(db, id, fingerprint, lease).await
         {
             // Kept here only when it answers these arguments: one stored for
             // others carries just its fingerprint's prefix.

@@ -25,7 +25,7 @@ use crate::spec::Spec;
 use crate::store::calls::{CallRow, FAILED, Owner};
 use crate::store::pooling::around_body;
 use crate::store::record::rollback;
-use crate::store::{Backend, PROCESSING, SUCCEEDED};
+use crate::store::{Backend, PROCESSING, RowKey, SUCCEEDED};
 
 /// The body as the flow runs it: handed the step context.
 type DynBody<'a, DB> = dyn Typed<Steps<DB>> + 'a;
@@ -107,7 +107,8 @@ async fn call<DB: Backend>(
     // Leases, fences and expiry are stamped and judged on the database's clock.
     engine.now_ms().await;
 
-    let entry = engine.gate().enter(engine.db(), spec.biz, key, &fingerprint, spec.lease, engine.lock_wait()).await;
+    let row = RowKey::new(spec.biz, key);
+    let entry = engine.gate().enter(engine.db(), row, &fingerprint, spec.lease, engine.lock_wait()).await;
     match entry {
         Entry::GoAhead(pass) => {
             // On the heap, as in the single-transaction flow (`crate::call`).

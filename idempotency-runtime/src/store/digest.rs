@@ -29,6 +29,11 @@ impl<'a> RowKey<'a> {
     pub(crate) fn new(biz: &'a str, key: &'a str) -> Self {
         RowKey { biz, key, digest: KeyDigest(crate::key::key_digest(biz, key)) }
     }
+
+    /// The digest's bytes (also the call's field in Redis: `gate::redis::layout`).
+    pub(crate) fn digest_bytes(&self) -> [u8; 16] {
+        self.digest.0
+    }
 }
 
 #[cfg(feature = "mysql")]

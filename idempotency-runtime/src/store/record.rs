@@ -53,6 +53,11 @@ impl<'a> RecordKey<'a> {
         RecordKey { biz, key, fingerprint, biz_no, ttl, row: RowKey::new(biz, key) }
     }
 
+    /// How the table finds the key; the gate finds it by the same digest.
+    pub(crate) fn row(&self) -> RowKey<'a> {
+        self.row
+    }
+
     /// The row to insert at `now` (database time, epoch ms).
     fn record<'r>(&'r self, status: i16, response: Option<&'r str>, now: i64) -> NewRecord<'r> {
         NewRecord {

@@ -50,7 +50,11 @@ pub(crate) struct Place {
 
 impl Place {
     pub(crate) fn of(namespace: &Namespace, biz: &str, key: &str) -> Place {
-        let field = crate::key::key_digest(biz, key);
+        Place::at(namespace, biz, key, crate::key::key_digest(biz, key))
+    }
+
+    /// [`Place::of`], given the key's digest ([`crate::key::key_digest`]).
+    pub(crate) fn at(namespace: &Namespace, biz: &str, key: &str, field: [u8; 16]) -> Place {
         let shard = u16::from_be_bytes([field[0], field[1]]) % SHARDS;
         let mut prefix = String::with_capacity(16 + namespace.as_str().len());
         let _ = write!(prefix, "idem:{{{}.{shard}}}:", namespace.as_str());

@@ -22,7 +22,7 @@ use std::time::Duration;
 use super::{Answer, Entry, Pass};
 use crate::clock::{self, Clock};
 use crate::namespace::Namespace;
-use crate::store::{Backend, Db};
+use crate::store::{Backend, Db, RowKey};
 
 mod connection;
 mod later;
@@ -109,15 +109,15 @@ impl RedisGate {
     pub(crate) async fn enter<DB: Backend>(
         self: &Arc<Self>,
         db: &Db<DB>,
-        biz: &str,
-        key: &str,
+        id: RowKey<'_>,
         fingerprint: &str,
         lease: Duration,
     ) -> Option<Entry<'static>> {
         // Without a namespace (the database was never migrated) Redis could
         // mix this store's keys with another's: the database alone decides.
         let namespace = self.namespace.get(db).await?;
-        match self.claim(&namespace, biz, key, fingerprint, lease).await {
+        let place = Place::at(&namespace, id.biz, id.key, id.digest_bytes());
+        match self.claim(place, fingerprint, lease).await {
             Found::Ours(held) => {
                 Some(Entry::GoAhead(Pass::Claim(ClaimGuard { gate: Arc::clone(self), held: Some(held) })))
             }
@@ -162,16 +162,9 @@ impl RedisGate {
         self.link.send_script(call).await
     }
 
-    /// Claims `(biz, key)` for `lease`, or reports what holds it.
-    async fn claim(
-        self: &Arc<Self>,
-        namespace: &Namespace,
-        biz: &str,
-        key: &str,
-        fingerprint: &str,
-        lease: Duration,
-    ) -> Found {
-        let held = HeldClaim { place: Place::of(namespace, biz, key), value: claim_value(fingerprint) };
+    /// Claims the call at `place` for `lease`, or reports what holds it.
+    async fn claim(self: &Arc<Self>, place: Place, fingerprint: &str, lease: Duration) -> Found {
+        let held = HeldClaim { place, value: claim_value(fingerprint) };
         let mut unanswered = Unanswered { claims: self, held: Some(held) };
         let answer = match &unanswered.held {
             Some(held) => self.send_claim(held, lease, fingerprint).await,
@@ -371,16 +364,18 @@ mod tests {
             async move { redis::cmd("GET").arg(&claim).query_async::<Option<String>>(&mut conn).await.unwrap() }
         };
 
-        let Found::Ours(held) = gate.claim(&namespace, biz, &key, FP, lease).await else { panic!("not ours") };
+        let Found::Ours(held) = gate.claim(Place::of(&namespace, biz, &key), FP, lease).await else {
+            panic!("not ours")
+        };
         assert_eq!(get(&mut conn).await.as_deref(), Some(held.value.as_str()));
         assert!(matches!(gate.send_claim(&held, lease, FP).await, Ok(None)), "our own value sent again is ours");
-        assert!(matches!(gate.claim(&namespace, biz, &key, FP, lease).await, Found::Running));
+        assert!(matches!(gate.claim(Place::of(&namespace, biz, &key), FP, lease).await, Found::Running));
 
         // A live result answers, from this window's hash or the one before;
         // the claim is left alone.
         for hash in [&current, &previous] {
             hset(&mut conn, hash, &place.field, &result_value(now + 60_000, FP, "{\"a\":1}")).await;
-            match gate.claim(&namespace, biz, &key, FP, lease).await {
+            match gate.claim(Place::of(&namespace, biz, &key), FP, lease).await {
                 Found::Finished(answer) => {
                     assert_eq!((answer.response.as_str(), answer.fingerprint.as_str()), ("{\"a\":1}", FP));
                     assert_eq!(answer.expires_ms, now + 60_000);
@@ -389,7 +384,7 @@ mod tests {
             }
             assert_eq!(get(&mut conn).await.as_deref(), Some(held.value.as_str()), "the claim is left alone");
             // Other arguments get the stored fingerprint's prefix: `KeyReused`.
-            match gate.claim(&namespace, biz, &key, OTHER_FP, lease).await {
+            match gate.claim(Place::of(&namespace, biz, &key), OTHER_FP, lease).await {
                 Found::Finished(answer) => assert_eq!(answer.fingerprint, FP[..32]),
                 other => panic!("{other:?}"),
             }
@@ -399,7 +394,9 @@ mod tests {
         // Expired by the database's clock, still kept by Redis: no answer.
         del(&mut conn, &[&place.claim]).await;
         hset(&mut conn, &current, &place.field, &result_value(now - 1, FP, "1")).await;
-        let Found::Ours(held) = gate.claim(&namespace, biz, &key, FP, lease).await else { panic!("expired, not ours") };
+        let Found::Ours(held) = gate.claim(Place::of(&namespace, biz, &key), FP, lease).await else {
+            panic!("expired, not ours")
+        };
         assert_eq!(get(&mut conn).await.as_deref(), Some(held.value.as_str()));
         del(&mut conn, &[&place.claim, &current]).await;
     }
@@ -415,7 +412,9 @@ mod tests {
         let namespace = Namespace::new("t_unit").unwrap();
         let (biz, key) = ("t_finish", token());
         let lease = Duration::from_secs(60);
-        let Found::Ours(held) = gate.claim(&namespace, biz, &key, FP, lease).await else { panic!("not ours") };
+        let Found::Ours(held) = gate.claim(Place::of(&namespace, biz, &key), FP, lease).await else {
+            panic!("not ours")
+        };
         let place = held.place.clone();
         let guard = ClaimGuard { gate: Arc::clone(&gate), held: Some(held) };
         let now = local_clock().now_ms();
@@ -436,7 +435,7 @@ mod tests {
         assert_eq!(exists, 0, "the claim key is gone");
         let ttl: i64 = redis::cmd("PTTL").arg(&hash).query_async(&mut conn).await.unwrap();
         assert!((60_000 - 1_000..=120_000).contains(&ttl), "{ttl}");
-        assert!(matches!(gate.claim(&namespace, biz, &key, FP, lease).await, Found::Finished(_)));
+        assert!(matches!(gate.claim(Place::of(&namespace, biz, &key), FP, lease).await, Found::Finished(_)));
         let _: i64 = redis::cmd("HDEL").arg(&hash).arg(&place.field[..]).query_async(&mut conn).await.unwrap();
     }
 
@@ -471,7 +470,7 @@ mod tests {
             let (claims, namespace, barrier) = (Arc::clone(&claims), namespace.clone(), Arc::clone(&barrier));
             set.spawn(async move {
                 barrier.wait().await;
-                claims.claim(&namespace, "t_hole", &format!("k{i}"), "f", Duration::from_secs(30)).await
+                claims.claim(Place::of(&namespace, "t_hole", &format!("k{i}")), "f", Duration::from_secs(30)).await
             });
         }
         let mut unavailable = 0;
