@@ -59,9 +59,10 @@ impl Scripts {
 /// `EVALSHA` of `script` over `keys`, as one command; the caller appends the
 /// script's arguments. Written into one buffer: redis-rs's
 /// `ScriptInvocation` allocates once per key and argument, and a claim is on
-/// every call's path, replays included.
+/// every call's path, replays included. 512 bytes hold a claim's keys and
+/// arguments (about 300) and a cache write's with a result of 200.
 pub(crate) fn evalsha(script: &Script, keys: &[&str]) -> Cmd {
-    let mut cmd = Cmd::with_capacity(3 + keys.len() + 5, 256);
+    let mut cmd = Cmd::with_capacity(3 + keys.len() + 5, 512);
     cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys.len()).arg(keys);
     cmd
 }
