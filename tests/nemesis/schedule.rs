@@ -5,9 +5,14 @@ use std::collections::HashSet;
 
 use idempotency_testkit::nemesis::{Config, Cut, Lane, Path, calls};
 
+/// Over fixed seeds: a run's seed is random (`IDEM_NEMESIS_SEED` replays
+/// one), and a bound on a random count fails for some seeds (with a random
+/// seed here, one run in a hundred or so: 7 reusing calls of 700 where 17
+/// are expected).
 #[test]
 fn processes_share_their_keys_at_the_same_time_and_later() {
-    for cfg in [Config::short("s"), Config::full("f")] {
+    let sizes = |seed| [Config { seed, ..Config::short("s") }, Config { seed, ..Config::full("f") }];
+    for cfg in (1..=16).flat_map(sizes) {
         let plans: Vec<_> = (0..cfg.procs).map(|p| calls(&cfg, p)).collect();
         let total: usize = plans.iter().map(Vec::len).sum();
         assert_eq!(total, cfg.procs * cfg.calls_per_proc);
@@ -16,7 +21,11 @@ fn processes_share_their_keys_at_the_same_time_and_later() {
             // Each process reaches most keys, so every key is shared.
             assert!(keys.len() * 10 > cfg.keys * 6, "process {p} reaches {} of {} keys", keys.len(), cfg.keys);
             let reuse = own.iter().filter(|plan| plan.reuse).count();
-            assert!(reuse * 100 > own.len() && reuse * 20 < own.len(), "process {p}: {reuse} calls reuse a key");
+            assert!(
+                reuse * 100 > own.len() && reuse * 20 < own.len(),
+                "seed {}, process {p}: {reuse} calls reuse a key",
+                cfg.seed
+            );
         }
         // At the same step, processes call keys within a few of each other
         // (four in five calls), or one already passed.
