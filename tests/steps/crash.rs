@@ -670,7 +670,11 @@ fn crash() {
             None
         }));
     }
-    let figures: Vec<Figure> = in_parallel(4, jobs).into_iter().flatten().collect();
+    // Two jobs at a time, not four: with four (and the binary's other tests
+    // beside them, on two cores) about one run in four failed, a retry
+    // coming after the 1 s lease or children stalling past the line wait
+    // (see the closing note of 2026-12-03); with two, none in eleven runs.
+    let figures: Vec<Figure> = in_parallel(2, jobs).into_iter().flatten().collect();
     print_figures(&figures);
 }
 
