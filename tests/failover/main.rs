@@ -165,19 +165,28 @@ impl Run {
 
 /// Synchronous replication: nothing acknowledged is lost, nothing runs
 /// twice, a lost `COMMIT` answer is replayed.
+/// Whether a run caught a `COMMIT` in flight is up to the load's timing
+/// (one clean-clone CI run caught none): up to three runs, each checked in
+/// full, until one did.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn synchronous_failover_loses_nothing() {
-    let Some(run) = failover(Replication::Synchronous).await else { return };
-    run.print("synchronous");
-    let f = &run.findings;
-    assert_eq!(run.executed_while_stalled, 0, "a synchronous primary acknowledged a commit its standby never had");
-    assert!(f.unanswered.is_empty(), "{:#?}", f.unanswered);
-    assert!(f.lost_acks.is_empty(), "acknowledged calls lost their record: {:#?}", f.lost_acks);
-    assert!(f.doubles.is_empty(), "keys executed twice: {:#?}", f.doubles);
-    assert!(f.table_mismatches.is_empty(), "{:#?}", f.table_mismatches);
-    assert!(f.not_replayed.is_empty(), "{:#?}", f.not_replayed);
-    assert!(f.commit_answer_lost > 0, "no call had its COMMIT answer lost: the run proved nothing about it");
-    assert!(f.late.keys().all(|outcome| outcome == "replayed"), "late duplicates: {:?}", f.late);
+    for attempt in 1..=3 {
+        let Some(run) = failover(Replication::Synchronous).await else { return };
+        run.print("synchronous");
+        let f = &run.findings;
+        assert_eq!(run.executed_while_stalled, 0, "a synchronous primary acknowledged a commit its standby never had");
+        assert!(f.unanswered.is_empty(), "{:#?}", f.unanswered);
+        assert!(f.lost_acks.is_empty(), "acknowledged calls lost their record: {:#?}", f.lost_acks);
+        assert!(f.doubles.is_empty(), "keys executed twice: {:#?}", f.doubles);
+        assert!(f.table_mismatches.is_empty(), "{:#?}", f.table_mismatches);
+        assert!(f.not_replayed.is_empty(), "{:#?}", f.not_replayed);
+        assert!(f.late.keys().all(|outcome| outcome == "replayed"), "late duplicates: {:?}", f.late);
+        if f.commit_answer_lost > 0 {
+            return;
+        }
+        println!("failover synchronous: run {attempt} lost no COMMIT answer; again");
+    }
+    panic!("no call had its COMMIT answer lost in three runs: the test proved nothing about it");
 }
 
 /// Asynchronous replication: the same run, reported. What it must show is
