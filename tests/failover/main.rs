@@ -165,6 +165,7 @@ impl Run {
 
 /// Synchronous replication: nothing acknowledged is lost, nothing runs
 /// twice, a lost `COMMIT` answer is replayed.
+///
 /// Whether a run caught a `COMMIT` in flight is up to the load's timing
 /// (one clean-clone CI run caught none): up to three runs, each checked in
 /// full, until one did.
