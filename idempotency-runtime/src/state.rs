@@ -254,23 +254,21 @@ impl<S: State, DB: Backend> Advance<S, DB> {
         select_args.add(id).map_err(sqlx::Error::Encode)?;
 
         // Unnamed statements in the body of an engine behind a transaction pooler.
-        let persistent = crate::store::pooling::in_body().persistent();
+        let pooling = crate::store::pooling::in_body();
         let mut attempt = 0;
         loop {
             attempt += 1;
             // Built from checked identifiers and placeholders only.
-            let update = sqlx::query_with(AssertSqlSafe(update.clone()), update_args.clone()).persistent(persistent);
+            let update = pooling.query_with(AssertSqlSafe(update.clone()), update_args.clone());
             if DB::rows_affected(&update.execute(&mut *conn).await?) > 0 {
                 return Ok(Advanced::Applied);
             }
             let current = if S::STORED_AS_INT {
-                let select =
-                    sqlx::query_as_with(AssertSqlSafe(select.clone()), select_args.clone()).persistent(persistent);
+                let select = pooling.query_as_with(AssertSqlSafe(select.clone()), select_args.clone());
                 let found: Option<(i16,)> = select.fetch_optional(&mut *conn).await?;
                 found.map(|(n,)| (S::from_int(n), n.to_string()))
             } else {
-                let select =
-                    sqlx::query_as_with(AssertSqlSafe(select.clone()), select_args.clone()).persistent(persistent);
+                let select = pooling.query_as_with(AssertSqlSafe(select.clone()), select_args.clone());
                 let found: Option<(String,)> = select.fetch_optional(&mut *conn).await?;
                 found.map(|(text,)| (S::from_text(&text), format!("{text:?}")))
             };

@@ -1,17 +1,21 @@
 //! A private PgBouncer in transaction pooling mode, in front of the local
 //! PostgreSQL (`IDEM_PG_URL`'s host and port), for the tests of an engine
-//! behind a transaction pooler (`tests/pgbouncer.rs`). Its own ini and
-//! userlist in a temporary folder, a free loopback port, `auth_type =
-//! trust`, any database name passed through (`* = host=.. port=..`), and
-//! [`SERVER_CONNECTIONS`] server connections per database: a child of the
-//! test, killed (SIGKILL) when its handle drops.
+//! behind a transaction pooler (`tests/pgbouncer/`). Its own ini and
+//! userlist in a temporary folder, `auth_type = trust`, any database name
+//! passed through (`* = host=.. port=..`), and [`SERVER_CONNECTIONS`] (or
+//! as many as asked) server connections per database: a child of the test,
+//! killed (SIGKILL) when its handle drops.
+//!
+//! It listens on a Unix socket in its own folder, not on a TCP port: a port
+//! picked free and bound later can be taken in between by another test's
+//! server, and a socket of its own cannot.
 //!
 //! PgBouncer refuses to run as root: as root it is started with `-u
 //! postgres` (it drops to that user after reading its files), so the
 //! folder is left readable and its log writable by that user.
 
-use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::str::FromStr;
@@ -44,37 +48,46 @@ fn installed() -> Option<&'static str> {
     None
 }
 
+/// The port number in the socket's name (`.s.PGSQL.<port>`): any, the
+/// folder is private.
+const SOCKET_PORT: u16 = 6432;
+
 /// One `pgbouncer` child process, `pool_mode = transaction`.
 pub struct PgBouncer {
-    port: u16,
     dir: PathBuf,
     child: Child,
 }
 
 impl PgBouncer {
-    /// Starts one in front of the server of `IDEM_PG_URL` and waits until it
-    /// accepts connections; `None` (after printing why) when `pgbouncer` is
-    /// not installed.
+    /// Starts one with [`SERVER_CONNECTIONS`] server connections per
+    /// database; see [`PgBouncer::start_with`].
     pub fn start() -> Option<Self> {
+        Self::start_with(SERVER_CONNECTIONS)
+    }
+
+    /// Starts one in front of the server of `IDEM_PG_URL`, holding at most
+    /// `server_connections` per database, and waits until it accepts
+    /// connections; `None` (after printing why) when `pgbouncer` is not
+    /// installed.
+    pub fn start_with(server_connections: u32) -> Option<Self> {
         let bin = installed()?;
         let server = sqlx::postgres::PgConnectOptions::from_str(&crate::pg_url()).expect("postgres url");
         let dir = std::env::temp_dir().join(crate::unique("idem-pgbouncer"));
         std::fs::create_dir_all(&dir).expect("pgbouncer dir");
         // Readable by the user it drops to when started as root, log included.
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).expect("chmod pgbouncer dir");
-        let port = TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
         let user = server.get_username();
         let ini = format!(
             "[databases]\n\
              * = host={host} port={server_port}\n\
              [pgbouncer]\n\
-             listen_addr = 127.0.0.1\n\
-             listen_port = {port}\n\
-             unix_socket_dir =\n\
+             listen_addr =\n\
+             listen_port = {SOCKET_PORT}\n\
+             unix_socket_dir = {dir}\n\
              auth_type = trust\n\
              auth_file = {dir}/userlist.txt\n\
              pool_mode = transaction\n\
-             default_pool_size = {SERVER_CONNECTIONS}\n\
+             default_pool_size = {server_connections}\n\
              min_pool_size = 0\n\
              reserve_pool_size = 0\n\
              max_client_conn = 500\n\
@@ -98,14 +111,14 @@ impl PgBouncer {
             .stderr(Stdio::null())
             .spawn()
             .expect("spawn pgbouncer");
-        let mut bouncer = Self { port, dir, child };
+        let mut bouncer = Self { dir, child };
         bouncer.wait_listening();
         Some(bouncer)
     }
 
     fn wait_listening(&mut self) {
         let start = Instant::now();
-        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+        while UnixStream::connect(self.socket()).is_err() {
             if let Ok(Some(status)) = self.child.try_wait() {
                 panic!("pgbouncer exited ({status}): {}", self.log());
             }
@@ -119,10 +132,19 @@ impl PgBouncer {
         std::fs::read_to_string(self.dir.join("pgbouncer.log")).unwrap_or_default()
     }
 
-    /// The URL of `database` through this PgBouncer, as `IDEM_PG_URL`'s user.
+    fn socket(&self) -> PathBuf {
+        self.dir.join(format!(".s.PGSQL.{SOCKET_PORT}"))
+    }
+
+    /// The URL of `database` through this PgBouncer, as `IDEM_PG_URL`'s user
+    /// (the socket's folder as `host`, as libpq and sqlx read it).
     pub fn url(&self, database: &str) -> String {
         let server = sqlx::postgres::PgConnectOptions::from_str(&crate::pg_url()).expect("postgres url");
-        format!("postgres://{}@127.0.0.1:{}/{database}", server.get_username(), self.port)
+        format!(
+            "postgres://{}@localhost/{database}?host={}&port={SOCKET_PORT}",
+            server.get_username(),
+            self.dir.display()
+        )
     }
 
     /// Connect options for `database` through this PgBouncer.

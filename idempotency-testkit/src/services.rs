@@ -39,6 +39,8 @@ fn start(service: &str) {
     static MYSQL: Once = Once::new();
     static PG: Once = Once::new();
     static REDIS: Once = Once::new();
+    static RABBITMQ: Once = Once::new();
+    static NATS: Once = Once::new();
     let (once, script) = match service {
         "mysql" => (
             &MYSQL,
@@ -47,6 +49,11 @@ fn start(service: &str) {
         "postgres" => (
             &PG,
             "command -v pg_ctlcluster >/dev/null && pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
+        ),
+        "rabbitmq" => (&RABBITMQ, "command -v rabbitmq-server >/dev/null && rabbitmq-server -detached"),
+        "nats" => (
+            &NATS,
+            "command -v nats-server >/dev/null && mkdir -p /var/lib/nats-server && start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server",
         ),
         _ => (
             &REDIS,

@@ -393,6 +393,70 @@ pub async fn a_zombie_cannot_commit<DB: TestDb>(redis: bool) {
     assert_eq!(f.call(BIZ_SHORT, &key).await.map(|c| (c.status, c.fence)), Some((1, 2)));
 }
 
+/// Regression: a finished call past its expiry answered as if it were
+/// live. Every expiry and lease here is forced by SQL, never waited for.
+/// The first call, held before its final transaction, loses its lease;
+/// another instance takes the call over and finishes; that result then
+/// expires. Let go, the first call is fenced off and answers `InProgress`
+/// (the result it would replay has expired), not the expired result. With
+/// Redis, a duplicate that meets a claim (a new owner about to replace the
+/// expired call) reads the expired row and answers `InProgress` too, with
+/// these arguments or others (not the old result, nor `KeyReused`). The
+/// next call then runs afresh.
+pub async fn an_expired_call_never_answers<DB: TestDb>(redis: bool) {
+    let Some(f) = Fixture::<DB>::new(redis).await else { return };
+    let pool = f.idem.pool();
+    let key = unique("expiring");
+    let row = format!("biz_type = '{BIZ}' AND idem_key = '{key}'");
+    let claim = if redis {
+        let namespace = f.idem.redis_namespace().await.unwrap().expect("migrated");
+        Some(idempotency::redis_layout::locate(namespace.as_str(), BIZ, &key).expect("a valid namespace"))
+    } else {
+        None
+    };
+    let redis_client = || redis::Client::open(crate::support::redis_url()).expect("redis url");
+    let hold = Arc::new(Hold::default());
+    *f.script.hold_before_final.lock().unwrap() = Some(hold.clone());
+    let first = {
+        let (idem, provider, script, k) = (f.idem.clone(), f.provider.clone(), f.script.clone(), key.clone());
+        tokio::spawn(async move { idempotency::observe(charge(&idem, &provider, &script, &k, 7, 1999)).await })
+    };
+    hold.reached.notified().await;
+
+    // Its lease ends (and its claim), and another instance takes over.
+    DB::force(pool, format!("UPDATE idem_call SET lease_until = 0 WHERE {row}")).await;
+    if let Some(at) = &claim {
+        idempotency_testkit::redis_del(&redis_client(), &at.claim).await;
+    }
+    let (taken, outcome) = idempotency::observe(charge(&f.other, &f.provider, &f.script, &key, 7, 1999)).await;
+    taken.unwrap();
+    assert_eq!(outcome, Some(Outcome::Executed));
+    assert_eq!(f.call(BIZ, &key).await.map(|c| (c.status, c.fence)), Some((1, 2)));
+
+    // Its result expires; the first call, let go, is fenced off.
+    DB::force(pool, format!("UPDATE idem_call SET expires_at = 0 WHERE {row}")).await;
+    hold.release.notify_one();
+    let (zombie, outcome) = first.await.unwrap();
+    assert!(matches!(zombie, Err(TestError::Idem(Error::InProgress { .. }))), "{zombie:?}");
+    assert_eq!(outcome, Some(Outcome::InProgress));
+
+    if let Some(at) = &claim {
+        // A new owner's claim, before it replaced the expired row; the
+        // result Redis kept is gone (its hot window ended).
+        let client = redis_client();
+        idempotency_testkit::redis_forget(&client, at).await;
+        idempotency_testkit::redis_set(&client, &at.claim, "p:new-owner", 600_000).await;
+        for amount in [1999, 5] {
+            let duplicate = charge(&f.other, &f.provider, &f.script, &key, 7, amount).await;
+            assert!(matches!(duplicate, Err(TestError::Idem(Error::InProgress { .. }))), "{amount}: {duplicate:?}");
+        }
+        idempotency_testkit::redis_del(&client, &at.claim).await;
+    }
+    let (again, outcome) = idempotency::observe(charge(&f.idem, &f.provider, &f.script, &key, 7, 5)).await;
+    assert_eq!((again.unwrap().amount, outcome), (5, Some(Outcome::Executed)), "the expired call counts as absent");
+    assert_eq!(DB::payments(pool, &key).await, 2, "the taken-over call's payment, and the new call's");
+}
+
 /// A call held after the service answered, before its step was recorded,
 /// is taken over: the new owner calls the service again with the same step
 /// key (one charge, two requests) and commits. Let go, the first call's step
@@ -469,6 +533,7 @@ on_every_backend!(
     a_live_lease_answers_in_progress,
     a_zombie_cannot_commit,
     a_fenced_step_is_not_recorded,
+    an_expired_call_never_answers,
     misused_steps_are_refused,
 );
 

@@ -75,6 +75,10 @@ pub trait TestDb: Backend {
 
     /// The status of the plain mode's record of `(biz, key)` in `idem_record`.
     fn record_status(pool: &Pool<Self>, biz: &str, key: &str) -> impl Future<Output = Option<i16>> + Send;
+
+    /// Runs `sql` (written by the test, with no input in it): how a test
+    /// ends a lease or an expiry at once instead of waiting for it.
+    fn force(pool: &Pool<Self>, sql: String) -> impl Future<Output = ()> + Send;
 }
 
 type CallColumns = (i16, i64, Option<String>, Option<String>);
@@ -123,6 +127,10 @@ macro_rules! test_db {
 
             async fn record_status(pool: &Pool<Self>, biz: &str, key: &str) -> Option<i16> {
                 sqlx::query_scalar($record).bind(biz).bind(key).fetch_optional(pool).await.expect("read idem_record")
+            }
+
+            async fn force(pool: &Pool<Self>, sql: String) {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql.clone())).execute(pool).await.expect(&sql);
             }
         }
     };

@@ -171,6 +171,63 @@ with_and_without_redis!(
     a_plain_duplicate_waits_for_the_joined_callers_commit_with_redis => plain_duplicate_waits_for_the_callers_commit
 );
 
+/// Regression: a plain call holding a Redis claim inserts its record after
+/// its body, and that insert waited on the unique index for as long as a
+/// joined caller's transaction held the key (it had no bound). A caller
+/// holds its transaction up to 30 s: a plain duplicate answers `InProgress`
+/// within the engine's `lock_wait` (1 s) while the caller still holds it,
+/// with Redis (its body ran and rolled back) and without (it waited before
+/// its body); once the caller commits, the duplicate replays its result.
+/// SQLite's wait is its busy timeout instead.
+async fn plain_duplicate_of_a_caller_holding_30_s(redis: Redis) {
+    if !B::LOCK_WAIT_BOUNDED {
+        return;
+    }
+    let Some(pool) = B::open(&unique("db"), 4).await else { return };
+    B::prepare(&pool).await;
+    let builder = Idem::builder(pool).lock_wait(Duration::from_secs(1));
+    let idem = match redis {
+        Redis::On => {
+            let Some(client) = idempotency_testkit::redis_client().await else { return };
+            builder.redis(client).build()
+        }
+        Redis::Off | Redis::DeadPort => builder.build(),
+    };
+    idem.migrate().await.expect("migrate");
+    let probe = Arc::new(Probe::default());
+    let k = unique("join-held");
+
+    let mut caller = idem.pool().begin().await.unwrap();
+    let first = pay_in(&idem, &mut caller, k.clone(), 7, &probe, Mode::Ok).await.unwrap();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let committed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let holder = {
+        let (release, committed) = (release.clone(), committed.clone());
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(Duration::from_secs(30), release.notified()).await;
+            caller.commit().await.unwrap();
+            committed.store(true, std::sync::atomic::Ordering::SeqCst);
+        })
+    };
+    let (duplicate, outcome) = idempotency::observe(pay(&idem, k.clone(), 7, &probe, Mode::Ok)).await;
+    assert!(!committed.load(std::sync::atomic::Ordering::SeqCst), "answered only once the caller committed");
+    assert!(is_in_progress(&duplicate), "{duplicate:?}");
+    assert_eq!(outcome, Some(Outcome::InProgress));
+    assert_eq!(probe.runs(), if redis == Redis::On { 2 } else { 1 }, "with a claim the body ran, without it did not");
+
+    release.notify_one();
+    holder.await.unwrap();
+    let (again, outcome) = idempotency::observe(pay(&idem, k.clone(), 7, &probe, Mode::Ok)).await;
+    assert_eq!((again.unwrap(), outcome), (first, Some(Outcome::Replayed)));
+    assert_eq!((ledger_rows(&idem, &k).await, record_rows_for(&idem, "t_pay", &k).await), (1, 1));
+}
+
+with_and_without_redis!(
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    a_plain_duplicate_of_a_caller_holding_30_s_is_in_progress_after_lock_wait,
+    a_plain_duplicate_of_a_caller_holding_30_s_is_in_progress_after_lock_wait_with_redis => plain_duplicate_of_a_caller_holding_30_s
+);
+
 /// Orders a test creates, one row per key (so tests never share a lock).
 const ORDERS_DDL: [&str; 3] = [
     "CREATE TABLE IF NOT EXISTS idem_test_join_orders (k VARCHAR(255) NOT NULL PRIMARY KEY, status VARCHAR(16) NOT NULL)",

@@ -410,7 +410,7 @@ impl<DB: Backend> Outbox<'_, DB> {
     pub(crate) async fn purge_aggregates(&self, retention: Duration, limit: u32) -> Result<u64, Error> {
         let before =
             self.engine.now_ms().await.saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
-        Ok(DB::outbox_purge_aggregates(self.engine.pool(), before, i64::from(limit)).await?)
+        Ok(DB::outbox_purge_aggregates(self.engine.db(), before, i64::from(limit)).await?)
     }
 
     /// How many events are pending, sent (and not purged), and dead.

@@ -137,7 +137,7 @@ async fn call<DB: Backend>(
             // lands (or for good, if the process died): the record knows.
             if may_have_committed {
                 match protocol::read(engine.db(), &id).await {
-                    Ok(Some(row)) if row.status != PROCESSING => {
+                    Ok(Some(row)) if answers(&row, engine) => {
                         let ended = from_row(&id, row, Outcome::Replayed, body);
                         if let Some(answer) = &ended.answer {
                             engine.gate().remember(spec.biz, key, answer);
@@ -229,11 +229,19 @@ async fn give_up<DB: Backend>(engine: &Idem<DB>, parts: Parts<DB>, ended: Ended)
     ended
 }
 
+/// Whether `row` answers duplicates now: finished (succeeded or failed)
+/// and not expired, judged as the plain mode judges a record. An expired
+/// one counts as absent: a new owner may be replacing it.
+fn answers<DB: Backend>(row: &CallRow, engine: &Idem<DB>) -> bool {
+    row.status != PROCESSING && row.expires_ms > engine.clock().now_ms()
+}
+
 /// Fenced off: the key was taken over. The new owner's outcome answers:
-/// its result or failure once it finished, `InProgress` while it runs.
+/// its result or failure once it finished (and until it expires),
+/// `InProgress` while it runs.
 async fn new_owners_outcome<DB: Backend>(engine: &Idem<DB>, id: &CallKey<'_>, body: &mut DynBody<'_, DB>) -> Ended {
     match protocol::read(engine.db(), id).await {
-        Ok(Some(row)) if row.status != PROCESSING => from_row(id, row, Outcome::Replayed, body),
+        Ok(Some(row)) if answers(&row, engine) => from_row(id, row, Outcome::Replayed, body),
         Ok(_) => Ended::error(id.in_progress()),
         Err(e) => Ended::error(e),
     }
@@ -241,7 +249,8 @@ async fn new_owners_outcome<DB: Backend>(engine: &Idem<DB>, id: &CallKey<'_>, bo
 
 /// The final transaction failed. If it was its `COMMIT` whose answer was
 /// lost, the call may have finished all the same: the row says, and a row
-/// finished under our fence is our own commit.
+/// finished under our fence is our own commit. Another owner's answers
+/// only until it expires.
 async fn after_failed_finish<DB: Backend>(
     engine: &Idem<DB>,
     id: &CallKey<'_>,
@@ -250,11 +259,10 @@ async fn after_failed_finish<DB: Backend>(
     body: &mut DynBody<'_, DB>,
 ) -> Ended {
     match protocol::read(engine.db(), id).await {
-        Ok(Some(row)) if row.status != PROCESSING => {
-            let outcome =
-                if row.id == owner.id && row.fence == owner.fence { Outcome::Executed } else { Outcome::Replayed };
-            from_row(id, row, outcome, body)
+        Ok(Some(row)) if row.status != PROCESSING && row.id == owner.id && row.fence == owner.fence => {
+            from_row(id, row, Outcome::Executed, body)
         }
+        Ok(Some(row)) if answers(&row, engine) => from_row(id, row, Outcome::Replayed, body),
         _ => {
             protocol::release(engine.db(), engine.clock(), owner).await;
             Ended::error(protocol::db_error::<DB>(id, error))

@@ -223,8 +223,8 @@ macro_rules! call_queries {
             biz: &str,
             key: &str,
         ) -> Result<Option<$crate::store::calls::CallRow>, ::sqlx::Error> {
-            let row: Option<$crate::store::calls::CallColumns> = $crate::store::on_pool!(db, |on, persistent| {
-                ::sqlx::query_as($q.read).persistent(persistent).bind(biz).bind(key).fetch_optional(on).await
+            let row: Option<$crate::store::calls::CallColumns> = $crate::store::on_pool!(db, |on, pooling| {
+                pooling.query_as($q.read).bind(biz).bind(key).fetch_optional(on).await
             })?;
             Ok(row.map(Into::into))
         }
@@ -235,13 +235,8 @@ macro_rules! call_queries {
             key: &str,
             now_ms: i64,
         ) -> Result<u64, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                let done = ::sqlx::query($q.delete_expired)
-                    .persistent(persistent)
-                    .bind(biz)
-                    .bind(key)
-                    .bind(now_ms)
-                    .execute(on);
+            $crate::store::on_pool!(db, |on, pooling| {
+                let done = pooling.query($q.delete_expired).bind(biz).bind(key).bind(now_ms).execute(on);
                 done.await.map(|d| d.rows_affected())
             })
         }
@@ -252,9 +247,9 @@ macro_rules! call_queries {
             now_ms: i64,
             lease_until_ms: i64,
         ) -> Result<bool, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                let done = ::sqlx::query($q.take_over)
-                    .persistent(persistent)
+            $crate::store::on_pool!(db, |on, pooling| {
+                let done = pooling
+                    .query($q.take_over)
                     .bind(lease_until_ms)
                     .bind(now_ms)
                     .bind(from.id)
@@ -275,8 +270,8 @@ macro_rules! call_queries {
             now_ms: i64,
             expires_ms: i64,
         ) -> Result<bool, ::sqlx::Error> {
-            let done = ::sqlx::query($q.finish)
-                .persistent(pooling.persistent())
+            let done = pooling
+                .query($q.finish)
                 .bind(status)
                 .bind(response)
                 .bind(now_ms)
@@ -293,14 +288,8 @@ macro_rules! call_queries {
             owner: $crate::store::calls::Owner,
             now_ms: i64,
         ) -> Result<bool, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                let done = ::sqlx::query($q.release)
-                    .persistent(persistent)
-                    .bind(now_ms)
-                    .bind(owner.id)
-                    .bind(owner.fence)
-                    .execute(on)
-                    .await;
+            $crate::store::on_pool!(db, |on, pooling| {
+                let done = pooling.query($q.release).bind(now_ms).bind(owner.id).bind(owner.fence).execute(on).await;
                 done.map(|d| d.rows_affected() == 1)
             })
         }
@@ -309,9 +298,8 @@ macro_rules! call_queries {
             db: &$crate::store::Db<Self>,
             owner: $crate::store::calls::Owner,
         ) -> Result<bool, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                let done =
-                    ::sqlx::query($q.discard).persistent(persistent).bind(owner.id).bind(owner.fence).execute(on);
+            $crate::store::on_pool!(db, |on, pooling| {
+                let done = pooling.query($q.discard).bind(owner.id).bind(owner.fence).execute(on);
                 done.await.map(|d| d.rows_affected() == 1)
             })
         }
@@ -325,9 +313,9 @@ macro_rules! call_queries {
             now_ms: i64,
         ) -> Result<$crate::store::calls::StepWritten, ::sqlx::Error> {
             use $crate::store::calls::StepWritten;
-            $crate::store::on_pool!(db, |on, persistent| {
-                let done = ::sqlx::query($q.step_insert)
-                    .persistent(persistent)
+            $crate::store::on_pool!(db, |on, pooling| {
+                let done = pooling
+                    .query($q.step_insert)
                     .bind(step)
                     .bind(step_key)
                     .bind(response)
@@ -350,13 +338,8 @@ macro_rules! call_queries {
             call_id: i64,
             step: &str,
         ) -> Result<Option<String>, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                ::sqlx::query_scalar($q.step_read)
-                    .persistent(persistent)
-                    .bind(call_id)
-                    .bind(step)
-                    .fetch_optional(on)
-                    .await
+            $crate::store::on_pool!(db, |on, pooling| {
+                pooling.query_scalar($q.step_read).bind(call_id).bind(step).fetch_optional(on).await
             })
         }
 
@@ -364,8 +347,8 @@ macro_rules! call_queries {
             db: &$crate::store::Db<Self>,
             call_id: i64,
         ) -> Result<Vec<(String, String)>, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                ::sqlx::query_as($q.steps_read).persistent(persistent).bind(call_id).fetch_all(on).await
+            $crate::store::on_pool!(db, |on, pooling| {
+                pooling.query_as($q.steps_read).bind(call_id).fetch_all(on).await
             })
         }
 
@@ -374,11 +357,7 @@ macro_rules! call_queries {
             tx: &mut ::sqlx::Transaction<'static, Self>,
             call_id: i64,
         ) -> Result<u64, ::sqlx::Error> {
-            let done = ::sqlx::query($q.steps_delete)
-                .persistent(pooling.persistent())
-                .bind(call_id)
-                .execute(&mut **tx)
-                .await?;
+            let done = pooling.query($q.steps_delete).bind(call_id).execute(&mut **tx).await?;
             Ok(done.rows_affected())
         }
 
@@ -388,9 +367,8 @@ macro_rules! call_queries {
             now_ms: i64,
             limit: i64,
         ) -> Result<Vec<$crate::store::calls::StuckColumns>, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                let rows =
-                    ::sqlx::query_as($q.stuck).persistent(persistent).bind(biz).bind(now_ms).bind(limit).fetch_all(on);
+            $crate::store::on_pool!(db, |on, pooling| {
+                let rows = pooling.query_as($q.stuck).bind(biz).bind(now_ms).bind(limit).fetch_all(on);
                 rows.await
             })
         }
@@ -400,8 +378,8 @@ macro_rules! call_queries {
             now_ms: i64,
             limit: i64,
         ) -> Result<u64, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                let done = ::sqlx::query($q.purge_expired).persistent(persistent).bind(now_ms).bind(limit).execute(on);
+            $crate::store::on_pool!(db, |on, pooling| {
+                let done = pooling.query($q.purge_expired).bind(now_ms).bind(limit).execute(on);
                 done.await.map(|d| d.rows_affected())
             })
         }

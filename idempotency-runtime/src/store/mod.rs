@@ -223,6 +223,21 @@ pub trait RecordSql: sqlx::Database + Sized {
         wait: Option<Duration>,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
+    /// Inserts `rec` after the body ran, in a transaction opened without a
+    /// bound (the body's own lock waits are its own): waits at most `wait`
+    /// on a duplicate still in flight, such as a `join` caller's open
+    /// transaction holding the key. By default the bound rides on the
+    /// statement ([`bounded`](RecordSql::bounded)); a backend that bounds
+    /// per transaction sets it in the same round trip as the insert.
+    fn insert_after_body(
+        pooling: Pooling,
+        tx: &mut Transaction<'_, Self>,
+        rec: &NewRecord<'_>,
+        wait: Duration,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send {
+        Self::insert(pooling, tx, rec, Some(wait))
+    }
+
     /// Stores the response in the row this transaction inserted, with the
     /// status, `updated_at` and `expires_at` of `rec` (the ttl counts from
     /// the end of the body, as when the record goes in last).
@@ -343,8 +358,8 @@ macro_rules! record_queries {
             let sql = Self::bounded($q.insert, wait);
             // Placeholders in column order: key_digest, biz_type, idem_key, biz_no,
             // params_hash, status, response, created_at, updated_at, expires_at.
-            let done = ::sqlx::query(sql)
-                .persistent(pooling.persistent())
+            let done = pooling
+                .query(sql)
                 .bind(rec.key.digest)
                 .bind(rec.key.biz)
                 .bind(rec.key.key)
@@ -365,8 +380,8 @@ macro_rules! record_queries {
             tx: &mut ::sqlx::Transaction<'_, Self>,
             rec: &$crate::store::NewRecord<'_>,
         ) -> Result<(), ::sqlx::Error> {
-            ::sqlx::query($q.mark_succeeded)
-                .persistent(pooling.persistent())
+            pooling
+                .query($q.mark_succeeded)
                 .bind(rec.status)
                 .bind(rec.response)
                 .bind(rec.now_ms)
@@ -386,13 +401,8 @@ macro_rules! record_queries {
             wait: Option<::std::time::Duration>,
         ) -> Result<Option<$crate::store::StoredRecord>, ::sqlx::Error> {
             let sql = Self::bounded($q.read_locking, wait);
-            let row: Option<$crate::store::RecordRow> = ::sqlx::query_as(sql)
-                .persistent(pooling.persistent())
-                .bind(key.digest)
-                .bind(key.biz)
-                .bind(key.key)
-                .fetch_optional(&mut *conn)
-                .await?;
+            let row: Option<$crate::store::RecordRow> =
+                pooling.query_as(sql).bind(key.digest).bind(key.biz).bind(key.key).fetch_optional(&mut *conn).await?;
             Ok(row.map(Into::into))
         }
 
@@ -400,8 +410,8 @@ macro_rules! record_queries {
             db: &$crate::store::Db<Self>,
             key: $crate::store::RowKey<'_>,
         ) -> Result<Option<$crate::store::StoredRecord>, ::sqlx::Error> {
-            let row: Option<$crate::store::RecordRow> = $crate::store::on_pool!(db, |on, persistent| {
-                let query = ::sqlx::query_as($q.read_plain).persistent(persistent);
+            let row: Option<$crate::store::RecordRow> = $crate::store::on_pool!(db, |on, pooling| {
+                let query = pooling.query_as($q.read_plain);
                 query.bind(key.digest).bind(key.biz).bind(key.key).fetch_optional(on).await
             })?;
             Ok(row.map(Into::into))
@@ -415,8 +425,8 @@ macro_rules! record_queries {
             wait: Option<::std::time::Duration>,
         ) -> Result<u64, ::sqlx::Error> {
             let sql = Self::bounded($q.delete_expired, wait);
-            let done = ::sqlx::query(sql)
-                .persistent(pooling.persistent())
+            let done = pooling
+                .query(sql)
                 .bind(key.digest)
                 .bind(key.biz)
                 .bind(key.key)
@@ -427,14 +437,14 @@ macro_rules! record_queries {
         }
 
         async fn namespace(db: &$crate::store::Db<Self>) -> Result<Option<String>, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                ::sqlx::query_scalar($crate::store::NAMESPACE).persistent(persistent).fetch_optional(on).await
+            $crate::store::on_pool!(db, |on, pooling| {
+                pooling.query_scalar($crate::store::NAMESPACE).fetch_optional(on).await
             })
         }
 
         async fn purge_expired(db: &$crate::store::Db<Self>, now_ms: i64, limit: i64) -> Result<u64, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                let done = ::sqlx::query($q.purge_expired).persistent(persistent).bind(now_ms).bind(limit).execute(on);
+            $crate::store::on_pool!(db, |on, pooling| {
+                let done = pooling.query($q.purge_expired).bind(now_ms).bind(limit).execute(on);
                 done.await.map(|d| d.rows_affected())
             })
         }

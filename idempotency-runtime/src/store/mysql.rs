@@ -84,9 +84,7 @@ impl RecordSql for MySql {
         super::upgrade::mysql::to_key_digest(&db.pool).await?;
         sqlx::raw_sql(Q.meta_ddl).execute(&db.pool).await?;
         sqlx::raw_sql(TOKEN_DDL).execute(&db.pool).await?;
-        on_pool!(db, |on, persistent| {
-            sqlx::query(Q.init_namespace).persistent(persistent).bind(namespace).execute(on).await.map(drop)
-        })
+        on_pool!(db, |on, pooling| pooling.query(Q.init_namespace).bind(namespace).execute(on).await.map(drop))
     }
 
     /// MariaDB bounds one statement with `SET STATEMENT ... FOR`, written in
@@ -216,9 +214,9 @@ impl OutboxSql for MySql {
     /// committed: a range `DELETE` would wait for any writer holding a row
     /// in its range, or the row just past it (repeatable read's next-key
     /// lock), and a writer creating an aggregate's row holds just that one.
-    async fn outbox_purge_aggregates(pool: &Pool<Self>, before_ms: i64, limit: i64) -> Result<u64, sqlx::Error> {
-        let mut tx = Self::outbox_begin(pool).await?;
-        let keys: Vec<String> = sqlx::query_scalar("SELECT aggregate_key FROM idem_outbox_aggregate WHERE created_at <= ? ORDER BY created_at LIMIT ? FOR UPDATE SKIP LOCKED")
+    async fn outbox_purge_aggregates(db: &Db<Self>, before_ms: i64, limit: i64) -> Result<u64, sqlx::Error> {
+        let mut tx = Self::outbox_begin(&db.pool).await?;
+        let keys: Vec<String> = db.pooling.query_scalar("SELECT aggregate_key FROM idem_outbox_aggregate WHERE created_at <= ? ORDER BY created_at LIMIT ? FOR UPDATE SKIP LOCKED")
             .bind(before_ms)
             .bind(limit)
             .fetch_all(&mut *tx)
@@ -230,7 +228,7 @@ impl OutboxSql for MySql {
         // Built from placeholders only.
         let list = vec!["?"; keys.len()].join(", ");
         let sql = format!("DELETE FROM idem_outbox_aggregate WHERE aggregate_key IN ({list})");
-        let mut delete = sqlx::query(AssertSqlSafe(sql));
+        let mut delete = db.pooling.query(AssertSqlSafe(sql));
         for key in &keys {
             delete = delete.bind(key);
         }
@@ -301,9 +299,8 @@ impl super::calls::CallSql for MySql {
     }
 
     async fn call_insert(db: &Db<Self>, call: &super::calls::NewCall<'_>) -> Result<Option<i64>, sqlx::Error> {
-        let done = on_pool!(db, |on, persistent| {
-            sqlx::query("INSERT INTO idem_call (biz_type, idem_key, biz_no, params_hash, status, fence, lease_until, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, 0, 1, ?, NULL, ?, ?, ?)")
-                .persistent(persistent)
+        let done = on_pool!(db, |on, pooling| {
+            pooling.query("INSERT INTO idem_call (biz_type, idem_key, biz_no, params_hash, status, fence, lease_until, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, 0, 1, ?, NULL, ?, ?, ?)")
                 .bind(call.biz)
                 .bind(call.key)
                 .bind(call.biz_no)

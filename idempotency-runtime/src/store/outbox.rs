@@ -149,7 +149,7 @@ pub trait OutboxSql: sqlx::Database + Sized {
     /// `before_ms`, skipping those a writer holds: it never waits for a
     /// body.
     fn outbox_purge_aggregates(
-        pool: &Pool<Self>,
+        db: &Db<Self>,
         before_ms: i64,
         limit: i64,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
@@ -196,10 +196,9 @@ macro_rules! outbox_queries {
             event: &$crate::store::outbox::NewEvent<'_>,
         ) -> Result<bool, ::sqlx::Error> {
             if let (Some(lock), Some(aggregate)) = ($q.lock_aggregate, event.aggregate) {
-                ::sqlx::query(lock).bind(aggregate).bind(event.now_ms).execute(&mut *conn).await?;
+                pooling.query(lock).bind(aggregate).bind(event.now_ms).execute(&mut *conn).await?;
             }
-            let done = ::sqlx::query($q.insert)
-                .persistent(pooling.persistent())
+            let done = pooling.query($q.insert)
                 .bind(event.message_id)
                 .bind(event.destination)
                 .bind(event.aggregate)
@@ -220,7 +219,7 @@ macro_rules! outbox_queries {
             now_ms: i64,
             limit: i64,
         ) -> Result<Vec<$crate::store::outbox::PendingRow>, ::sqlx::Error> {
-            let rows = ::sqlx::query_as($q.pick).persistent(pooling.persistent()).bind(now_ms).bind(limit);
+            let rows = pooling.query_as($q.pick).bind(now_ms).bind(limit);
             rows.fetch_all(&mut **tx).await
         }
 
@@ -242,7 +241,7 @@ macro_rules! outbox_queries {
                 at = <Self as $crate::store::RecordSql>::placeholder(1),
                 list = list.join(", "),
             );
-            let mut query = ::sqlx::query(::sqlx::AssertSqlSafe(sql)).persistent(pooling.persistent()).bind(now_ms);
+            let mut query = pooling.query(::sqlx::AssertSqlSafe(sql)).bind(now_ms);
             for id in ids {
                 query = query.bind(*id);
             }
@@ -258,8 +257,7 @@ macro_rules! outbox_queries {
             next_attempt_ms: i64,
             error: &str,
         ) -> Result<(), ::sqlx::Error> {
-            ::sqlx::query($q.mark_failed)
-                .persistent(pooling.persistent())
+            pooling.query($q.mark_failed)
                 .bind(status)
                 .bind(attempts)
                 .bind(next_attempt_ms)
@@ -275,8 +273,8 @@ macro_rules! outbox_queries {
             before_ms: i64,
             limit: i64,
         ) -> Result<u64, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                let done = ::sqlx::query($q.purge_sent).persistent(persistent).bind(before_ms).bind(limit).execute(on);
+            $crate::store::on_pool!(db, |on, pooling| {
+                let done = pooling.query($q.purge_sent).bind(before_ms).bind(limit).execute(on);
                 done.await.map(|d| d.rows_affected())
             })
         }
@@ -285,8 +283,8 @@ macro_rules! outbox_queries {
             db: &$crate::store::Db<Self>,
             limit: i64,
         ) -> Result<Vec<$crate::store::outbox::DeadRow>, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                ::sqlx::query_as($q.list_dead).persistent(persistent).bind(limit).fetch_all(on).await
+            $crate::store::on_pool!(db, |on, pooling| {
+                pooling.query_as($q.list_dead).bind(limit).fetch_all(on).await
             })
         }
 
@@ -295,23 +293,23 @@ macro_rules! outbox_queries {
             message_id: &str,
             now_ms: i64,
         ) -> Result<bool, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
+            $crate::store::on_pool!(db, |on, pooling| {
                 let done =
-                    ::sqlx::query($q.retry_dead).persistent(persistent).bind(now_ms).bind(message_id).execute(on);
+                    pooling.query($q.retry_dead).bind(now_ms).bind(message_id).execute(on);
                 done.await.map(|d| d.rows_affected() == 1)
             })
         }
 
         async fn outbox_discard_dead(db: &$crate::store::Db<Self>, message_id: &str) -> Result<bool, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                let done = ::sqlx::query($q.discard_dead).persistent(persistent).bind(message_id).execute(on);
+            $crate::store::on_pool!(db, |on, pooling| {
+                let done = pooling.query($q.discard_dead).bind(message_id).execute(on);
                 done.await.map(|d| d.rows_affected() == 1)
             })
         }
 
         async fn outbox_count(db: &$crate::store::Db<Self>) -> Result<(i64, i64, i64), ::sqlx::Error> {
-            let rows: Vec<(i16, i64)> = $crate::store::on_pool!(db, |on, persistent| {
-                ::sqlx::query_as($q.count).persistent(persistent).fetch_all(on).await
+            let rows: Vec<(i16, i64)> = $crate::store::on_pool!(db, |on, pooling| {
+                pooling.query_as($q.count).fetch_all(on).await
             })?;
             let of = |status: i16| rows.iter().find(|(s, _)| *s == status).map_or(0, |(_, n)| *n);
             Ok((

@@ -21,7 +21,9 @@
 
 use std::future::Future;
 
-use sqlx::{Pool, Transaction};
+use sqlx::database::HasStatementCache;
+use sqlx::query::{Query, QueryAs, QueryScalar};
+use sqlx::{Database, FromRow, IntoArguments, Pool, SqlSafeStr, Transaction};
 
 /// How long the server connection behind one of the pool's connections
 /// stays the same: the whole session (a direct connection, or a pooler in
@@ -38,6 +40,60 @@ impl Pooling {
     /// (sqlx's `persistent`).
     pub(crate) fn persistent(self) -> bool {
         self == Pooling::Session
+    }
+}
+
+// The one place the engine's prepared statements are made: each is sent as
+// this pooling allows. `sqlx::query` and its kin are refused everywhere else
+// in this crate (`clippy.toml`'s `disallowed-methods`), so a new statement
+// cannot forget the pooler (the outbox's aggregate lock once did, and failed
+// one call in five behind PgBouncer). `sqlx::raw_sql` (the simple protocol:
+// nothing prepared, one exchange) needs no such care.
+#[allow(clippy::disallowed_methods)]
+impl Pooling {
+    /// `sqlx::query`, sent as this pooling allows.
+    pub(crate) fn query<'q, DB: Database + HasStatementCache>(
+        self,
+        sql: impl SqlSafeStr,
+    ) -> Query<'q, DB, DB::Arguments> {
+        sqlx::query(sql).persistent(self.persistent())
+    }
+
+    /// `sqlx::query_as`, sent as this pooling allows.
+    pub(crate) fn query_as<'q, DB, O>(self, sql: impl SqlSafeStr) -> QueryAs<'q, DB, O, DB::Arguments>
+    where
+        DB: Database + HasStatementCache,
+        O: for<'r> FromRow<'r, DB::Row>,
+    {
+        sqlx::query_as(sql).persistent(self.persistent())
+    }
+
+    /// `sqlx::query_scalar`, sent as this pooling allows.
+    pub(crate) fn query_scalar<'q, DB, O>(self, sql: impl SqlSafeStr) -> QueryScalar<'q, DB, O, DB::Arguments>
+    where
+        DB: Database + HasStatementCache,
+        (O,): for<'r> FromRow<'r, DB::Row>,
+    {
+        sqlx::query_scalar(sql).persistent(self.persistent())
+    }
+
+    /// `sqlx::query_with`, sent as this pooling allows.
+    pub(crate) fn query_with<'q, DB, A>(self, sql: impl SqlSafeStr, arguments: A) -> Query<'q, DB, A>
+    where
+        DB: Database + HasStatementCache,
+        A: IntoArguments<DB>,
+    {
+        sqlx::query_with(sql, arguments).persistent(self.persistent())
+    }
+
+    /// `sqlx::query_as_with`, sent as this pooling allows.
+    pub(crate) fn query_as_with<'q, DB, O, A>(self, sql: impl SqlSafeStr, arguments: A) -> QueryAs<'q, DB, O, A>
+    where
+        DB: Database + HasStatementCache,
+        A: IntoArguments<DB>,
+        O: for<'r> FromRow<'r, DB::Row>,
+    {
+        sqlx::query_as_with(sql, arguments).persistent(self.persistent())
     }
 }
 
@@ -67,22 +123,22 @@ pub(crate) async fn finish<DB: sqlx::Database, T>(
 
 /// Runs one statement outside any call's transaction, as the `$db`'s
 /// pooling allows: `$statement` is written once, on the executor `$on`,
-/// sent with `.persistent($persistent)`. Straight on the pool in session
-/// pooling (exactly one statement, as without this macro); in a transaction
-/// of its own in transaction pooling. Inside an `async fn` returning
-/// `Result<_, sqlx::Error>`.
+/// made with `$pooling.query(..)` (or its kin). Straight on the pool in
+/// session pooling (exactly one statement, as without this macro); in a
+/// transaction of its own in transaction pooling. Inside an `async fn`
+/// returning `Result<_, sqlx::Error>`.
 macro_rules! on_pool {
-    ($db:expr, |$on:ident, $persistent:ident| $statement:expr) => {{
-        let db: &$crate::store::pooling::Db<Self> = $db;
+    ($db:expr, |$on:ident, $pooling:ident| $statement:expr) => {{
+        let db: &$crate::store::pooling::Db<_> = $db;
         match db.pooling {
             $crate::store::pooling::Pooling::Session => {
-                let ($on, $persistent) = (&db.pool, true);
+                let ($on, $pooling) = (&db.pool, $crate::store::pooling::Pooling::Session);
                 $statement
             }
             $crate::store::pooling::Pooling::Transaction => {
                 let mut tx = db.pool.begin().await?;
                 let done = {
-                    let ($on, $persistent) = (&mut *tx, false);
+                    let ($on, $pooling) = (&mut *tx, $crate::store::pooling::Pooling::Transaction);
                     $statement
                 };
                 $crate::store::pooling::finish(tx, done).await

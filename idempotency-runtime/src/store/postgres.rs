@@ -53,6 +53,13 @@ const Q: Queries = Queries {
     init_namespace: "INSERT INTO idem_meta (name, value) VALUES ('namespace', $1) ON CONFLICT (name) DO NOTHING",
 };
 
+// The record's insert after the body, under a Redis claim (`insert_after_body`):
+// the transaction was opened without a bound, and a `SET LOCAL` of its own
+// would cost a round trip on every first call, so the bound is set by the
+// statement itself, before its row meets the unique index (`$11`: ms).
+// It holds for the rest of the transaction, which only commits.
+const INSERT_AFTER_BODY: &str = "WITH bound AS (SELECT set_config('lock_timeout', CAST($11 AS TEXT), true)) INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10 FROM bound ON CONFLICT (key_digest) DO NOTHING";
+
 // Issued tokens without Redis (`crate::token::database`).
 const TOKEN_DDL: [&str; 2] = [
     "CREATE TABLE IF NOT EXISTS idem_token (
@@ -79,7 +86,7 @@ const TQ: TokenQueries = TokenQueries {
 /// A migration's transaction, holding the migration lock.
 async fn migration(db: &Db<Postgres>) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
     let mut tx = db.pool.begin().await?;
-    sqlx::query(MIGRATE_LOCK).persistent(db.pooling.persistent()).execute(&mut *tx).await?;
+    db.pooling.query(MIGRATE_LOCK).execute(&mut *tx).await?;
     Ok(tx)
 }
 
@@ -111,8 +118,7 @@ impl RecordSql for Postgres {
         for ddl in TOKEN_DDL {
             sqlx::raw_sql(ddl).execute(&mut *tx).await?;
         }
-        let persistent = db.pooling.persistent();
-        sqlx::query(Q.init_namespace).persistent(persistent).bind(namespace).execute(&mut *tx).await?;
+        db.pooling.query(Q.init_namespace).bind(namespace).execute(&mut *tx).await?;
         tx.commit().await
     }
 
@@ -130,11 +136,36 @@ impl RecordSql for Postgres {
     }
 
     async fn end_bound(pooling: Pooling, tx: &mut Transaction<'_, Self>) -> Result<(), sqlx::Error> {
-        sqlx::query("SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true)")
-            .persistent(pooling.persistent())
+        pooling
+            .query("SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true)")
             .execute(&mut **tx)
             .await
             .map(drop)
+    }
+
+    async fn insert_after_body(
+        pooling: Pooling,
+        tx: &mut Transaction<'_, Self>,
+        rec: &super::NewRecord<'_>,
+        wait: Duration,
+    ) -> Result<bool, sqlx::Error> {
+        let ms = i64::try_from(wait.as_millis().clamp(1, i32::MAX as u128)).unwrap_or(i64::from(i32::MAX));
+        let done = pooling
+            .query(INSERT_AFTER_BODY)
+            .bind(rec.key.digest)
+            .bind(rec.key.biz)
+            .bind(rec.key.key)
+            .bind(rec.biz_no)
+            .bind(rec.params_hash)
+            .bind(rec.status)
+            .bind(rec.response)
+            .bind(rec.now_ms)
+            .bind(rec.now_ms)
+            .bind(rec.expires_ms)
+            .bind(ms)
+            .execute(&mut **tx)
+            .await;
+        super::inserted(done.map(|d| d.rows_affected()))
     }
 
     record_queries!(Q);
@@ -237,14 +268,15 @@ impl OutboxSql for Postgres {
         pool.begin().await
     }
 
-    async fn outbox_purge_aggregates(pool: &Pool<Self>, before_ms: i64, limit: i64) -> Result<u64, sqlx::Error> {
+    async fn outbox_purge_aggregates(db: &Db<Self>, before_ms: i64, limit: i64) -> Result<u64, sqlx::Error> {
         // `SKIP LOCKED`: a row a writer holds is left for a later purge.
-        let done = sqlx::query("DELETE FROM idem_outbox_aggregate WHERE aggregate_key IN (SELECT aggregate_key FROM idem_outbox_aggregate WHERE created_at <= $1 ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED)")
-            .bind(before_ms)
-            .bind(limit)
-            .execute(pool)
-            .await?;
-        Ok(done.rows_affected())
+        on_pool!(db, |on, pooling| {
+            let done = pooling.query("DELETE FROM idem_outbox_aggregate WHERE aggregate_key IN (SELECT aggregate_key FROM idem_outbox_aggregate WHERE created_at <= $1 ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED)")
+                .bind(before_ms)
+                .bind(limit)
+                .execute(on);
+            done.await.map(|d| d.rows_affected())
+        })
     }
 
     outbox_queries!(OQ);
@@ -311,9 +343,8 @@ impl super::calls::CallSql for Postgres {
 
     async fn call_insert(db: &Db<Self>, call: &super::calls::NewCall<'_>) -> Result<Option<i64>, sqlx::Error> {
         // `ON CONFLICT DO NOTHING`: a taken key returns no row.
-        on_pool!(db, |on, persistent| {
-            sqlx::query_scalar("INSERT INTO idem_call (biz_type, idem_key, biz_no, params_hash, status, fence, lease_until, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, 0, 1, $5, NULL, $6, $7, $8) ON CONFLICT (biz_type, idem_key) DO NOTHING RETURNING id")
-                .persistent(persistent)
+        on_pool!(db, |on, pooling| {
+            pooling.query_scalar("INSERT INTO idem_call (biz_type, idem_key, biz_no, params_hash, status, fence, lease_until, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, 0, 1, $5, NULL, $6, $7, $8) ON CONFLICT (biz_type, idem_key) DO NOTHING RETURNING id")
                 .bind(call.biz)
                 .bind(call.key)
                 .bind(call.biz_no)

@@ -127,10 +127,11 @@ impl<DB: Backend> Records<'_, DB> {
                 return Ok(Opened::Go(tx));
             }
             let record = id.record(PROCESSING, None, self.clock.now_ms());
-            let inserted = match insert(self.db.pooling, &mut tx, id, &record, Some(self.lock_wait), self.clock).await {
-                Ok(Taken::No) => DB::end_bound(self.db.pooling, &mut tx).await.map(|()| Taken::No),
-                other => other,
-            };
+            let inserted =
+                match insert(self.db.pooling, &mut tx, id, &record, Wait::Set(self.lock_wait), self.clock).await {
+                    Ok(Taken::No) => DB::end_bound(self.db.pooling, &mut tx).await.map(|()| Taken::No),
+                    other => other,
+                };
             match inserted {
                 Ok(Taken::No) => return Ok(Opened::Go(tx)),
                 Ok(Taken::By(row)) => {
@@ -149,10 +150,13 @@ impl<DB: Backend> Records<'_, DB> {
     }
 
     /// Writes the finished record holding `response` (inserted with a
-    /// claim, completed without) and commits. On any failure our work is
-    /// rolled back and the key [settled](Records::settle): a duplicate that
-    /// won a conflict (or our own commit, whose answer alone was lost) is
-    /// the answer; a conflict with no committed row is `InProgress`.
+    /// claim, completed without) and commits. With a claim the insert waits
+    /// at most `lock_wait` on a duplicate in flight (a `join` caller's open
+    /// transaction holding the key), then answers `InProgress`, as a call
+    /// without a claim does before its body. On any other failure our work
+    /// is rolled back and the key [settled](Records::settle): a duplicate
+    /// that won a conflict (or our own commit, whose answer alone was lost)
+    /// is the answer; a conflict with no committed row is `InProgress`.
     pub(crate) async fn commit(
         &self,
         mut tx: Transaction<'static, DB>,
@@ -162,7 +166,7 @@ impl<DB: Backend> Records<'_, DB> {
     ) -> Result<Committed, Error> {
         let record = id.record(SUCCEEDED, Some(response), self.clock.now_ms());
         let written = if claimed {
-            insert(self.db.pooling, &mut tx, id, &record, None, self.clock).await
+            insert(self.db.pooling, &mut tx, id, &record, Wait::AfterBody(self.lock_wait), self.clock).await
         } else {
             DB::mark_succeeded(self.db.pooling, &mut tx, &record).await.map(|()| Taken::No)
         };
@@ -178,6 +182,9 @@ impl<DB: Backend> Records<'_, DB> {
             }
             Err(e) => {
                 rollback(tx).await;
+                if DB::classify(&e) == ErrorClass::LockTimeout {
+                    return Err(id.in_progress());
+                }
                 e
             }
         };
@@ -212,7 +219,7 @@ impl<DB: Backend> Records<'_, DB> {
                 tokio::time::sleep(pause).await;
                 let mut tx = DB::begin_bounded(&self.db.pool, self.lock_wait).await?;
                 let probe = id.record(PROCESSING, None, self.clock.now_ms());
-                let taken = insert(self.db.pooling, &mut tx, id, &probe, Some(self.lock_wait), self.clock).await;
+                let taken = insert(self.db.pooling, &mut tx, id, &probe, Wait::Set(self.lock_wait), self.clock).await;
                 rollback(tx).await;
                 if let Taken::By(row) = taken? {
                     return Ok(Taken::By(row));
@@ -267,7 +274,7 @@ impl<DB: Backend> Records<'_, DB> {
         let record = id.record(PROCESSING, None, self.clock.now_ms());
         let inserted = async {
             DB::bound_within(pooling, &mut savepoint, self.lock_wait).await?;
-            let taken = insert(pooling, &mut savepoint, id, &record, Some(self.lock_wait), self.clock).await?;
+            let taken = insert(pooling, &mut savepoint, id, &record, Wait::Set(self.lock_wait), self.clock).await?;
             if let Taken::No = taken {
                 DB::end_bound(pooling, &mut savepoint).await?;
             }
@@ -314,6 +321,19 @@ enum Taken {
     By(StoredRecord),
 }
 
+/// How the record statements of a transaction wait on a duplicate still
+/// in flight.
+#[derive(Clone, Copy)]
+enum Wait {
+    /// At most this long: the transaction was opened bounded
+    /// (`begin_bounded`, `bound_within`) where the backend bounds per
+    /// transaction, and each statement says it where it bounds per statement.
+    Set(Duration),
+    /// At most this long, though the transaction was opened without a
+    /// bound: the record goes in after a body that waits as it pleases.
+    AfterBody(Duration),
+}
+
 /// Inserts the record: ours, or taken by a live committed row. An expired
 /// row is replaced inside the same transaction. `wait` bounds the wait on a
 /// duplicate still in flight.
@@ -322,22 +342,30 @@ async fn insert<DB: Backend>(
     tx: &mut Transaction<'_, DB>,
     id: &RecordKey<'_>,
     record: &NewRecord<'_>,
-    wait: Option<Duration>,
+    wait: Wait,
     clock: &Clock,
 ) -> Result<Taken, sqlx::Error> {
     // Each round either inserts, finds the live row, or clears an expired
     // one; a row that vanishes three times in a row is not worth chasing
     // (nor is one whose digest another key holds: the read checks the full
-    // key and finds nothing).
-    for _ in 0..3 {
-        if DB::insert(pooling, tx, record, wait).await? {
+    // key and finds nothing). After the body, the first insert also sets
+    // the bound where it is the transaction's (the later statements keep it).
+    let bound = match wait {
+        Wait::Set(wait) | Wait::AfterBody(wait) => Some(wait),
+    };
+    for round in 0..3 {
+        let inserted = match wait {
+            Wait::AfterBody(wait) if round == 0 => DB::insert_after_body(pooling, tx, record, wait).await?,
+            _ => DB::insert(pooling, tx, record, bound).await?,
+        };
+        if inserted {
             return Ok(Taken::No);
         }
         let now = clock.now_ms();
-        match DB::read_locking(pooling, &mut **tx, id.row, wait).await? {
+        match DB::read_locking(pooling, &mut **tx, id.row, bound).await? {
             Some(row) if row.expires_ms > now => return Ok(Taken::By(row)),
             Some(_) => {
-                DB::delete_expired(pooling, &mut **tx, id.row, now, wait).await?;
+                DB::delete_expired(pooling, &mut **tx, id.row, now, bound).await?;
             }
             None => {}
         }

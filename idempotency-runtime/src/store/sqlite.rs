@@ -73,9 +73,7 @@ impl RecordSql for Sqlite {
         tx.commit().await?;
         sqlx::raw_sql(Q.meta_ddl).execute(&db.pool).await?;
         sqlx::raw_sql(TOKEN_DDL).execute(&db.pool).await?;
-        on_pool!(db, |on, persistent| {
-            sqlx::query(Q.init_namespace).persistent(persistent).bind(namespace).execute(on).await.map(drop)
-        })
+        on_pool!(db, |on, pooling| pooling.query(Q.init_namespace).bind(namespace).execute(on).await.map(drop))
     }
 
     async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
@@ -170,7 +168,7 @@ impl OutboxSql for Sqlite {
         pool.begin_with("BEGIN IMMEDIATE").await
     }
 
-    async fn outbox_purge_aggregates(_pool: &Pool<Self>, _before_ms: i64, _limit: i64) -> Result<u64, sqlx::Error> {
+    async fn outbox_purge_aggregates(_db: &Db<Self>, _before_ms: i64, _limit: i64) -> Result<u64, sqlx::Error> {
         Ok(0)
     }
 
@@ -229,9 +227,8 @@ impl super::calls::CallSql for Sqlite {
     }
 
     async fn call_insert(db: &Db<Self>, call: &super::calls::NewCall<'_>) -> Result<Option<i64>, sqlx::Error> {
-        let done = on_pool!(db, |on, persistent| {
-            sqlx::query("INSERT INTO idem_call (biz_type, idem_key, biz_no, params_hash, status, fence, lease_until, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, 0, 1, ?, NULL, ?, ?, ?)")
-                .persistent(persistent)
+        let done = on_pool!(db, |on, pooling| {
+            pooling.query("INSERT INTO idem_call (biz_type, idem_key, biz_no, params_hash, status, fence, lease_until, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, 0, 1, ?, NULL, ?, ?, ?)")
                 .bind(call.biz)
                 .bind(call.key)
                 .bind(call.biz_no)

@@ -33,9 +33,9 @@ macro_rules! token_queries {
             now_ms: i64,
             expires_ms: i64,
         ) -> Result<bool, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                let done = ::sqlx::query($q.insert)
-                    .persistent(persistent)
+            $crate::store::on_pool!(db, |on, pooling| {
+                let done = pooling
+                    .query($q.insert)
                     .bind(id.biz)
                     .bind(id.token)
                     .bind(id.subject)
@@ -54,9 +54,9 @@ macro_rules! token_queries {
             now_ms: i64,
             used_until_ms: i64,
         ) -> Result<bool, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                let done = ::sqlx::query($q.consume)
-                    .persistent(persistent)
+            $crate::store::on_pool!(db, |on, pooling| {
+                let done = pooling
+                    .query($q.consume)
                     .bind(now_ms)
                     .bind(used_until_ms)
                     .bind(id.biz)
@@ -74,8 +74,8 @@ macro_rules! token_queries {
             biz: &str,
             token: &str,
         ) -> Result<Option<$crate::store::TokenRow>, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                ::sqlx::query_as($q.read).persistent(persistent).bind(biz).bind(token).fetch_optional(on).await
+            $crate::store::on_pool!(db, |on, pooling| {
+                pooling.query_as($q.read).bind(biz).bind(token).fetch_optional(on).await
             })
         }
 
@@ -84,9 +84,9 @@ macro_rules! token_queries {
             id: $crate::store::TokenId<'_>,
             used_at_ms: i64,
         ) -> Result<bool, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                let done = ::sqlx::query($q.give_back)
-                    .persistent(persistent)
+            $crate::store::on_pool!(db, |on, pooling| {
+                let done = pooling
+                    .query($q.give_back)
                     .bind(id.biz)
                     .bind(id.token)
                     .bind(id.subject)
@@ -102,8 +102,8 @@ macro_rules! token_queries {
             now_ms: i64,
             limit: i64,
         ) -> Result<u64, ::sqlx::Error> {
-            $crate::store::on_pool!(db, |on, persistent| {
-                let done = ::sqlx::query($q.purge_expired).persistent(persistent).bind(now_ms).bind(limit).execute(on);
+            $crate::store::on_pool!(db, |on, pooling| {
+                let done = pooling.query($q.purge_expired).bind(now_ms).bind(limit).execute(on);
                 done.await.map(|d| d.rows_affected())
             })
         }

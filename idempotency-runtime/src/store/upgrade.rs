@@ -19,6 +19,8 @@ pub(super) mod mysql {
     use sqlx::{AssertSqlSafe, Pool};
 
     use super::BATCH;
+    // MySQL has no transaction pooler here: statements are kept, as sqlx does.
+    use crate::store::Pooling;
 
     /// The digest as MySQL computes it: SHA-256 over `biz`, a zero byte and
     /// `key`, its first 16 bytes.
@@ -31,7 +33,7 @@ pub(super) mod mysql {
     const HAS_COLUMN: &str = "SELECT COUNT(*) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'idem_record' AND COLUMN_NAME = 'key_digest'";
 
     async fn has_index(conn: &mut sqlx::MySqlConnection, name: &str) -> Result<bool, sqlx::Error> {
-        let n: i64 = sqlx::query_scalar(HAS_INDEX).bind(name).fetch_one(conn).await?;
+        let n: i64 = Pooling::Session.query_scalar(HAS_INDEX).bind(name).fetch_one(conn).await?;
         Ok(n > 0)
     }
 
@@ -45,12 +47,12 @@ pub(super) mod mysql {
             return Ok(());
         }
         let locked: Option<i64> =
-            sqlx::query_scalar("SELECT GET_LOCK('idem_record_upgrade', 3600)").fetch_one(&mut *conn).await?;
+            Pooling::Session.query_scalar("SELECT GET_LOCK('idem_record_upgrade', 3600)").fetch_one(&mut *conn).await?;
         if locked != Some(1) {
             return Err(sqlx::Error::Protocol("idem_record upgrade: another engine held the lock for an hour".into()));
         }
         let done = upgrade(&mut conn).await;
-        let released = sqlx::query("SELECT RELEASE_LOCK('idem_record_upgrade')").execute(&mut *conn).await;
+        let released = Pooling::Session.query("SELECT RELEASE_LOCK('idem_record_upgrade')").execute(&mut *conn).await;
         done.and(released.map(drop))
     }
 
@@ -58,7 +60,7 @@ pub(super) mod mysql {
         if has_index(conn, "uk_idem_record_key_digest").await? {
             return Ok(());
         }
-        let columns: i64 = sqlx::query_scalar(HAS_COLUMN).fetch_one(&mut *conn).await?;
+        let columns: i64 = Pooling::Session.query_scalar(HAS_COLUMN).fetch_one(&mut *conn).await?;
         if columns == 0 {
             sqlx::raw_sql("ALTER TABLE idem_record ADD COLUMN key_digest BINARY(16) NULL AFTER id")
                 .execute(&mut *conn)
@@ -70,9 +72,10 @@ pub(super) mod mysql {
             format!("UPDATE idem_record SET key_digest = {DIGEST} WHERE id > ? AND id <= ? AND key_digest IS NULL");
         let mut done = 0_i64;
         loop {
-            let upto: Option<i64> = sqlx::query_scalar(NEXT_BATCH).bind(done).bind(BATCH).fetch_one(&mut *conn).await?;
+            let upto: Option<i64> =
+                Pooling::Session.query_scalar(NEXT_BATCH).bind(done).bind(BATCH).fetch_one(&mut *conn).await?;
             let Some(upto) = upto else { break };
-            sqlx::query(AssertSqlSafe(fill.clone())).bind(done).bind(upto).execute(&mut *conn).await?;
+            Pooling::Session.query(AssertSqlSafe(fill.clone())).bind(done).bind(upto).execute(&mut *conn).await?;
             done = upto;
         }
         let drop_old =
@@ -114,7 +117,8 @@ pub(super) mod sqlite {
     use sqlx::{Sqlite, SqliteConnection};
 
     use super::BATCH;
-    use crate::store::RowKey;
+    // SQLite has no pooler: statements are kept, as sqlx does.
+    use crate::store::{Pooling, RowKey};
 
     const HAS_OLD_TABLE: &str = "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'idem_record' \
          AND NOT EXISTS (SELECT 1 FROM pragma_table_info('idem_record') WHERE name = 'key_digest')";
@@ -130,7 +134,7 @@ pub(super) mod sqlite {
     /// A table-level `UNIQUE` cannot be dropped in SQLite: the rows move to
     /// a new table (created by `ddl`), in one transaction.
     pub(in crate::store) async fn to_key_digest(tx: &mut SqliteConnection, ddl: &str) -> Result<(), sqlx::Error> {
-        let old: i64 = sqlx::query_scalar(HAS_OLD_TABLE).fetch_one(&mut *tx).await?;
+        let old: i64 = Pooling::Session.query_scalar(HAS_OLD_TABLE).fetch_one(&mut *tx).await?;
         if old == 0 {
             return Ok(());
         }
@@ -138,16 +142,17 @@ pub(super) mod sqlite {
         sqlx::raw_sql(sqlx::AssertSqlSafe(ddl.to_owned())).execute(&mut *tx).await?;
         let mut after = i64::MIN;
         loop {
-            let rows: Vec<(i64, String, String)> = sqlx::query_as::<Sqlite, _>(
-                "SELECT id, biz_type, idem_key FROM idem_record_before_digest WHERE id > ? ORDER BY id LIMIT ?",
-            )
-            .bind(after)
-            .bind(BATCH)
-            .fetch_all(&mut *tx)
-            .await?;
+            let rows: Vec<(i64, String, String)> = Pooling::Session
+                .query_as::<Sqlite, _>(
+                    "SELECT id, biz_type, idem_key FROM idem_record_before_digest WHERE id > ? ORDER BY id LIMIT ?",
+                )
+                .bind(after)
+                .bind(BATCH)
+                .fetch_all(&mut *tx)
+                .await?;
             let Some(&(last, ..)) = rows.last() else { break };
             for (id, biz, key) in &rows {
-                sqlx::query(COPY).bind(RowKey::new(biz, key).digest).bind(id).execute(&mut *tx).await?;
+                Pooling::Session.query(COPY).bind(RowKey::new(biz, key).digest).bind(id).execute(&mut *tx).await?;
             }
             after = last;
         }

@@ -5,7 +5,8 @@
 //! between transactions. Every case with and without Redis: `migrate` on a
 //! fresh database, a storm on one key, 200 keys called twice, and what else
 //! runs outside a call's transaction (status, tokens, the steps mode,
-//! purges). Each test has a database of its own.
+//! purges); in [`features`], what else sends SQL (the outbox and its relays,
+//! `join`). Each test has a database of its own.
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -140,10 +141,15 @@ struct Behind {
 impl Behind {
     /// `None` (the test skips) when PostgreSQL or `pgbouncer` is missing.
     async fn start() -> Option<Self> {
+        Self::start_with(SERVER_CONNECTIONS).await
+    }
+
+    /// Behind a PgBouncer holding `server_connections`.
+    async fn start_with(server_connections: u32) -> Option<Self> {
         let admin =
             reach("postgres", || async { PgPoolOptions::new().max_connections(1).connect(&pg_url()).await.ok() })
                 .await?;
-        let bouncer = PgBouncer::start()?;
+        let bouncer = PgBouncer::start_with(server_connections)?;
         let name = unique("pgb").replace('-', "_");
         sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&admin).await.expect("create database");
         admin.close().await;
@@ -155,8 +161,13 @@ impl Behind {
 
     /// A pool of [`POOL`] connections through PgBouncer.
     async fn pool(&self) -> PgPool {
+        self.pool_of(POOL).await
+    }
+
+    /// A pool of `size` connections through PgBouncer.
+    async fn pool_of(&self, size: u32) -> PgPool {
         PgPoolOptions::new()
-            .max_connections(POOL)
+            .max_connections(size)
             .acquire_timeout(Duration::from_secs(60))
             .connect_with(self.bouncer.options(&self.name))
             .await
@@ -497,3 +508,5 @@ async fn pgbouncer_holds_eight_server_connections() {
     drop(held);
     behind.finish().await;
 }
+
+mod features;
