@@ -156,6 +156,7 @@ impl Runner {
         Runner::with_clock(Arc::new(clock::DatabaseClock(idem.clone())), "database", job, expression)
     }
 
+    /// The runner on `clock` (named `clock_name` in `Debug`).
     fn with_clock(
         clock: Arc<dyn Clock>,
         clock_name: &'static str,
@@ -226,8 +227,8 @@ impl Runner {
         self
     }
 
-    /// How long a running job may go on after shutdown before it is dropped.
-    /// Default 30 s.
+    /// How long a running job may go on after shutdown before it is dropped,
+    /// on the runner's clock. Default 30 s.
     pub fn shutdown_grace(mut self, grace: Duration) -> Self {
         self.grace = grace;
         self
