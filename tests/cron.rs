@@ -676,16 +676,23 @@ macro_rules! runner_suite {
                 assert_eq!(clock.sleepers(1).await, [at(1, 0)]);
                 clock.set(at(1, 0));
                 assert_eq!(clock.sleepers(1).await, [at(1, 200)], "the grace");
+                // With Redis, the hanging call holds its claim.
+                let claim = if REDIS {
+                    let namespace = idem.redis_namespace().await.unwrap().expect("a namespace");
+                    let client = idempotency_testkit::redis_client().await.expect("redis");
+                    let key = format!("tick_{run}_{}", t0 + 1);
+                    let at = idempotency::redis_layout::locate(namespace.as_str(), "cron_runner", &key).unwrap();
+                    assert!(idempotency_testkit::redis_exists(&client, &at.claim).await, "S1's claim is held");
+                    Some((client, at))
+                } else {
+                    None
+                };
                 clock.set(at(1, 200));
                 let stopped = first.await.unwrap();
                 assert_eq!(stopped.last_slot, None, "the cancelled slot is not settled");
                 assert_eq!(*seen.lock().unwrap(), [(1, SlotOutcome::Cancelled)]);
-                if REDIS {
-                    let namespace = idem.redis_namespace().await.unwrap().expect("a namespace");
+                if let Some((client, held)) = claim {
                     // The dropped call's claim is released off its path: wait for it.
-                    let client = idempotency_testkit::redis_client().await.expect("redis");
-                    let key = format!("tick_{run}_{}", t0 + 1);
-                    let held = idempotency::redis_layout::locate(namespace.as_str(), "cron_runner", &key).unwrap();
                     let released = async {
                         while idempotency_testkit::redis_exists(&client, &held.claim).await {
                             tokio::task::yield_now().await;
