@@ -62,9 +62,10 @@ async fn settle(
 /// One instance: the runner, until `stop` fires.
 async fn instance(idem: Idem<Sqlite>, instance: u32, stop: tokio::sync::watch::Receiver<bool>) {
     let mut stop = stop;
-    let runner = Runner::new("settle", "*/2 * * * * *")
+    // Built from the engine: it fires by the engine's clock, the database's
+    // (SQLite's is this host's), the one the records' expiry is judged by.
+    let runner = Runner::new(&idem, "settle", "*/2 * * * * *")
         .expect("a valid expression")
-        .database_clock(&idem)
         .catch_up(Duration::from_secs(4))
         .jitter(Duration::from_millis(100))
         .on_slot(move |report: &SlotReport| {

@@ -1,27 +1,42 @@
-//! A cron instance whose clock is off fires by the database's clock
-//! (`Runner::database_clock`): a runner in a child process 70 s behind
-//! (libfaketime, `faketime -f -70s`) beside one on the true clock, a
-//! one-second schedule, a 3-second catch-up window and a 2-second job ttl,
-//! so each slot's record lives the window plus the runner's minute of margin. By its own clock the child would fire
-//! every slot 70 s late, after the slot's record expired, and run it again;
-//! by the database's it fires the slots when they come, and each runs once.
-//! On MariaDB and PostgreSQL at once; about 80 s.
+//! A cron runner fires by the database's clock without being told to
+//! (issue 32): a runner in a child process ten minutes behind (libfaketime,
+//! `faketime -f -10m`, Debian's package `faketime`) beside one on the true
+//! clock, both built with `Runner::new(&idem, ..)` and no clock option, on a
+//! one-second schedule with a 2-second job ttl. The true clock's instance
+//! has run every slot of the last eleven minutes (their rows are there;
+//! their records, living the runner's minute of margin, have expired): by
+//! its own clock the instance behind would fire those slots again, find no
+//! live record, and run them a second time. By the database's clock it
+//! fires the slots that come now, beside the other instance, and each runs
+//! once. On MariaDB and PostgreSQL at once; a few seconds.
+//!
+//! The child is this test binary again, running this same test with
+//! [`CHILD_ENV`] set: the test itself plays the instance behind there, so
+//! no entry point of its own passes as a test in a normal run.
 
+use std::ops::Range;
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idempotency::cron::{Runner, SlotOutcome};
 use idempotency::{Backend, Idem, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::Transaction;
 
-/// Set in the child's environment: `<database> <run> <seconds>`.
+/// Set in the child's environment: `<database> <run>`.
 const CHILD_ENV: &str = "IDEM_CRON_SKEW_CHILD";
-/// How far behind the child's clock is: more than the records' life (63 s).
-const SKEW: &str = "-70s";
-const SKEW_SECS: u64 = 70;
-/// How long the child's runner runs, in seconds.
-const CHILD_SECS: u64 = SKEW_SECS + 6;
+/// This test's name: the child runs it again.
+const TEST_NAME: &str = "an_instance_ten_minutes_behind_runs_no_slot_twice";
+/// How far behind the child's clock is: far more than a slot's record lives
+/// (the runner's minute of margin).
+const SKEW: &str = "-10m";
+/// The slots the true clock's instance ran before this run: eleven minutes.
+const HISTORY_SECS: i64 = 660;
+/// How many slots the instance behind runs (skipped ones aside) before it stops.
+const CHILD_SLOTS: usize = 5;
+/// Longest the instance behind waits for them: only a hang takes that long.
+const CHILD_BOUND: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Tick {
@@ -52,6 +67,9 @@ trait SkewDb: Backend {
     const LABEL: &'static str;
     /// Creates the table of ticks, if absent.
     fn create_ticks(pool: &sqlx::Pool<Self>) -> impl Future<Output = ()> + Send;
+    /// Rows of `run` for each slot of `slots`, as the instance on the true
+    /// clock wrote them.
+    fn insert_history(pool: &sqlx::Pool<Self>, run: &str, slots: Range<i64>) -> impl Future<Output = ()> + Send;
     /// Rows per slot of `run`.
     fn per_slot(pool: &sqlx::Pool<Self>, run: &str) -> impl Future<Output = Vec<(i64, i64)>> + Send;
     fn connect() -> impl Future<Output = Option<sqlx::Pool<Self>>> + Send;
@@ -65,6 +83,13 @@ trait SkewDb: Backend {
 
 impl SkewDb for sqlx::MySql {
     const LABEL: &'static str = "mysql";
+    async fn insert_history(pool: &sqlx::Pool<Self>, run: &str, slots: Range<i64>) {
+        let mut insert = sqlx::QueryBuilder::<Self>::new("INSERT INTO cron_skew (run, slot, instance) ");
+        insert.push_values(slots, |mut row, slot| {
+            row.push_bind(run.to_owned()).push_bind(slot).push_bind(0_i64);
+        });
+        insert.build().execute(pool).await.expect("the history");
+    }
     async fn create_ticks(pool: &sqlx::Pool<Self>) {
         let ddl = "CREATE TABLE IF NOT EXISTS cron_skew (id BIGINT AUTO_INCREMENT PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL, KEY (run))";
         sqlx::raw_sql(ddl).execute(pool).await.expect("table");
@@ -96,6 +121,13 @@ impl SkewDb for sqlx::MySql {
 
 impl SkewDb for sqlx::Postgres {
     const LABEL: &'static str = "postgres";
+    async fn insert_history(pool: &sqlx::Pool<Self>, run: &str, slots: Range<i64>) {
+        let mut insert = sqlx::QueryBuilder::<Self>::new("INSERT INTO cron_skew (run, slot, instance) ");
+        insert.push_values(slots, |mut row, slot| {
+            row.push_bind(run.to_owned()).push_bind(slot).push_bind(0_i64);
+        });
+        insert.build().execute(pool).await.expect("the history");
+    }
     async fn create_ticks(pool: &sqlx::Pool<Self>) {
         let ddl = "SELECT pg_advisory_xact_lock(7306232718293616); CREATE TABLE IF NOT EXISTS cron_skew (id BIGSERIAL PRIMARY KEY, run VARCHAR(100) NOT NULL, slot BIGINT NOT NULL, instance BIGINT NOT NULL)";
         sqlx::raw_sql(ddl).execute(pool).await.expect("table");
@@ -134,20 +166,35 @@ async fn tick<DB: SkewDb>(
     Ok(Tick { slot })
 }
 
-/// A runner of `run` by the database's clock for `secs`; its settled
-/// slots and their outcomes.
-async fn runner<DB: SkewDb>(idem: &Idem<DB>, run: &str, instance: i64, secs: u64) -> Vec<(i64, SlotOutcome)> {
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+/// Whether a slot ran here or elsewhere. (A slot that came due while
+/// a runner was busy, say on a loaded machine, is skipped: no window.)
+fn ran(outcome: SlotOutcome) -> bool {
+    use SlotOutcome::{DoneElsewhere, Executed, InProgressElsewhere};
+    matches!(outcome, Executed | DoneElsewhere | InProgressElsewhere)
+}
+
+/// A runner of `run` built from `idem`, with no clock option, until
+/// `shutdown`: the slots it settled, with their outcomes; `settled`
+/// counts those that ran.
+async fn runner<DB: SkewDb>(
+    idem: &Idem<DB>,
+    run: &str,
+    instance: i64,
+    shutdown: impl Future<Output = ()>,
+    settled: tokio::sync::watch::Sender<usize>,
+) -> Vec<(i64, SlotOutcome)> {
+    let seen = Arc::new(Mutex::new(Vec::new()));
     let log = seen.clone();
     let (job_idem, job_run) = (idem.clone(), run.to_owned());
-    Runner::new("skew", "* * * * * *")
+    Runner::new(idem, "skew", "* * * * * *")
         .unwrap()
-        .database_clock(idem)
-        // Slots a busy machine wakes late for still run (and stay once).
-        .catch_up(Duration::from_secs(3))
         .shutdown_grace(Duration::from_secs(5))
-        .on_slot(move |r| log.lock().unwrap().push((r.slot.unix_secs(), r.outcome)))
-        .run(tokio::time::sleep(Duration::from_secs(secs)), move |slot| {
+        .on_slot(move |r| {
+            let mut seen = log.lock().unwrap();
+            seen.push((r.slot.unix_secs(), r.outcome));
+            settled.send_replace(seen.iter().filter(|(_, outcome)| ran(*outcome)).count());
+        })
+        .run(shutdown, move |slot| {
             let (idem, run) = (job_idem.clone(), job_run.clone());
             async move { tick(&idem, run, slot.unix_secs(), instance).await }
         })
@@ -155,84 +202,101 @@ async fn runner<DB: SkewDb>(idem: &Idem<DB>, run: &str, instance: i64, secs: u64
     seen.lock().unwrap().clone()
 }
 
-async fn child<DB: SkewDb>(run: &str, secs: u64) {
+/// The instance behind, in the child: runs [`CHILD_SLOTS`] slots (or
+/// gives up after [`CHILD_BOUND`], a hang the parent then reports), and
+/// prints every slot it settled as `IDEM-SLOTS <unix second>:<outcome> ...`.
+async fn child<DB: SkewDb>(run: &str) {
     let pool = DB::connect().await.expect("the database answers");
     let idem = Idem::new(pool);
     idem.migrate().await.expect("migrate");
-    let settled = runner(&idem, run, 1, secs).await;
-    let mut outcomes = std::collections::BTreeMap::new();
-    for (_, outcome) in &settled {
-        *outcomes.entry(outcome.as_str()).or_insert(0) += 1;
-    }
-    println!("IDEM-SETTLED {} {outcomes:?}", settled.len());
+    let (settled, mut settled_rx) = tokio::sync::watch::channel(0);
+    let enough = async move {
+        let enough = settled_rx.wait_for(|n| *n >= CHILD_SLOTS);
+        let _ = tokio::time::timeout(CHILD_BOUND, enough).await;
+    };
+    let slots = runner(&idem, run, 1, enough, settled).await;
+    let printed: Vec<String> = slots.iter().map(|(slot, outcome)| format!("{slot}:{}", outcome.as_str())).collect();
+    println!("IDEM-SLOTS {}", printed.join(" "));
 }
 
-/// The child's entry: does nothing unless the parent set [`CHILD_ENV`].
-#[test]
-fn child_process() {
-    let Ok(orders) = std::env::var(CHILD_ENV) else { return };
-    let mut words = orders.split(' ');
-    let (db, run, secs) = (words.next().unwrap(), words.next().unwrap().to_owned(), words.next().unwrap());
-    let secs: u64 = secs.parse().unwrap();
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    runtime.block_on(async move {
-        match db {
-            "mysql" => child::<sqlx::MySql>(&run, secs).await,
-            _ => child::<sqlx::Postgres>(&run, secs).await,
-        }
-    });
-}
-
-/// The parent's side on `DB`: a runner on the true clock for the whole
-/// run, and the child, 70 s behind, for most of it.
+/// The parent's side on `DB`: the history of the last eleven minutes, a
+/// runner on the true clock, and the child ten minutes behind beside it
+/// until the child has settled its slots.
 async fn both_clocks<DB: SkewDb>() {
     let Some(pool) = DB::connect().await else { return };
     DB::create_ticks(&pool).await;
     let idem = Idem::new(pool.clone());
     idem.migrate().await.expect("migrate");
     let run = idempotency_testkit::unique("skew").replace('-', "_");
-    let exe = std::env::current_exe().unwrap();
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64;
+    DB::insert_history(&pool, &run, now - HISTORY_SECS..now).await;
+
     let child = Command::new("faketime")
         .args(["-f", SKEW])
-        .arg(exe)
-        .args(["--exact", "child_process", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, format!("{} {run} {CHILD_SECS}", DB::LABEL))
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", TEST_NAME, "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, format!("{} {run}", DB::LABEL))
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
         .expect("spawn the child");
-    let ours = runner(&idem, &run, 0, CHILD_SECS + 2).await;
-    let out = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().expect("the child ends");
+    let (exited, mut exited_rx) = tokio::sync::watch::channel(false);
+    let waited = tokio::task::spawn_blocking(move || {
+        let out = child.wait_with_output();
+        exited.send_replace(true);
+        out
+    });
+    let child_exited = async move {
+        let _ = exited_rx.wait_for(|e| *e).await;
+    };
+    let ours = runner(&idem, &run, 0, child_exited, tokio::sync::watch::channel(0).0).await;
+    let out = waited.await.unwrap().expect("the child ends");
     let printed = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "child: {} {printed}", out.status);
-    let theirs: usize = printed
-        .split("IDEM-SETTLED ")
+    assert!(out.status.success(), "{}: child: {} {printed}", DB::LABEL, out.status);
+    // The line may follow libtest's `test .. ` on the same line.
+    let theirs: Vec<(i64, String)> = printed
+        .split("IDEM-SLOTS ")
         .nth(1)
-        .and_then(|n| n.split_whitespace().next()?.parse().ok())
-        .expect("the child's count");
+        .and_then(|rest| rest.lines().next())
+        .unwrap_or_else(|| panic!("{}: the child printed no slots: {printed}", DB::LABEL))
+        .split_whitespace()
+        .map(|slot| {
+            let (second, outcome) = slot.split_once(':').unwrap();
+            (second.parse().unwrap(), outcome.to_owned())
+        })
+        .collect();
 
     let rows = DB::per_slot(&pool, &run).await;
     let twice: Vec<_> = rows.iter().filter(|(_, n)| *n > 1).collect();
-    let mut outcomes = std::collections::BTreeMap::new();
-    for (_, outcome) in &ours {
-        *outcomes.entry(outcome.as_str()).or_insert(0) += 1;
-    }
-    println!("{}: outcomes here {outcomes:?}; the child printed {printed:?}", DB::LABEL);
     println!(
-        "{}: {} slots, {} settled here, {theirs} by the instance {SKEW} behind, run twice: {twice:?}",
+        "{}: {} slots here {ours:?}; {} by the instance {SKEW} behind {theirs:?}; run twice: {twice:?}",
         DB::LABEL,
-        rows.len(),
-        ours.len()
+        ours.len(),
+        theirs.len(),
     );
     assert!(twice.is_empty(), "{}: slots run twice: {twice:?}", DB::LABEL);
-    assert!(theirs as u64 >= CHILD_SECS / 2, "{}: the skewed instance fired its slots ({theirs})", DB::LABEL);
-    assert!(rows.len() as u64 >= CHILD_SECS / 2, "{}: {} slots", DB::LABEL, rows.len());
+    let ran: Vec<i64> = theirs.iter().filter(|(_, outcome)| outcome != "skipped").map(|(slot, _)| *slot).collect();
+    assert!(ran.len() >= CHILD_SLOTS, "{}: the instance behind settled {theirs:?}", DB::LABEL);
+    for (second, outcome) in &theirs {
+        // The slots the database's clock says: from the start of this run on.
+        assert!(*second >= now, "{}: the instance behind fired {second}, before {now}", DB::LABEL);
+        let settled = ["executed", "done_elsewhere", "in_progress_elsewhere", "skipped"].contains(&outcome.as_str());
+        assert!(settled, "{}: slot {second} {outcome}", DB::LABEL);
+    }
+    for second in ran {
+        assert!(rows.contains(&(second, 1)), "{}: slot {second} has one row: {rows:?}", DB::LABEL);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn an_instance_behind_fires_by_the_database_clock() {
-    if std::env::var_os(CHILD_ENV).is_some() {
-        return;
+async fn an_instance_ten_minutes_behind_runs_no_slot_twice() {
+    // Run again as the instance behind (see `both_clocks`).
+    if let Ok(orders) = std::env::var(CHILD_ENV) {
+        let (db, run) = orders.split_once(' ').expect("<database> <run>");
+        return match db {
+            "mysql" => child::<sqlx::MySql>(run).await,
+            _ => child::<sqlx::Postgres>(run).await,
+        };
     }
     let runs = Command::new("faketime").args(["-f", "+0", "true"]).status().is_ok_and(|s| s.success());
     if !runs {

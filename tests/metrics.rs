@@ -295,38 +295,46 @@ async fn a_known_sequence_of_calls_counts_exactly() {
     assert_eq!(seen.get("idem_redis_degraded_total", &[]), 1.0);
     assert_eq!(seen.get("idem_redis_degraded", &[]), 0.0);
 
-    // The cron runner: resumed after a slot 10 s back with a 2 s window,
-    // it skips the old slots and catches up the recent ones; its metric
-    // counts exactly what it reported.
+    // The cron runner, on a clock the test moves: resumed after a slot 10 s
+    // back with a 2 s window, it skips the 8 old slots, catches up the 2
+    // recent ones, and runs the next on time; its metric counts exactly
+    // what it reported.
     let reports = Arc::new(Mutex::new(HashMap::<&'static str, f64>::new()));
     let log = reports.clone();
-    let (caught_up, mut caught_up_rx) = tokio::sync::watch::channel(false);
-    let last = SystemTime::now() - Duration::from_secs(10);
-    let runner = idempotency::cron::Runner::new("m_cron_job", "* * * * * *")
+    let (on_time, mut on_time_rx) = tokio::sync::watch::channel(false);
+    let whole_second = SystemTime::UNIX_EPOCH
+        + Duration::from_secs(SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs());
+    let clock = idempotency_testkit::ManualClock::new(whole_second + Duration::from_millis(500));
+    let runner = idempotency::cron::Runner::new(&local, "m_cron_job", "* * * * * *")
         .unwrap()
+        .clock(clock.clone())
         .catch_up(Duration::from_secs(2))
-        .resume_after(last)
+        .resume_after(whole_second - Duration::from_secs(10))
         .on_slot(move |r| {
             *log.lock().unwrap().entry(r.outcome.as_str()).or_default() += 1.0;
             if !r.slot.is_catch_up() {
-                caught_up.send_replace(true);
+                on_time.send_replace(true);
             }
         });
     let local2 = local.clone();
-    runner
-        .run(
-            async move {
-                let _ = caught_up_rx.wait_for(|c| *c).await;
-            },
-            move |slot| {
-                let local = local2.clone();
-                async move { pay_cron(&local, format!("slot_{}", slot.unix_secs()), 1, Body::Ok).await }
-            },
-        )
-        .await;
+    let run = runner.run(
+        async move {
+            let _ = on_time_rx.wait_for(|c| *c).await;
+        },
+        move |slot| {
+            let local = local2.clone();
+            async move { pay_cron(&local, format!("slot_{}", slot.unix_secs()), 1, Body::Ok).await }
+        },
+    );
+    let next_slot = async {
+        // Caught up, it waits for the next slot: it comes.
+        assert_eq!(clock.sleepers(1).await, [whole_second + Duration::from_secs(1)]);
+        clock.set(whole_second + Duration::from_secs(1));
+    };
+    tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(run, next_slot) }).await.expect("cron hung");
     seen.take(&snapshotter);
     let reported = reports.lock().unwrap().clone();
-    assert!(reported["skipped"] >= 7.0 && reported["executed"] >= 3.0, "{reported:?}");
+    assert_eq!(reported, HashMap::from([("skipped", 8.0), ("executed", 3.0)]));
     let counted: HashMap<String, f64> = seen
         .series("idem_cron_slots_total", ("job", "m_cron_job"))
         .into_iter()

@@ -5,6 +5,8 @@
 //!   does not answer) and [`skip`]: an unreachable server skips a test with
 //!   one printed line, or fails it under `IDEM_REQUIRE_SERVICES=1`.
 //! - [`unique`] keys, so every test runs in parallel with the others.
+//! - [`ManualClock`]: a clock the cron runner takes that moves only when the
+//!   test moves it, and tells the test when the runners wait on it.
 //! - What the shared Redis holds, read and forged by tests ([`redis_exists`],
 //!   [`redis_cached_response`], [`redis_pause`], ...).
 //! - [`servers`]: private `redis-server` processes and a Redis Cluster, for
@@ -26,6 +28,8 @@
 //! to these): a backend's items exist when the tests were built for it.
 
 pub mod backend;
+#[cfg(feature = "cron")]
+mod cron_clock;
 pub mod forwarder;
 pub mod galera;
 #[cfg(all(feature = "redis", any(feature = "mysql", feature = "postgres")))]
@@ -43,6 +47,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 pub use backend::TestBackend;
+#[cfg(feature = "cron")]
+pub use cron_clock::ManualClock;
 #[cfg(feature = "redis")]
 pub use redis_entries::{
     Location, redis_cached_response, redis_forget, redis_holds, redis_replace_result, redis_result,

@@ -8,9 +8,8 @@
 //!     -> Result<Settlement, JobError>
 //! { /* ... */ }
 //!
-//! idempotency::cron::Runner::new("settle", "0 */5 * * * *")?    // every 5 minutes, at second 0
+//! idempotency::cron::Runner::new(&idem, "settle", "0 */5 * * * *")?   // every 5 minutes, at second 0
 //!     .time_zone("Europe/Paris")?
-//!     .database_clock(&idem)
 //!     .catch_up(Duration::from_secs(15 * 60))
 //!     .jitter(Duration::from_millis(500))
 //!     .run(tokio::signal::ctrl_c(), move |slot| {
@@ -48,6 +47,15 @@
 //! before the catch-up, which then ran the slot again). Longer ttls are
 //! untouched; work the job spawns into tasks of its own is not covered.
 //!
+//! The runner fires by the clock of the engine it is built from: the
+//! database's, the one the records' expiry is judged by, so an instance
+//! whose own clock is off neither runs a finished slot again after its
+//! record expired nor runs a slot early. [`host_clock`](Runner::host_clock)
+//! fires by this host's clock instead, and [`clock`](Runner::clock) by any
+//! [`Clock`] (a test's, which moves only when the test moves it). Every
+//! wait of the runner (the next slot, the jitter, the shutdown grace) is a
+//! wait on that clock.
+//!
 //! Each slot is reported in the log, in the tracing span `idem_cron` (fields
 //! `job`, `slot`, `outcome`; the job's own `idem` span is its child), to the
 //! [`on_slot`](Runner::on_slot) hook, and as `idem_cron_slots_total` with
@@ -69,8 +77,10 @@ use tracing::Instrument;
 use crate::outcome::observe;
 use crate::retention;
 
+mod clock;
 mod slot;
 
+pub use clock::{Clock, ClockFuture};
 pub use slot::{Slot, SlotOutcome, SlotReport, Stopped};
 
 /// How many slots older than the window are reported one by one after a
@@ -91,8 +101,6 @@ const RECORD_MARGIN: Duration = Duration::from_secs(60);
 pub struct ScheduleError(String);
 
 type Hook = Arc<dyn Fn(&SlotReport) + Send + Sync>;
-/// Now on the database's clock, in Unix epoch ms (see [`Runner::database_clock`]).
-type DatabaseNow = Arc<dyn Fn() -> std::pin::Pin<Box<dyn Future<Output = i64> + Send>> + Send + Sync>;
 
 /// Runs a job once per slot of a cron schedule; see the [module docs](self).
 #[must_use]
@@ -105,8 +113,10 @@ pub struct Runner {
     grace: Duration,
     resume_after: Option<Timestamp>,
     on_slot: Option<Hook>,
-    /// The database's clock, when the runner fires by it.
-    clock: Option<DatabaseNow>,
+    /// What the runner reads the time from and waits on.
+    clock: Arc<dyn Clock>,
+    /// Which clock that is, for `Debug`: `database`, `host` or `custom`.
+    clock_name: &'static str,
 }
 
 impl fmt::Debug for Runner {
@@ -118,18 +128,41 @@ impl fmt::Debug for Runner {
             .field("catch_up", &self.catch_up)
             .field("jitter", &self.jitter)
             .field("grace", &self.grace)
-            .field("database_clock", &self.clock.is_some())
+            .field("clock", &self.clock_name)
             .finish_non_exhaustive()
     }
 }
 
 impl Runner {
-    /// A runner for `job` (its name in logs, spans and metrics) on the cron
-    /// `expression`: five fields (minute granularity) or six (seconds
-    /// first), with `L`, `W`, `#`, names and `@daily`-style nicknames as
-    /// `croner` reads them. UTC unless [`time_zone`](Runner::time_zone) says
-    /// otherwise; no catch-up, no jitter, 30 s of grace at shutdown.
-    pub fn new(job: impl Into<String>, expression: &str) -> Result<Self, ScheduleError> {
+    /// A runner of `idem`'s jobs for `job` (its name in logs, spans and
+    /// metrics) on the cron `expression`: five fields (minute granularity)
+    /// or six (seconds first), with `L`, `W`, `#`, names and `@daily`-style
+    /// nicknames as `croner` reads them. UTC unless
+    /// [`time_zone`](Runner::time_zone) says otherwise; no catch-up, no
+    /// jitter, 30 s of grace at shutdown.
+    ///
+    /// It fires slots by `idem`'s clock: the database's, the one the
+    /// records' expiry is judged by (the engine reads it once and every
+    /// minute, and counts on in between: no round trip per slot). An
+    /// instance whose own clock is behind by more than the records' life
+    /// (at least the window, the jitter and a minute) would otherwise fire
+    /// a slot after its record expired and run it again; one ahead would
+    /// run slots before their time.
+    pub fn new<DB: crate::Backend>(
+        idem: &crate::Idem<DB>,
+        job: impl Into<String>,
+        expression: &str,
+    ) -> Result<Self, ScheduleError> {
+        Runner::with_clock(Arc::new(clock::DatabaseClock(idem.clone())), "database", job, expression)
+    }
+
+    /// The runner on `clock` (named `clock_name` in `Debug`).
+    fn with_clock(
+        clock: Arc<dyn Clock>,
+        clock_name: &'static str,
+        job: impl Into<String>,
+        expression: &str,
+    ) -> Result<Self, ScheduleError> {
         let schedule = CronParser::new()
             .parse(expression)
             .map_err(|e| ScheduleError(format!("cron expression `{expression}`: {e}")))?;
@@ -142,23 +175,25 @@ impl Runner {
             grace: Duration::from_secs(30),
             resume_after: None,
             on_slot: None,
-            clock: None,
+            clock,
+            clock_name,
         })
     }
 
-    /// Fires slots by the database's clock as `idempotency` reads it (the clock its
-    /// records' expiry is judged by), instead of this host's. Set it
-    /// wherever instance clocks may drift: an instance behind by more than
-    /// the records' life (at least the window, the jitter and a minute)
-    /// would otherwise fire a slot after its record expired and run it
-    /// again; one ahead would run a slot before its time. No round trip: the
-    /// engine reads its database's clock once and every minute.
-    pub fn database_clock<DB: crate::Backend>(mut self, idem: &crate::Idem<DB>) -> Self {
-        let idem = idem.clone();
-        self.clock = Some(Arc::new(move || {
-            let idem = idem.clone();
-            Box::pin(async move { idem.now_ms().await })
-        }));
+    /// Fires slots by this host's clock instead of the database's. Only
+    /// where every instance's clock is kept close to the database's (NTP):
+    /// an instance behind by more than the records' life runs finished
+    /// slots again, one ahead runs slots early.
+    pub fn host_clock(mut self) -> Self {
+        (self.clock, self.clock_name) = (Arc::new(clock::HostClock), "host");
+        self
+    }
+
+    /// Fires slots by `clock`: reads the time from it, and waits on it for
+    /// every slot, the jitter and the shutdown grace. For tests, a clock
+    /// that moves only when the test moves it.
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        (self.clock, self.clock_name) = (Arc::new(clock), "custom");
         self
     }
 
@@ -192,8 +227,8 @@ impl Runner {
         self
     }
 
-    /// How long a running job may go on after shutdown before it is dropped.
-    /// Default 30 s.
+    /// How long a running job may go on after shutdown before it is dropped,
+    /// on the runner's clock. Default 30 s.
     pub fn shutdown_grace(mut self, grace: Duration) -> Self {
         self.grace = grace;
         self
@@ -238,7 +273,8 @@ impl Runner {
             "idem cron runner started"
         );
 
-        if !self.pause(random_below(self.jitter), shutdown.as_mut()).await {
+        let first = plus(self.now().await, random_below(self.jitter));
+        if !self.pause_until(first, shutdown.as_mut()).await {
             return stopped(cursor, false);
         }
         // A fresh runner looks back over the window only.
@@ -257,8 +293,7 @@ impl Runner {
             inclusive = false;
             let now = self.now().await;
             if next > now {
-                let until = next.duration_since(now).unsigned_abs() + random_below(self.jitter);
-                if !self.pause(until, shutdown.as_mut()).await {
+                if !self.pause_until(plus(next, random_below(self.jitter)), shutdown.as_mut()).await {
                     return stopped(cursor, false);
                 }
                 waited_for = Some(next);
@@ -287,12 +322,16 @@ impl Runner {
         }
     }
 
-    /// Now: the database's clock if the runner fires by it, else this host's.
+    /// Now on the runner's clock.
     async fn now(&self) -> Timestamp {
-        match &self.clock {
-            Some(clock) => Timestamp::from_millisecond(clock().await).unwrap_or_else(|_| Timestamp::now()),
-            None => Timestamp::now(),
-        }
+        let now = self.clock.now().await;
+        // Out of jiff's range (after 9999): no slot to fire there anyway.
+        Timestamp::try_from(now).unwrap_or(Timestamp::MAX)
+    }
+
+    /// Sleeps on the runner's clock until it reads `at`.
+    async fn sleep_until(&self, at: Timestamp) {
+        self.clock.sleep_until(SystemTime::from(at)).await;
     }
 
     /// How long a slot's record must live at least: until no runner can
@@ -323,15 +362,15 @@ impl Runner {
         }
     }
 
-    /// Sleeps `duration`; `false` if `shutdown` came first.
-    async fn pause<S: Future>(&self, duration: Duration, shutdown: std::pin::Pin<&mut S>) -> bool {
+    /// Sleeps until `at`; `false` if `shutdown` came first.
+    async fn pause_until<S: Future>(&self, at: Timestamp, shutdown: std::pin::Pin<&mut S>) -> bool {
         tokio::select! {
             biased;
             _ = shutdown => {
                 tracing::info!(job = %self.job, "idem cron runner stopping");
                 false
             }
-            () = tokio::time::sleep(duration) => true,
+            () = self.sleep_until(at) => true,
         }
     }
 
@@ -364,7 +403,13 @@ impl Runner {
             joined = &mut task => (Some(joined), Fired::Settled),
             _ = shutdown.as_mut() => {
                 tracing::info!(job = %self.job, slot = %slot, "idem cron runner stopping; waiting for the running job");
-                (tokio::time::timeout(self.grace, &mut task).await.ok(), Fired::SettledStopping)
+                let grace_ends = plus(self.now().await, self.grace);
+                let joined = tokio::select! {
+                    biased;
+                    joined = &mut task => Some(joined),
+                    () = self.sleep_until(grace_ends) => None,
+                };
+                (joined, Fired::SettledStopping)
             }
         };
         let (outcome, call, error, fired) = match joined {
@@ -430,6 +475,11 @@ fn parse_zone(zone: &str) -> Result<TimeZone, ScheduleError> {
     TimeZone::get(zone).map_err(|e| ScheduleError(format!("time zone `{zone}`: {e}")))
 }
 
+/// `t + d`, saturating at the latest timestamp.
+fn plus(t: Timestamp, d: Duration) -> Timestamp {
+    SignedDuration::try_from(d).ok().and_then(|d| t.checked_add(d).ok()).unwrap_or(Timestamp::MAX)
+}
+
 /// `t - d`, saturating at the earliest timestamp.
 fn minus(t: Timestamp, d: Duration) -> Timestamp {
     SignedDuration::try_from(d).ok().and_then(|d| t.checked_sub(d).ok()).unwrap_or(Timestamp::MIN)
@@ -451,16 +501,21 @@ mod tests {
     use super::*;
     use crate::outcome::Outcome;
 
+    /// A runner on this host's clock (the engine's is the default).
+    fn runner(expression: &str) -> Result<Runner, ScheduleError> {
+        Runner::with_clock(Arc::new(clock::HostClock), "host", "j", expression)
+    }
+
     fn at(secs: i64) -> Timestamp {
         Timestamp::from_second(secs).unwrap()
     }
 
     #[test]
     fn seconds_are_optional_and_zones_are_read() {
-        let every_minute = Runner::new("j", "*/1 * * * *").unwrap();
+        let every_minute = runner("*/1 * * * *").unwrap();
         // 2026-03-29T00:59:30Z: the next minute is 01:00:00Z.
         assert_eq!(every_minute.next_after(at(1_774_745_970), false), Some(at(1_774_746_000)));
-        let every_second = Runner::new("j", "* * * * * *").unwrap();
+        let every_second = runner("* * * * * *").unwrap();
         assert_eq!(every_second.next_after(at(100), false), Some(at(101)));
         assert_eq!(every_second.next_after(at(100), true), Some(at(100)));
         let half_past = at(100).checked_add(SignedDuration::from_millis(500)).unwrap();
@@ -468,23 +523,23 @@ mod tests {
         assert_eq!(every_second.next_after(half_past, false), Some(at(101)));
 
         // 03:00 every day in Paris on 2026-01-15 (UTC+1) is 02:00Z.
-        let paris = Runner::new("j", "0 0 3 * * *").unwrap().time_zone("Europe/Paris").unwrap();
+        let paris = runner("0 0 3 * * *").unwrap().time_zone("Europe/Paris").unwrap();
         let jan_15 = Timestamp::from_second(1_768_435_200).unwrap(); // 2026-01-15T00:00:00Z
         assert_eq!(paris.next_after(jan_15, false).unwrap().to_string(), "2026-01-15T02:00:00Z");
-        let fixed = Runner::new("j", "0 0 3 * * *").unwrap().time_zone("+05:30").unwrap();
+        let fixed = runner("0 0 3 * * *").unwrap().time_zone("+05:30").unwrap();
         assert_eq!(fixed.next_after(jan_15, false).unwrap().to_string(), "2026-01-15T21:30:00Z");
-        let utc = Runner::new("j", "0 0 3 * * *").unwrap().time_zone("UTC").unwrap();
+        let utc = runner("0 0 3 * * *").unwrap().time_zone("UTC").unwrap();
         assert_eq!(utc.next_after(jan_15, false).unwrap().to_string(), "2026-01-15T03:00:00Z");
     }
 
     #[test]
     fn bad_expressions_and_zones_are_refused() {
-        assert!(Runner::new("j", "61 * * * *").is_err());
-        assert!(Runner::new("j", "").is_err());
+        assert!(runner("61 * * * *").is_err());
+        assert!(runner("").is_err());
         for zone in ["Mars/Olympus", "+5:3", "+26:00", "+05:60", "+", "-1:00:00"] {
-            assert!(Runner::new("j", "* * * * *").unwrap().time_zone(zone).is_err(), "{zone}");
+            assert!(runner("* * * * *").unwrap().time_zone(zone).is_err(), "{zone}");
         }
-        assert!(Runner::new("j", "* * * * *").unwrap().time_zone("-08:00").is_ok());
+        assert!(runner("* * * * *").unwrap().time_zone("-08:00").is_ok());
     }
 
     #[test]
