@@ -9,12 +9,16 @@ Examples:
   idem show pay order_42_pay --json
   idem list --biz pay --state processing --older-than 10m
   idem forget pay order_42_pay
-  idem purge --expired --batch 5000
+  idem purge --batch 5000
   idem reconcile --biz pay --table payments --column order_no --record-field biz_no
 
 Exit codes: 0 done (reconcile: nothing found); 1 reconcile found something, or
-forget was not confirmed; 2 usage (including a refused table or column name);
-3 the database or Redis failed.";
+forget was not confirmed; 2 usage (including a refused table or column name, and
+a URL of a driver this build lacks); 3 the database or Redis failed.
+
+Text from requests, the database or Redis is shown with control and bidi
+characters escaped (\\n, \\u{1b}, \\u{202e}; a backslash as \\\\); --json escapes
+them as JSON does (\\u001b).";
 
 /// Operate the records of `idempotency`: see where a call stands, forget one so it
 /// runs again, purge expired records, and reconcile records with a business
@@ -28,29 +32,78 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// The settings every command takes, from a flag or else from the
+/// environment. Clap is not told about the variables (no `env`): it would
+/// show a value taken from one in its usage lines as if typed, and the tool
+/// must know which of the two a value came from to name it in a message.
 #[derive(Debug, Args)]
 pub struct Global {
-    /// The record store: mysql://, postgres:// or sqlite: URL.
-    #[arg(long, env = "IDEM_DATABASE_URL", global = true, hide_env_values = true)]
+    /// The record store: a mysql://, postgres:// or sqlite: URL [env: IDEM_DATABASE_URL]
+    #[arg(long, global = true, value_name = "URL")]
     pub database_url: Option<String>,
-    /// The Redis of the claims and cached results (optional).
-    #[arg(long, env = "IDEM_REDIS_URL", global = true, hide_env_values = true)]
+    /// The Redis of the claims and cached results (optional) [env: IDEM_REDIS_URL]
+    #[arg(long, global = true, value_name = "URL")]
     pub redis_url: Option<String>,
     /// The namespace of the Redis keys (`idem:{<namespace>.<shard>}:...`),
-    /// if the application sets one; by default the one in table `idem_meta`.
-    #[arg(long, env = "IDEM_REDIS_NAMESPACE", global = true, hide_env_values = true)]
+    /// if the application sets one; by default the one in table `idem_meta`
+    /// [env: IDEM_REDIS_NAMESPACE]
+    #[arg(long, global = true)]
     pub namespace: Option<String>,
     /// PostgreSQL only: the database is reached through a pooler in
     /// transaction mode (PgBouncer, RDS Proxy, Supavisor). Statements then
-    /// go unnamed, each in a transaction of its own.
-    #[arg(
-        long,
-        env = "IDEM_TRANSACTION_POOLER",
-        global = true,
-        hide_env_values = true,
-        value_parser = clap::builder::BoolishValueParser::new()
-    )]
+    /// go unnamed, each in a transaction of its own [env: IDEM_TRANSACTION_POOLER]
+    #[arg(long, global = true)]
     pub transaction_pooler: bool,
+}
+
+/// A setting's value and where it came from (`--database-url` or
+/// `IDEM_DATABASE_URL`), which messages about it name.
+#[derive(Debug, Clone)]
+pub struct Given {
+    pub value: String,
+    pub from: &'static str,
+}
+
+impl Global {
+    pub fn database_url(&self) -> Result<Option<Given>, String> {
+        given(&self.database_url, "--database-url", "IDEM_DATABASE_URL")
+    }
+
+    pub fn redis_url(&self) -> Result<Option<Given>, String> {
+        given(&self.redis_url, "--redis-url", "IDEM_REDIS_URL")
+    }
+
+    pub fn namespace(&self) -> Result<Option<Given>, String> {
+        given(&self.namespace, "--namespace", "IDEM_REDIS_NAMESPACE")
+    }
+
+    /// The flag, or `IDEM_TRANSACTION_POOLER` read as clap reads a boolean
+    /// (`1`, `true`, `yes`, `on`, ... or `0`, `false`, `no`, `off`, ...).
+    pub fn transaction_pooler(&self) -> Result<bool, String> {
+        if self.transaction_pooler {
+            return Ok(true);
+        }
+        let Some(set) = given(&None, "--transaction-pooler", "IDEM_TRANSACTION_POOLER")? else { return Ok(false) };
+        match set.value.to_ascii_lowercase().as_str() {
+            "y" | "yes" | "t" | "true" | "on" | "1" => Ok(true),
+            "n" | "no" | "f" | "false" | "off" | "0" => Ok(false),
+            _ => Err(format!("IDEM_TRANSACTION_POOLER: {:?} is not a boolean (1 or 0, true or false)", set.value)),
+        }
+    }
+}
+
+/// The flag's value if typed, else the variable's; an empty variable is
+/// unset.
+fn given(typed: &Option<String>, flag: &'static str, var: &'static str) -> Result<Option<Given>, String> {
+    if let Some(value) = typed {
+        return Ok(Some(Given { value: value.clone(), from: flag }));
+    }
+    match std::env::var(var) {
+        Ok(value) if value.is_empty() => Ok(None),
+        Ok(value) => Ok(Some(Given { value, from: var })),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(format!("{var} is not valid UTF-8")),
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -106,11 +159,14 @@ pub enum Command {
     /// version to this one's form (what an engine does when it starts).
     #[command(after_help = "Example:\n  idem migrate")]
     Migrate,
-    /// Deletes expired records, a batch at a time, until none is left.
-    #[command(after_help = "Example:\n  idem purge --expired --batch 5000")]
+    /// Deletes expired records (of every biz, as an engine's own purge
+    /// does: an expired record counts as absent), a batch at a time, until
+    /// none is left; says first how many of each biz are expired.
+    #[command(after_help = "Example:\n  idem purge\n  idem purge --batch 5000")]
     Purge {
-        /// Required: what is purged.
-        #[arg(long, required = true)]
+        /// What `idem purge` deletes anyway: accepted for the scripts of
+        /// earlier versions, which required it.
+        #[arg(long, hide = true)]
         expired: bool,
         /// Rows per statement.
         #[arg(long, default_value_t = 1000)]

@@ -1,32 +1,64 @@
-//! What each command does and prints.
+//! What each command does and prints. Every value shown comes from a
+//! request, the database or Redis, so each is escaped ([`crate::escape`])
+//! and every line goes out through [`crate::out`].
 
 use std::collections::{BTreeSet, HashSet};
-use std::io::{BufRead, Write};
+use std::io::BufRead;
 
 use idempotency_runtime::Status;
 use serde_json::{Value, json};
 
 use crate::Done;
-use crate::cli::{CallId, Cli, Command, RecordField, State};
+use crate::cli::{CallId, Cli, Command, Given, RecordField, State};
+use crate::escape::{self, text};
 use crate::ident::Ident;
+use crate::out::{ask, say, tell};
+use crate::redis_store::{self, Location};
 use crate::store::{Dialect, Failure, ListFilter, Record, Store};
 use crate::time::{parse_duration, rfc3339};
-use idempotency_runtime::redis_layout::Location;
+use crate::{drivers, out};
+
+/// What a command opens, from its flags and the environment.
+struct Settings {
+    url: Given,
+    dialect: Dialect,
+    redis: Option<Given>,
+    namespace: Option<Given>,
+    pooler: bool,
+}
+
+/// The settings of `cli`, or why they are refused (a usage error):
+/// everything typed or set is checked before anything is opened.
+fn settings(cli: &Cli) -> Result<Settings, String> {
+    let global = &cli.global;
+    let url = global.database_url()?.ok_or("no database: pass --database-url or set IDEM_DATABASE_URL")?;
+    if let Some(refused) = check(&cli.command) {
+        return Err(refused);
+    }
+    let dialect = drivers::database(&url)?;
+    let pooler = global.transaction_pooler()?;
+    if pooler && dialect != Dialect::Postgres {
+        return Err("--transaction-pooler: for PostgreSQL only (a postgres: URL)".into());
+    }
+    // Only the commands that look at Redis open it: a Redis URL set for the
+    // applications does not stop `idem list` in a build without Redis.
+    let redis = match &cli.command {
+        Command::Status { .. } | Command::Show { .. } | Command::Forget { .. } => global.redis_url()?,
+        _ => None,
+    };
+    if let Some(redis) = &redis {
+        drivers::redis(redis)?;
+    }
+    Ok(Settings { url, dialect, redis, namespace: global.namespace()?, pooler })
+}
 
 pub async fn run(cli: Cli) -> Result<Done, Failure> {
-    let Some(url) = cli.global.database_url.as_deref() else {
-        return Ok(Done::Usage("no database: set IDEM_DATABASE_URL or pass --database-url".into()));
+    let s = match settings(&cli) {
+        Ok(settings) => settings,
+        Err(refused) => return Ok(Done::Usage(refused)),
     };
-    // Everything the user typed is checked before anything is opened.
-    if let Some(refused) = check(&cli.command) {
-        return Ok(Done::Usage(refused));
-    }
-    let global = &cli.global;
-    if global.transaction_pooler && Dialect::of(url)? != Dialect::Postgres {
-        return Ok(Done::Usage("--transaction-pooler: for PostgreSQL only (a postgres: URL)".into()));
-    }
-    let store =
-        Store::open(url, global.redis_url.as_deref(), global.namespace.clone(), global.transaction_pooler).await?;
+    let redis = redis_store::open(s.redis.as_ref())?;
+    let store = Store::open(s.url, s.dialect, redis, s.namespace, s.pooler).await?;
     match cli.command {
         Command::Status { id, json } => status(&store, &id, json).await,
         Command::Show { id, json } => show(&store, &id, json).await,
@@ -43,14 +75,10 @@ pub async fn run(cli: Cli) -> Result<Done, Failure> {
         Command::Forget { id, yes } => forget(&store, &id, yes).await,
         Command::Migrate => {
             store.migrate().await?;
-            println!("migrated: the tables are this version's");
+            say("migrated: the tables are this version's");
             Ok(Done::Ok)
         }
-        Command::Purge { batch, .. } => {
-            let n = store.purge_expired(batch).await?;
-            println!("purged {n} expired record{}", if n == 1 { "" } else { "s" });
-            Ok(Done::Ok)
-        }
+        Command::Purge { batch, .. } => purge(&store, batch).await,
         Command::Reconcile { biz, table, column, record_field, stuck_after, limit, json } => {
             let table = Ident::parse("table", &table, true).map_err(|e| e.to_string())?;
             let column = Ident::parse("column", &column, false).map_err(|e| e.to_string())?;
@@ -83,10 +111,6 @@ fn check(command: &Command) -> Option<String> {
     }
 }
 
-fn print_json(value: &Value) {
-    println!("{}", serde_json::to_string_pretty(value).unwrap_or_default());
-}
-
 /// A stored response as JSON (it always is; kept as text otherwise).
 fn response_json(response: &str) -> Value {
     serde_json::from_str(response).unwrap_or_else(|_| Value::String(response.to_owned()))
@@ -106,11 +130,11 @@ async fn status(store: &Store, id: &CallId, as_json: bool) -> Result<Done, Failu
         if let Some(response) = response {
             out["response"] = response_json(response);
         }
-        print_json(&out);
+        out::json(&out);
     } else {
         match response {
-            Some(response) => println!("{name} {response}"),
-            None => println!("{name}"),
+            Some(response) => say(&format!("{name} {}", escape::response(response))),
+            None => say(name),
         }
     }
     Ok(Done::Ok)
@@ -121,18 +145,27 @@ enum RedisEntry {
     NotConfigured,
     NoNamespace,
     Absent(Location),
-    Claimed { at: Location, lease_ms: i64 },
-    Cached { at: Location, hashes: Vec<String>, expires_at: i64 },
-    Other { at: Location },
+    Claimed {
+        at: Location,
+        lease_ms: i64,
+    },
+    /// In the result hashes named (bytes: a name is any key a `SCAN` of the
+    /// shard's prefix found).
+    Cached {
+        at: Location,
+        hashes: Vec<Vec<u8>>,
+        expires_at: i64,
+    },
+    Other {
+        at: Location,
+    },
     Unreachable(String),
 }
 
 async fn redis_entry(store: &Store, id: &CallId) -> Result<RedisEntry, Failure> {
-    if store.redis.is_none() {
-        return Ok(RedisEntry::NotConfigured);
-    }
+    let Some(redis) = &store.redis else { return Ok(RedisEntry::NotConfigured) };
     let Some(at) = store.redis_location(&id.biz, &id.key).await? else { return Ok(RedisEntry::NoNamespace) };
-    let claim = match store.redis_get(&at.claim).await {
+    let claim = match redis.get(&at.claim).await {
         Err(e) => return Ok(RedisEntry::Unreachable(e.to_string())),
         Ok(claim) => claim,
     };
@@ -143,18 +176,28 @@ async fn redis_entry(store: &Store, id: &CallId) -> Result<RedisEntry, Failure> 
             RedisEntry::Other { at }
         });
     }
-    let results = match store.redis_results(&at).await {
+    let results = match redis.results(&at).await {
         Err(e) => return Ok(RedisEntry::Unreachable(e.to_string())),
         Ok(results) => results,
     };
-    let expires_at = results.iter().find_map(|(_, v)| idempotency_runtime::redis_layout::parse_result(v.clone()));
+    let expires_at = results.iter().find_map(|(_, v)| redis.result_expiry(v));
     Ok(match expires_at {
-        Some((expires_at, ..)) => {
+        Some(expires_at) => {
             RedisEntry::Cached { at, hashes: results.into_iter().map(|(hash, _)| hash).collect(), expires_at }
         }
         None if results.is_empty() => RedisEntry::Absent(at),
         None => RedisEntry::Other { at },
     })
+}
+
+/// A result hash's name as text (not UTF-8: with U+FFFD in place).
+fn hash_name(hash: &[u8]) -> String {
+    String::from_utf8_lossy(hash).into_owned()
+}
+
+/// Result hashes' names, escaped, as a list.
+fn hash_names(hashes: &[Vec<u8>]) -> String {
+    hashes.iter().map(|h| text(&hash_name(h)).into_owned()).collect::<Vec<_>>().join(", ")
 }
 
 impl RedisEntry {
@@ -167,6 +210,7 @@ impl RedisEntry {
                 json!({ "key": at.claim, "state": "claimed", "lease_ms": lease_ms })
             }
             RedisEntry::Cached { at, hashes, expires_at } => {
+                let hashes: Vec<String> = hashes.iter().map(|h| hash_name(h)).collect();
                 json!({ "key": at.claim, "state": "cached", "in": hashes, "expires_at": rfc3339(*expires_at) })
             }
             RedisEntry::Other { at } => json!({ "key": at.claim, "state": "unknown_value" }),
@@ -174,19 +218,21 @@ impl RedisEntry {
         }
     }
 
-    fn text(&self) -> String {
+    /// What `show` prints of it, a line each.
+    fn lines(&self) -> Vec<String> {
+        let key = |at: &Location| format!("redis {}", text(&at.claim));
         match self {
-            RedisEntry::NotConfigured => "redis: not configured (IDEM_REDIS_URL)".into(),
-            RedisEntry::NoNamespace => "redis: no namespace (idem_meta has none; pass --namespace)".into(),
-            RedisEntry::Absent(at) => format!("redis {}\n  absent", at.claim),
+            RedisEntry::NotConfigured => vec!["redis: not configured (IDEM_REDIS_URL)".into()],
+            RedisEntry::NoNamespace => vec!["redis: no namespace (idem_meta has none; pass --namespace)".into()],
+            RedisEntry::Absent(at) => vec![key(at), "  absent".into()],
             RedisEntry::Claimed { at, lease_ms } => {
-                format!("redis {}\n  claimed by a running call, lease ends in {lease_ms} ms", at.claim)
+                vec![key(at), format!("  claimed by a running call, lease ends in {lease_ms} ms")]
             }
             RedisEntry::Cached { at, hashes, expires_at } => {
-                format!("redis {}\n  cached result until {} (in {})", at.claim, rfc3339(*expires_at), hashes.join(", "))
+                vec![key(at), format!("  cached result until {} (in {})", rfc3339(*expires_at), hash_names(hashes))]
             }
-            RedisEntry::Other { at } => format!("redis {}\n  a value idem did not write", at.claim),
-            RedisEntry::Unreachable(e) => format!("redis: unreachable ({e})"),
+            RedisEntry::Other { at } => vec![key(at), "  a value idem did not write".into()],
+            RedisEntry::Unreachable(e) => vec![format!("redis: unreachable ({})", text(e))],
         }
     }
 
@@ -212,46 +258,54 @@ fn record_json(r: &Record, now_ms: i64) -> Value {
     })
 }
 
+/// A record's biz and key, escaped, as `show`, `forget` and the prompt name it.
+fn call_name(biz: &str, key: &str) -> String {
+    format!("{} {}", text(biz), text(key))
+}
+
 async fn show(store: &Store, id: &CallId, as_json: bool) -> Result<Done, Failure> {
     let record = store.record(&id.biz, &id.key).await?;
     let redis = redis_entry(store, id).await?;
     if as_json {
-        print_json(
-            &json!({ "record": record.as_ref().map(|r| record_json(r, store.now_ms())), "redis": redis.json() }),
-        );
+        out::json(&json!({ "record": record.as_ref().map(|r| record_json(r, store.now_ms())), "redis": redis.json() }));
         return Ok(Done::Ok);
     }
     match &record {
-        None => println!("record {} {}\n  none", id.biz, id.key),
+        None => {
+            say(&format!("record {}", call_name(&id.biz, &id.key)));
+            say("  none");
+        }
         Some(r) => {
             let expired = if r.expires_at <= store.now_ms() { " (expired)" } else { "" };
-            println!("record {} {}", r.biz, r.key);
-            println!("  id          {}", r.id);
-            println!("  state       {}", r.state);
-            println!("  biz_no      {}", r.biz_no.as_deref().unwrap_or("-"));
-            println!("  params_hash {}", r.params_hash);
-            println!("  created_at  {}", rfc3339(r.created_at));
-            println!("  updated_at  {}", rfc3339(r.updated_at));
-            println!("  expires_at  {}{expired}", rfc3339(r.expires_at));
-            println!("  response    {}", r.response.as_deref().unwrap_or("-"));
+            say(&format!("record {}", call_name(&r.biz, &r.key)));
+            say(&format!("  id          {}", r.id));
+            say(&format!("  state       {}", r.state));
+            say(&format!("  biz_no      {}", r.biz_no.as_deref().map_or("-".into(), text)));
+            say(&format!("  params_hash {}", text(&r.params_hash)));
+            say(&format!("  created_at  {}", rfc3339(r.created_at)));
+            say(&format!("  updated_at  {}", rfc3339(r.updated_at)));
+            say(&format!("  expires_at  {}{expired}", rfc3339(r.expires_at)));
+            say(&format!("  response    {}", r.response.as_deref().map_or("-".into(), escape::response)));
         }
     }
-    println!("{}", redis.text());
+    redis.lines().iter().for_each(|line| say(line));
     Ok(Done::Ok)
 }
 
 async fn list(store: &Store, filter: &ListFilter<'_>, as_json: bool) -> Result<Done, Failure> {
     let records = store.list(filter).await?;
     if as_json {
-        print_json(&Value::Array(records.iter().map(|r| record_json(r, store.now_ms())).collect()));
+        out::json(&Value::Array(records.iter().map(|r| record_json(r, store.now_ms())).collect()));
         return Ok(Done::Ok);
     }
-    let width = records.iter().map(|r| r.key.len()).max().unwrap_or(0).max(3);
-    println!("{:width$}  {:10}  {:24}  {:24}  BIZ_NO", "KEY", "STATE", "CREATED_AT", "EXPIRES_AT");
-    for r in &records {
+    // Escaped first, so that the columns line up on what is shown.
+    let keys: Vec<String> = records.iter().map(|r| text(&r.key).into_owned()).collect();
+    let width = keys.iter().map(|k| k.chars().count()).max().unwrap_or(0).max(3);
+    say(&format!("{:width$}  {:10}  {:24}  {:24}  BIZ_NO", "KEY", "STATE", "CREATED_AT", "EXPIRES_AT"));
+    for (r, key) in records.iter().zip(&keys) {
         let (created, expires) = (rfc3339(r.created_at), rfc3339(r.expires_at));
-        let biz_no = r.biz_no.as_deref().unwrap_or("-");
-        println!("{:width$}  {:10}  {created:24}  {expires:24}  {biz_no}", r.key, r.state);
+        let biz_no = r.biz_no.as_deref().map_or("-".into(), text);
+        say(&format!("{key:width$}  {:10}  {created:24}  {expires:24}  {biz_no}", r.state));
     }
     Ok(Done::Ok)
 }
@@ -263,40 +317,33 @@ async fn forget(store: &Store, id: &CallId, yes: bool) -> Result<Done, Failure> 
         return Err(format!("redis unreachable, nothing removed: {e}").into());
     }
     if record.is_none() && !redis.held() {
-        println!("nothing to forget for {} {}", id.biz, id.key);
+        say(&format!("nothing to forget for {}", call_name(&id.biz, &id.key)));
         return Ok(Done::Ok);
     }
     if !yes {
-        let mut prompt = String::from("about to remove:\n");
+        tell("about to remove:");
         if let Some(r) = &record {
-            prompt += &format!(
-                "  record {} {} (id {}, {}, expires {})\n",
-                r.biz,
-                r.key,
-                r.id,
-                r.state,
-                rfc3339(r.expires_at)
-            );
+            let (name, expires) = (call_name(&r.biz, &r.key), rfc3339(r.expires_at));
+            tell(&format!("  record {name} (id {}, {}, expires {expires})", r.id, r.state));
         }
         match &redis {
             RedisEntry::Claimed { at, .. } | RedisEntry::Other { at } => {
-                prompt += &format!("  redis entry {}\n", at.claim)
+                tell(&format!("  redis entry {}", text(&at.claim)))
             }
             RedisEntry::Cached { at, hashes, .. } => {
-                prompt += &format!("  redis cached result of {} (in {})\n", at.claim, hashes.join(", "))
+                tell(&format!("  redis cached result of {} (in {})", text(&at.claim), hash_names(hashes)))
             }
             _ => {}
         }
         if matches!(redis, RedisEntry::Claimed { .. }) {
-            prompt += "  (a call holds the claim now: forgetting lets a duplicate run beside it)\n";
+            tell("  (a call holds the claim now: forgetting lets a duplicate run beside it)");
         }
-        prompt += "  (instances with a local replay cache may still answer it for up to their max_age)\n";
-        eprint!("{prompt}forget? [y/N] ");
-        let _ = std::io::stderr().flush();
+        tell("  (instances with a local replay cache may still answer it for up to their max_age)");
+        ask("forget? [y/N]");
         let mut answer = String::new();
         let _ = std::io::stdin().lock().read_line(&mut answer);
         if !matches!(answer.trim(), "y" | "Y" | "yes") {
-            eprintln!("not confirmed; nothing removed");
+            tell("not confirmed; nothing removed");
             return Ok(Done::Found);
         }
     }
@@ -304,27 +351,47 @@ async fn forget(store: &Store, id: &CallId, yes: bool) -> Result<Done, Failure> 
     if let Some(r) = &record
         && store.delete(&id.biz, &id.key).await?
     {
-        println!("removed record {} {} (id {}, {})", r.biz, r.key, r.id, r.state);
+        say(&format!("removed record {} (id {}, {})", call_name(&r.biz, &r.key), r.id, r.state));
         removed = true;
     }
-    match &redis {
-        RedisEntry::Claimed { at, .. } | RedisEntry::Other { at } if store.redis_del(&at.claim).await? => {
-            println!("removed redis entry {}", at.claim);
-            removed = true;
-        }
-        RedisEntry::Cached { at, hashes, .. } => {
-            for hash in hashes {
-                if store.redis_hdel(hash, at).await? {
-                    println!("removed redis cached result of {} from {hash}", at.claim);
-                    removed = true;
+    if let Some(redis_store) = &store.redis {
+        match &redis {
+            RedisEntry::Claimed { at, .. } | RedisEntry::Other { at } if redis_store.del(&at.claim).await? => {
+                say(&format!("removed redis entry {}", text(&at.claim)));
+                removed = true;
+            }
+            RedisEntry::Cached { at, hashes, .. } => {
+                for hash in hashes {
+                    if redis_store.hdel(hash, at).await? {
+                        let (claim, hash) = (text(&at.claim), hash_name(hash));
+                        say(&format!("removed redis cached result of {claim} from {}", text(&hash)));
+                        removed = true;
+                    }
                 }
             }
+            _ => {}
         }
-        _ => {}
     }
     if removed {
-        println!("{LOCAL_CACHES}");
+        say(LOCAL_CACHES);
     }
+    Ok(Done::Ok)
+}
+
+/// Deletes what is expired, having said how many records of each biz
+/// that is: on a database several services share, what belongs to whom.
+/// Every biz's, as an engine's own purge does: an expired record counts as
+/// absent for every engine, so deleting it changes no answer.
+async fn purge(store: &Store, batch: u32) -> Result<Done, Failure> {
+    let by_biz = store.expired_by_biz().await?;
+    if !by_biz.is_empty() {
+        say("expired records by biz:");
+        for (biz, n) in &by_biz {
+            say(&format!("{n:>10}  {}", text(biz)));
+        }
+    }
+    let n = store.purge_expired(batch).await?;
+    say(&format!("purged {n} expired record{}", if n == 1 { "" } else { "s" }));
     Ok(Done::Ok)
 }
 
@@ -367,7 +434,7 @@ async fn reconcile(store: &Store, r: Reconcile<'_>, as_json: bool) -> Result<Don
 
     let brief = |rec: &&Record| json!({ "key": rec.key, "biz_no": rec.biz_no, "state": rec.state, "created_at": rfc3339(rec.created_at) });
     if as_json {
-        print_json(&json!({
+        out::json(&json!({
             "biz": r.biz,
             "table": r.table.to_string(),
             "column": r.column.to_string(),
@@ -388,17 +455,18 @@ async fn reconcile(store: &Store, r: Reconcile<'_>, as_json: bool) -> Result<Don
         }));
     } else {
         let line = |rec: &Record| {
-            let biz_no = rec.biz_no.as_deref().unwrap_or("-");
-            format!("  {}  biz_no={biz_no}  {}  created {}", rec.key, rec.state, rfc3339(rec.created_at))
+            let biz_no = rec.biz_no.as_deref().map_or("-".into(), text);
+            format!("  {}  biz_no={biz_no}  {}  created {}", text(&rec.key), rec.state, rfc3339(rec.created_at))
         };
-        println!("reconcile {}: idem_record.{} against {}.{}", r.biz, r.record_field.name(), r.table, r.column);
-        println!("records without a business row: {}", without_row.len());
-        without_row.iter().take(r.limit).for_each(|rec| println!("{}", line(rec)));
-        println!("business rows without a record: {}", without_record.len());
-        without_record.iter().take(r.limit).for_each(|v| println!("  {}", v.2));
-        println!("records stuck in processing: {}", stuck.len());
-        stuck.iter().take(r.limit).for_each(|rec| println!("{}", line(rec)));
-        println!("{}", if found == 0 { "nothing found".to_owned() } else { format!("{found} found") });
+        let field = r.record_field.name();
+        say(&format!("reconcile {}: idem_record.{field} against {}.{}", text(r.biz), r.table, r.column));
+        say(&format!("records without a business row: {}", without_row.len()));
+        without_row.iter().take(r.limit).for_each(|rec| say(&line(rec)));
+        say(&format!("business rows without a record: {}", without_record.len()));
+        without_record.iter().take(r.limit).for_each(|v| say(&format!("  {}", text(&v.2))));
+        say(&format!("records stuck in processing: {}", stuck.len()));
+        stuck.iter().take(r.limit).for_each(|rec| say(&line(rec)));
+        say(&if found == 0 { "nothing found".to_owned() } else { format!("{found} found") });
     }
     Ok(if found == 0 { Done::Ok } else { Done::Found })
 }

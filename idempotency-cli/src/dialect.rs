@@ -11,13 +11,15 @@ pub enum Dialect {
 }
 
 impl Dialect {
+    /// The dialect of a database URL; the refusal names the scheme (its
+    /// caller names where the URL came from).
     pub fn of(url: &str) -> Result<Dialect, String> {
         let scheme = url.split(':').next().unwrap_or_default();
         match scheme {
             "mysql" | "mariadb" => Ok(Dialect::MySql),
             "postgres" | "postgresql" => Ok(Dialect::Postgres),
             "sqlite" => Ok(Dialect::Sqlite),
-            _ => Err(format!("IDEM_DATABASE_URL: unknown scheme `{scheme}`; expected mysql:, postgres: or sqlite:")),
+            _ => Err(format!("unknown scheme `{scheme}`; expected mysql:, postgres: or sqlite:")),
         }
     }
 

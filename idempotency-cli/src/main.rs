@@ -1,13 +1,18 @@
 //! `idem`: the operators' tool for the records of the `idempotency` crate.
 //!
-//! `status`, `show`, `list`, `forget`, `purge --expired` and `reconcile`
+//! `status`, `show`, `list`, `forget`, `migrate`, `purge` and `reconcile`
 //! against `IDEM_DATABASE_URL` (MySQL/MariaDB, PostgreSQL or SQLite) and
-//! optionally `IDEM_REDIS_URL`; see `idem --help`.
+//! optionally `IDEM_REDIS_URL`; see `idem --help`. Each driver is a cargo
+//! feature (`drivers.rs`); everything printed goes through `out.rs`.
 
 mod cli;
 mod commands;
 mod dialect;
+mod drivers;
+mod escape;
 mod ident;
+mod out;
+mod redis_store;
 mod store;
 mod time;
 
@@ -30,7 +35,7 @@ fn main() -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
-            eprintln!("idem: {e}");
+            out::tell(&format!("idem: {e}"));
             return ExitCode::from(3);
         }
     };
@@ -38,11 +43,13 @@ fn main() -> ExitCode {
         Ok(Done::Ok) => ExitCode::SUCCESS,
         Ok(Done::Found) => ExitCode::from(1),
         Ok(Done::Usage(message)) => {
-            eprintln!("idem: {message}");
+            out::tell(&format!("idem: {message}"));
             ExitCode::from(2)
         }
+        // A failure may quote what the database or Redis holds: `tell`
+        // escapes it.
         Err(e) => {
-            eprintln!("idem: {e}");
+            out::tell(&format!("idem: {e}"));
             ExitCode::from(3)
         }
     }

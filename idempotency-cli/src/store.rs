@@ -1,28 +1,38 @@
 //! Where the records are: the database named by `IDEM_DATABASE_URL` (and
-//! Redis, by `IDEM_REDIS_URL`). Reads, lists and deletes go straight to
-//! `idem_record` through sqlx's `Any` driver, with this file's SQL; `status`
-//! and `purge` ask the engine itself. Behind a pooler in transaction mode
-//! (`--transaction-pooler`), each statement goes unnamed in a transaction of
-//! its own, and the engine is told (`Builder::transaction_pooler`).
+//! Redis, by `IDEM_REDIS_URL`, in `redis_store.rs`). Reads, lists and
+//! deletes go straight to `idem_record` through sqlx's `Any` driver, with
+//! this file's SQL; `status`, `purge` and `migrate` ask the engine itself.
+//! Behind a pooler in transaction mode (`--transaction-pooler`), each
+//! statement goes unnamed in a transaction of its own, and the engine is
+//! told (`Builder::transaction_pooler`). Each backend is built only with
+//! its feature ([`crate::drivers`]).
 
 use std::time::{Duration, Instant};
 
-use idempotency_runtime::redis_layout::Location;
 use idempotency_runtime::{Backend, Builder, Idem, Namespace, Status};
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, AssertSqlSafe, Row};
 
+use crate::cli::Given;
 pub use crate::dialect::Dialect;
+use crate::redis_store::{Location, RedisStore};
 
 /// A failure that is not the user's typing: exit code 3.
 pub type Failure = Box<dyn std::error::Error + Send + Sync>;
 
+/// How long opening the database may take. An unreachable server fails at
+/// once ("connection refused"); one that does not answer fails after this,
+/// not after sqlx's pool has retried for its own 10 or 30 s.
+const CONNECT_WITHIN: Duration = Duration::from_secs(5);
+
 /// The database and the optional Redis.
 pub struct Store {
-    pub url: String,
+    /// The database URL, and where it came from (`--database-url` or
+    /// `IDEM_DATABASE_URL`).
+    pub url: Given,
     pub dialect: Dialect,
     pub pool: AnyPool,
-    pub redis: Option<redis::Client>,
+    pub redis: Option<RedisStore>,
     namespace: Option<String>,
     /// The database's clock when the store opened, and this process's
     /// monotonic clock then: "expired" means what the engines mean by it.
@@ -71,25 +81,33 @@ fn digest_hex(biz: &str, key: &str) -> String {
 /// Runs `$use` on an engine over one connection to `$store`'s database,
 /// with `$redis` and `$namespace` (told about the pooler on PostgreSQL):
 /// `$use` is written once, on the engine `$idem`, whatever the backend.
+/// A backend this build lacks was refused before the store opened.
 macro_rules! with_engine {
     ($store:expr, $redis:expr, $namespace:expr, |$idem:ident| $use:expr) => {{
         let store: &Store = $store;
+        let url = store.url.value.as_str();
         match store.dialect {
+            #[cfg(feature = "mysql")]
             Dialect::MySql => {
-                let pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(1).connect(&store.url).await?;
-                let $idem = engine_builder(pool, $redis, $namespace)?.build();
+                let pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(1).acquire_timeout(CONNECT_WITHIN);
+                let $idem = engine_builder(pool.connect(url).await?, $redis, $namespace)?.build();
                 $use
             }
+            #[cfg(feature = "postgres")]
             Dialect::Postgres => {
-                let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&store.url).await?;
-                let $idem = store.postgres(engine_builder(pool, $redis, $namespace)?).build();
+                let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).acquire_timeout(CONNECT_WITHIN);
+                let builder = engine_builder(pool.connect(url).await?, $redis, $namespace)?;
+                let $idem = builder.transaction_pooler(store.pooler).build();
                 $use
             }
+            #[cfg(feature = "sqlite")]
             Dialect::Sqlite => {
-                let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect(&store.url).await?;
-                let $idem = engine_builder(pool, $redis, $namespace)?.build();
+                let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).acquire_timeout(CONNECT_WITHIN);
+                let $idem = engine_builder(pool.connect(url).await?, $redis, $namespace)?.build();
                 $use
             }
+            #[allow(unreachable_patterns)]
+            other => return Err(crate::drivers::left_out(store.url.from, crate::drivers::feature(other)).into()),
         }
     }};
 }
@@ -156,26 +174,29 @@ pub struct ListFilter<'a> {
 }
 
 impl Store {
+    /// Opens the database of `url` (its driver is in this build: see
+    /// [`crate::drivers::database`]) and keeps `redis`.
     pub async fn open(
-        url: &str,
-        redis_url: Option<&str>,
-        namespace: Option<String>,
+        url: Given,
+        dialect: Dialect,
+        redis: Option<RedisStore>,
+        namespace: Option<Given>,
         pooler: bool,
     ) -> Result<Store, Failure> {
-        let dialect = Dialect::of(url)?;
+        if let Some(ns) = &namespace {
+            Namespace::new(&ns.value).map_err(|e| format!("{}: {e}", ns.from))?;
+        }
         sqlx::any::install_default_drivers();
+        reach(&url).await?;
         let pool = AnyPoolOptions::new()
             .max_connections(2)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect(url)
+            .acquire_timeout(CONNECT_WITHIN)
+            .connect(&url.value)
             .await
-            .map_err(|e| format!("IDEM_DATABASE_URL: {e}"))?;
-        let redis = redis_url.map(redis::Client::open).transpose().map_err(|e| format!("IDEM_REDIS_URL: {e}"))?;
-        if let Some(ns) = &namespace {
-            Namespace::new(ns).map_err(|e| format!("--namespace: {e}"))?;
-        }
+            .map_err(|e| format!("{}: {e}", url.from))?;
         let clock = (database_ms(&pool, dialect).await?, Instant::now());
-        Ok(Store { url: url.to_owned(), dialect, pool, redis, namespace, pooler, clock })
+        let namespace = namespace.map(|ns| ns.value);
+        Ok(Store { url, dialect, pool, redis, namespace, pooler, clock })
     }
 
     /// Now on the database's clock, in Unix epoch milliseconds: the clock
@@ -192,7 +213,8 @@ impl Store {
         let row = on_pool!(self, |on, persistent| {
             let query = sqlx::query(AssertSqlSafe(sql)).persistent(persistent);
             query.bind(digest_hex(biz, key)).bind(biz).bind(key).fetch_optional(on).await
-        })?;
+        });
+        let row = self.idem_tables(row).await?;
         Ok(row.as_ref().map(Record::from_row).transpose()?)
     }
 
@@ -219,7 +241,8 @@ impl Store {
                 query = query.bind(before);
             }
             query.bind(filter.limit).fetch_all(on).await
-        })?;
+        });
+        let rows = self.idem_tables(rows).await?;
         Ok(rows.iter().map(Record::from_row).collect::<Result<_, _>>()?)
     }
 
@@ -229,7 +252,8 @@ impl Store {
         let sql = format!("SELECT {} FROM idem_record WHERE biz_type = {} ORDER BY id", columns(d), d.arg(1));
         let rows = on_pool!(self, |on, persistent| {
             sqlx::query(AssertSqlSafe(sql)).persistent(persistent).bind(biz).fetch_all(on).await
-        })?;
+        });
+        let rows = self.idem_tables(rows).await?;
         Ok(rows.iter().map(Record::from_row).collect::<Result<_, _>>()?)
     }
 
@@ -257,7 +281,8 @@ impl Store {
         let done = on_pool!(self, |on, persistent| {
             let query = sqlx::query(AssertSqlSafe(sql)).persistent(persistent);
             query.bind(digest_hex(biz, key)).bind(biz).bind(key).execute(on).await
-        })?;
+        });
+        let done = self.idem_tables(done).await?;
         Ok(done.rows_affected() > 0)
     }
 
@@ -268,87 +293,24 @@ impl Store {
             return Ok(Some(ns.clone()));
         }
         let sql = "SELECT value FROM idem_meta WHERE name = 'namespace'";
-        Ok(on_pool!(self, |on, persistent| {
+        let namespace = on_pool!(self, |on, persistent| {
             sqlx::query_scalar::<_, String>(sql).persistent(persistent).fetch_optional(on).await
-        })?)
+        });
+        self.idem_tables(namespace).await
     }
 
     /// Where `(biz, key)` lives in Redis, when there is a Redis and a namespace.
     pub async fn redis_location(&self, biz: &str, key: &str) -> Result<Option<Location>, Failure> {
-        if self.redis.is_none() {
-            return Ok(None);
-        }
+        let Some(redis) = &self.redis else { return Ok(None) };
         let Some(ns) = self.namespace().await? else { return Ok(None) };
-        Ok(Some(idempotency_runtime::redis_layout::locate(&ns, biz, key).map_err(|e| format!("namespace: {e}"))?))
-    }
-
-    async fn redis_conn(&self) -> Result<redis::aio::MultiplexedConnection, Failure> {
-        let client = self.redis.as_ref().ok_or("no Redis")?;
-        let conn = tokio::time::timeout(Duration::from_secs(5), client.get_multiplexed_async_connection())
-            .await
-            .map_err(|_| "IDEM_REDIS_URL: no answer within 5 s")?
-            .map_err(|e| format!("IDEM_REDIS_URL: {e}"))?;
-        Ok(conn)
-    }
-
-    /// What Redis holds at `key`, and for how long (ms; -1 without expiry).
-    pub async fn redis_get(&self, key: &str) -> Result<Option<(Vec<u8>, i64)>, Failure> {
-        let mut conn = self.redis_conn().await?;
-        let (value, ttl): (Option<Vec<u8>>, i64) =
-            redis::pipe().cmd("GET").arg(key).cmd("PTTL").arg(key).query_async(&mut conn).await?;
-        Ok(value.map(|v| (v, ttl)))
-    }
-
-    /// The result hashes that hold a cached result of `at`, with its bytes.
-    /// The hashes of one shard are few (two windows live at a time), and so
-    /// are the keys a `SCAN` walks: results share hashes.
-    pub async fn redis_results(&self, at: &Location) -> Result<Vec<(String, Vec<u8>)>, Failure> {
-        let mut conn = self.redis_conn().await?;
-        let (mut cursor, mut found) = (0u64, Vec::new());
-        loop {
-            let (next, hashes): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(format!("{}*", at.results_prefix))
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut conn)
-                .await?;
-            for hash in hashes {
-                let value: Option<Vec<u8>> =
-                    redis::cmd("HGET").arg(&hash).arg(&at.field[..]).query_async(&mut conn).await?;
-                found.extend(value.map(|v| (hash, v)));
-            }
-            if next == 0 {
-                return Ok(found);
-            }
-            cursor = next;
-        }
-    }
-
-    /// Deletes `key` in Redis; whether it existed.
-    pub async fn redis_del(&self, key: &str) -> Result<bool, Failure> {
-        let mut conn = self.redis_conn().await?;
-        let n: i64 = redis::cmd("DEL").arg(key).query_async(&mut conn).await?;
-        Ok(n > 0)
-    }
-
-    /// Deletes `at`'s cached result from `hash`; whether it was there.
-    pub async fn redis_hdel(&self, hash: &str, at: &Location) -> Result<bool, Failure> {
-        let mut conn = self.redis_conn().await?;
-        let n: i64 = redis::cmd("HDEL").arg(hash).arg(&at.field[..]).query_async(&mut conn).await?;
-        Ok(n > 0)
+        Ok(Some(redis.locate(&ns, biz, key)?))
     }
 
     /// Where `(biz, key)` stands, as the engine sees it.
     pub async fn status(&self, biz: &str, key: &str) -> Result<Status, Failure> {
-        let (redis, namespace) = (self.redis.clone(), self.namespace.clone());
-        Ok(with_engine!(self, redis, namespace, |idem| idem.status(biz, key).await)?)
-    }
-
-    /// A PostgreSQL engine's builder, told about the pooler.
-    fn postgres(&self, builder: Builder<sqlx::Postgres>) -> Builder<sqlx::Postgres> {
-        builder.transaction_pooler(self.pooler)
+        let namespace = self.namespace.clone();
+        let status = with_engine!(self, self.redis.as_ref(), namespace, |idem| idem.status(biz, key).await);
+        self.idem_tables(status).await
     }
 
     /// Runs the engine's own `migrate`.
@@ -356,24 +318,136 @@ impl Store {
         Ok(with_engine!(self, None, None, |idem| idem.migrate().await)?)
     }
 
+    /// How many records of each biz are expired now, by biz.
+    pub async fn expired_by_biz(&self) -> Result<Vec<(String, i64)>, Failure> {
+        let d = self.dialect;
+        let sql = format!(
+            "SELECT biz_type, COUNT(*) FROM idem_record WHERE expires_at <= {} GROUP BY biz_type ORDER BY biz_type",
+            d.arg(1)
+        );
+        let now = self.now_ms();
+        let rows = on_pool!(self, |on, persistent| {
+            sqlx::query(AssertSqlSafe(sql)).persistent(persistent).bind(now).fetch_all(on).await
+        });
+        let rows = self.idem_tables(rows).await?;
+        let by_biz = |row: &AnyRow| Ok((row.try_get::<String, _>(0)?.trim_end().to_owned(), row.try_get(1)?));
+        Ok(rows.iter().map(by_biz).collect::<Result<_, sqlx::Error>>()?)
+    }
+
     /// Deletes expired records, `batch` at a time, until none is left; how many.
     pub async fn purge_expired(&self, batch: u32) -> Result<u64, Failure> {
-        with_engine!(self, None, None, |idem| purge(idem, batch).await)
+        let purged = with_engine!(self, None, None, |idem| purge(idem, batch).await);
+        self.idem_tables(purged).await
+    }
+
+    /// The outcome of statements on idem's own tables, with a failure
+    /// because the database lacks them told as such: run `idem migrate`.
+    /// Told by the error's code (MySQL 1146, PostgreSQL 42P01), never its
+    /// text; SQLite has no code of its own for it, so its catalog is asked.
+    async fn idem_tables<T, E: Into<Failure>>(&self, done: Result<T, E>) -> Result<T, Failure> {
+        let failure = match done {
+            Ok(value) => return Ok(value),
+            Err(e) => e.into(),
+        };
+        let Some(error) = sqlx_error(&*failure) else { return Err(failure) };
+        let missing = match self.dialect {
+            Dialect::Sqlite => error.as_database_error().is_some() && !self.sqlite_has_idem_tables().await?,
+            dialect => is_undefined_table(dialect, error),
+        };
+        if missing {
+            return Err(format!(
+                "{}: the database lacks idem's tables (idem_record, idem_meta): run `idem migrate` to create them, \
+                 as an engine's Idem::migrate does at start-up (or check that the URL names the engines' database)",
+                self.url.from
+            )
+            .into());
+        }
+        Err(failure)
+    }
+
+    /// Whether SQLite's catalog holds both of idem's tables the tool reads.
+    async fn sqlite_has_idem_tables(&self) -> Result<bool, Failure> {
+        let sql = "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name IN ('idem_record', 'idem_meta')";
+        let n: i64 = sqlx::query_scalar(sql).fetch_one(&self.pool).await?;
+        Ok(n == 2)
+    }
+}
+
+/// The sqlx error in `failure`'s chain (an engine's `Error::Storage` holds one).
+fn sqlx_error<'a>(failure: &'a (dyn std::error::Error + 'static)) -> Option<&'a sqlx::Error> {
+    let mut at = Some(failure);
+    while let Some(error) = at {
+        if let Some(found) = error.downcast_ref::<sqlx::Error>() {
+            return Some(found);
+        }
+        at = error.source();
+    }
+    None
+}
+
+/// MySQL's `ER_NO_SUCH_TABLE`.
+#[cfg(feature = "mysql")]
+const MYSQL_NO_SUCH_TABLE: u16 = 1146;
+
+/// Whether `error` is the server's "no such table", by its code.
+fn is_undefined_table(dialect: Dialect, error: &sqlx::Error) -> bool {
+    let Some(db) = error.as_database_error() else { return false };
+    match dialect {
+        #[cfg(feature = "mysql")]
+        Dialect::MySql => {
+            db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|e| e.number() == MYSQL_NO_SUCH_TABLE)
+        }
+        Dialect::Postgres => db.code().as_deref() == Some("42P01"),
+        _ => false,
+    }
+}
+
+/// Connects once, within [`CONNECT_WITHIN`], to tell why a database cannot
+/// be reached (connection refused, unknown host, authentication), naming
+/// where its URL came from. A pool's own connect would retry until its
+/// timeout and say only "pool timed out".
+async fn reach(url: &Given) -> Result<(), Failure> {
+    use sqlx::Connection;
+    match tokio::time::timeout(CONNECT_WITHIN, sqlx::AnyConnection::connect(&url.value)).await {
+        Err(_) => Err(format!(
+            "{}: cannot connect to the database: no answer within {} s",
+            url.from,
+            CONNECT_WITHIN.as_secs()
+        )
+        .into()),
+        Ok(Err(e)) => {
+            let cause = match &e {
+                sqlx::Error::Io(io) => io.to_string(),
+                other => other.to_string(),
+            };
+            Err(format!("{}: cannot connect to the database: {cause}", url.from).into())
+        }
+        Ok(Ok(connection)) => {
+            let _ = connection.close().await;
+            Ok(())
+        }
     }
 }
 
 fn engine_builder<DB: Backend>(
     pool: sqlx::Pool<DB>,
-    redis: Option<redis::Client>,
+    redis: Option<&RedisStore>,
     namespace: Option<String>,
 ) -> Result<Builder<DB>, Failure> {
-    let mut builder = Idem::builder(pool).lock_wait(Duration::from_secs(1));
-    if let Some(client) = redis {
-        builder = builder.redis(client);
-    }
-    if let Some(ns) = namespace {
-        builder = builder.redis_namespace(Namespace::new(&ns)?);
-    }
+    let builder = Idem::builder(pool).lock_wait(Duration::from_secs(1));
+    #[cfg(feature = "redis")]
+    let builder = match redis {
+        Some(redis) => {
+            let builder = builder.redis(redis.client());
+            match namespace {
+                Some(ns) => builder.redis_namespace(Namespace::new(&ns)?),
+                None => builder,
+            }
+        }
+        None => builder,
+    };
+    #[cfg(not(feature = "redis"))]
+    let _ = (redis.map(|never| match *never {}), namespace);
     Ok(builder)
 }
 
