@@ -49,7 +49,11 @@ fn settings(cli: &Cli) -> Result<Settings, String> {
     if let Some(redis) = &redis {
         drivers::redis(redis)?;
     }
-    Ok(Settings { url, dialect, redis, namespace: global.namespace()?, pooler })
+    let namespace = global.namespace()?;
+    if let Some(ns) = &namespace {
+        idempotency_runtime::Namespace::new(&ns.value).map_err(|e| format!("{}: {e}", ns.from))?;
+    }
+    Ok(Settings { url, dialect, redis, namespace, pooler })
 }
 
 pub async fn run(cli: Cli) -> Result<Done, Failure> {

@@ -15,18 +15,25 @@ pub fn feature(dialect: Dialect) -> &'static str {
     }
 }
 
-/// Whether this build holds the driver of `dialect`.
-pub fn has(dialect: Dialect) -> bool {
-    match dialect {
-        Dialect::MySql => cfg!(feature = "mysql"),
-        Dialect::Postgres => cfg!(feature = "postgres"),
-        Dialect::Sqlite => cfg!(feature = "sqlite"),
+/// The features, in the order the install line names them.
+const FEATURES: [&str; 4] = ["mysql", "postgres", "sqlite", "redis"];
+
+/// Whether this build holds the feature `name`.
+// Which arms are true is the build's choice: not a `matches!` in every build.
+#[allow(clippy::match_like_matches_macro)]
+fn built(name: &str) -> bool {
+    match name {
+        "mysql" => cfg!(feature = "mysql"),
+        "postgres" => cfg!(feature = "postgres"),
+        "sqlite" => cfg!(feature = "sqlite"),
+        "redis" => cfg!(feature = "redis"),
+        _ => false,
     }
 }
 
-/// Whether this build holds the Redis client.
-pub fn has_redis() -> bool {
-    cfg!(feature = "redis")
+/// Whether this build holds the driver of `dialect`.
+pub fn has(dialect: Dialect) -> bool {
+    built(feature(dialect))
 }
 
 /// The database URL's dialect, if this build holds its driver.
@@ -40,15 +47,23 @@ pub fn database(url: &Given) -> Result<Dialect, String> {
 
 /// A Redis URL is usable: this build holds the client.
 pub fn redis(url: &Given) -> Result<(), String> {
-    if has_redis() { Ok(()) } else { Err(left_out(url.from, "redis")) }
+    if built("redis") { Ok(()) } else { Err(left_out(url.from, "redis")) }
 }
 
-/// What a driver this build lacks is told.
+/// What the setting `from` needs and this build lacks: the feature, and
+/// the install line of a build with it beside the features this one has.
 pub fn left_out(from: &str, feature: &str) -> String {
-    format!(
-        "{from}: this idem was built without the feature `{feature}`; build it in: cargo install --locked --path \
-         idempotency-cli --features {feature} (beside the features it has)"
-    )
+    left_out_of(from, feature, built)
+}
+
+fn left_out_of(from: &str, feature: &str, built: impl Fn(&str) -> bool) -> String {
+    let wanted: Vec<&str> = FEATURES.into_iter().filter(|&f| f == feature || built(f)).collect();
+    let install = if wanted.len() == FEATURES.len() {
+        "cargo install --locked --path idempotency-cli".to_owned()
+    } else {
+        format!("cargo install --locked --path idempotency-cli --no-default-features --features {}", wanted.join(","))
+    };
+    format!("{from}: this idem was built without the feature `{feature}`; install one with it: {install}")
 }
 
 #[cfg(test)]
@@ -56,11 +71,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_driver_left_out_is_named_with_its_feature() {
+    fn a_driver_left_out_is_named_with_its_feature_and_the_line_to_install_it() {
+        let only = |names: &'static [&'static str]| move |name: &str| names.contains(&name);
         assert_eq!(
-            left_out("--database-url", "mysql"),
-            "--database-url: this idem was built without the feature `mysql`; build it in: cargo install --locked \
-             --path idempotency-cli --features mysql (beside the features it has)"
+            left_out_of("--database-url", "mysql", only(&["postgres"])),
+            "--database-url: this idem was built without the feature `mysql`; install one with it: cargo install \
+             --locked --path idempotency-cli --no-default-features --features mysql,postgres"
+        );
+        assert_eq!(
+            left_out_of("IDEM_REDIS_URL", "redis", only(&["mysql", "postgres", "sqlite"])),
+            "IDEM_REDIS_URL: this idem was built without the feature `redis`; install one with it: cargo install \
+             --locked --path idempotency-cli"
         );
         let url = |value: &str| Given { value: value.into(), from: "IDEM_DATABASE_URL" };
         for (value, dialect) in

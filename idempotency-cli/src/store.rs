@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use idempotency_runtime::{Backend, Builder, Idem, Namespace, Status};
+use idempotency_runtime::{Backend, Builder, Idem, Status};
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, AssertSqlSafe, Row};
 
@@ -175,7 +175,8 @@ pub struct ListFilter<'a> {
 
 impl Store {
     /// Opens the database of `url` (its driver is in this build: see
-    /// [`crate::drivers::database`]) and keeps `redis`.
+    /// [`crate::drivers::database`]) and keeps `redis` and `namespace`
+    /// (checked already).
     pub async fn open(
         url: Given,
         dialect: Dialect,
@@ -183,9 +184,6 @@ impl Store {
         namespace: Option<Given>,
         pooler: bool,
     ) -> Result<Store, Failure> {
-        if let Some(ns) = &namespace {
-            Namespace::new(&ns.value).map_err(|e| format!("{}: {e}", ns.from))?;
-        }
         sqlx::any::install_default_drivers();
         reach(&url).await?;
         let pool = AnyPoolOptions::new()
@@ -440,7 +438,7 @@ fn engine_builder<DB: Backend>(
         Some(redis) => {
             let builder = builder.redis(redis.client());
             match namespace {
-                Some(ns) => builder.redis_namespace(Namespace::new(&ns)?),
+                Some(ns) => builder.redis_namespace(idempotency_runtime::Namespace::new(&ns)?),
                 None => builder,
             }
         }

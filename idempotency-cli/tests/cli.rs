@@ -943,6 +943,16 @@ fn no_database_is_a_usage_error_and_an_unreachable_one_a_failure() {
     assert_eq!(run(None), Some(2));
     assert_eq!(run(Some("mysql://root@127.0.0.1:1/test")), Some(3));
     assert_eq!(run(Some("oracle://x")), Some(2), "an unknown scheme is refused before anything is opened");
+    let namespace =
+        idem_with(&["status", "pay", "k1", "--namespace", "a b"], &[("IDEM_DATABASE_URL", "sqlite::memory:")]);
+    assert_eq!(
+        (namespace.status.code(), err(&namespace)),
+        (
+            Some(2),
+            "idem: --namespace: a namespace of 3 bytes breaks the rule: 1 to 64 characters from A-Z a-z 0-9 _ . -\n"
+                .into()
+        )
+    );
     let help = idem_with(&["--help"], &[]);
     assert_eq!(help.status.code(), Some(0));
     let shown = String::from_utf8_lossy(&help.stdout);
