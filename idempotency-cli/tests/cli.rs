@@ -485,18 +485,17 @@ async fn every_command(db: Db) {
     let (code, stdout) = out(&f.idem(&["forget", &b, "k1", "--yes"], ""));
     assert_eq!((code, stdout.lines().count()), (0, 3), "{stdout}");
 
-    // purge (no `--expired` needed): what is expired now, then the three
-    // seeded expired, counted under this biz (the shared database holds
-    // other tests' records too: see `purge_says_whose_records_it_deletes`
-    // for a whole output).
+    // purge (no `--expired` needed, still accepted): what is expired now,
+    // then the three seeded expired. The shared database holds other tests'
+    // records, whose purges may race this one: the whole output is asserted
+    // on a database of its own (`purge_says_whose_records_it_deletes`).
     assert_eq!(out(&f.idem(&["purge"], "")).0, 0);
     for key in ["p1", "p2", "p3"] {
         f.record(key, None, 1, CREATED, EXPIRED).await;
     }
     let (code, purged) = out(&f.idem(&["purge", "--expired", "--batch", "2"], ""));
-    assert_eq!(code, 0, "--expired is still accepted");
+    assert_eq!(code, 0, "{purged}");
     assert!(purged.starts_with("expired records by biz:\n"), "{purged}");
-    assert!(purged.contains(&format!("\n         3  {b}\n")), "{purged}");
     let (_, left) = out_json(&f.idem(&["list", "--biz", &b, "--json"], ""));
     let keys: Vec<&str> = left.as_array().unwrap().iter().map(|r| r["key"].as_str().unwrap()).collect();
     assert_eq!(keys, vec!["k4", "k6"]);
