@@ -44,6 +44,8 @@ struct Fixture {
     /// The database made for this fixture alone (MariaDB, PostgreSQL;
     /// SQLite's file always is), dropped by [`Fixture::finish`].
     private: Option<String>,
+    /// The 10-minute window of Redis result hashes when the fixture began.
+    window: u128,
 }
 
 fn unique() -> String {
@@ -135,7 +137,8 @@ impl Fixture {
         };
         let suffix = unique();
         let (namespace, biz) = (format!("cli_{suffix}"), format!("cli_{suffix}"));
-        Some(Fixture { db, url, pool, redis, namespace, biz, suffix, private })
+        let window = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() / 600_000;
+        Some(Fixture { db, url, pool, redis, namespace, biz, suffix, private, window })
     }
 
     /// Drops the fixture's own database.
@@ -223,10 +226,11 @@ impl Fixture {
         idempotency_runtime::redis_layout::locate(&self.namespace, &self.biz, key).unwrap()
     }
 
-    /// The result hash a cached result of `key` is forged into (the window of now).
+    /// The result hash a cached result of `key` is forged into: the window
+    /// of the fixture's start, once (a window of the time of each call would
+    /// name another hash across a 10-minute boundary; the tool finds any).
     fn results_hash(&self, key: &str) -> String {
-        let window = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() / 600_000;
-        format!("{}{window}", self.location(key).results_prefix)
+        format!("{}{}", self.location(key).results_prefix, self.window)
     }
 
     /// Forges the cached result of `key`, as a finished call leaves it.
