@@ -10,8 +10,8 @@
 use std::time::{Duration, Instant};
 
 use idempotency_runtime::{Backend, Builder, Idem, Status};
-use sqlx::any::{AnyPoolOptions, AnyRow};
-use sqlx::{AnyPool, AssertSqlSafe, Row};
+use sqlx::any::{AnyArguments, AnyPoolOptions, AnyRow};
+use sqlx::{Any, AnyPool, AssertSqlSafe, Row};
 
 use crate::cli::Given;
 pub use crate::dialect::Dialect;
@@ -41,18 +41,19 @@ pub struct Store {
     pooler: bool,
 }
 
-/// Runs one statement of `$store`: straight on the pool; behind a pooler in
-/// transaction mode unnamed (`.persistent($persistent)`) and in a
-/// transaction of its own, so both of sqlx's exchanges (Parse and Describe,
-/// then Bind and Execute) meet one server connection. `$statement` is
-/// written once, on the executor `$on`.
+/// Runs one statement of `$store` (made by [`Store::query`] or
+/// [`Store::query_scalar`]): straight on the pool; behind a pooler in
+/// transaction mode in a transaction of its own, so both of sqlx's
+/// exchanges for an unnamed statement (Parse and Describe, then Bind and
+/// Execute) meet one server connection. `$statement` is written once, on
+/// the executor `$on`.
 macro_rules! on_pool {
-    ($store:expr, |$on:ident, $persistent:ident| $statement:expr) => {{
+    ($store:expr, |$on:ident| $statement:expr) => {{
         let store: &Store = $store;
         if store.pooler {
             let mut tx = store.pool.begin().await?;
             let done = {
-                let ($on, $persistent) = (&mut *tx, false);
+                let $on = &mut *tx;
                 $statement
             };
             // A failed statement's transaction rolls back as it drops.
@@ -61,10 +62,33 @@ macro_rules! on_pool {
             }
             done
         } else {
-            let ($on, $persistent) = (&store.pool, true);
+            let $on = &store.pool;
             $statement
         }
     }};
+}
+
+// The one place the tool's prepared statements are made: behind a pooler
+// in transaction mode each goes unnamed (a named one lives in a server
+// connection the next transaction may not get). `sqlx::query` and its kin
+// are refused everywhere else in this crate (`clippy.toml`), as in the
+// engine's `store/pooling.rs`. `sqlx::raw_sql` (nothing prepared) needs no
+// such care.
+#[allow(clippy::disallowed_methods)]
+impl Store {
+    /// `sqlx::query` of SQL built from this file's constants and checked
+    /// identifiers only, sent as the pooler allows.
+    fn query<'q>(&self, sql: String) -> sqlx::query::Query<'q, Any, AnyArguments> {
+        sqlx::query(AssertSqlSafe(sql)).persistent(!self.pooler)
+    }
+
+    /// `sqlx::query_scalar`, sent as the pooler allows.
+    fn query_scalar<'q, O>(&self, sql: &'static str) -> sqlx::query::QueryScalar<'q, Any, O, AnyArguments>
+    where
+        (O,): for<'r> sqlx::FromRow<'r, sqlx::any::AnyRow>,
+    {
+        sqlx::query_scalar(sql).persistent(!self.pooler)
+    }
 }
 
 /// The row of one key, found as the engines find it: by the unique
@@ -208,8 +232,8 @@ impl Store {
     pub async fn record(&self, biz: &str, key: &str) -> Result<Option<Record>, Failure> {
         let d = self.dialect;
         let sql = format!("SELECT {} FROM idem_record WHERE {}", columns(d), by_key(d));
-        let row = on_pool!(self, |on, persistent| {
-            let query = sqlx::query(AssertSqlSafe(sql)).persistent(persistent);
+        let row = on_pool!(self, |on| {
+            let query = self.query(sql);
             query.bind(digest_hex(biz, key)).bind(biz).bind(key).fetch_optional(on).await
         });
         let row = self.idem_tables(row).await?;
@@ -230,8 +254,8 @@ impl Store {
             sql += &format!(" AND created_at <= {}", d.arg(n));
         }
         sql += &format!(" ORDER BY created_at, id LIMIT {}", d.arg(n + 1));
-        let rows = on_pool!(self, |on, persistent| {
-            let mut query = sqlx::query(AssertSqlSafe(sql)).persistent(persistent).bind(filter.biz);
+        let rows = on_pool!(self, |on| {
+            let mut query = self.query(sql).bind(filter.biz);
             if let Some(processing) = filter.processing {
                 query = query.bind(if processing { 0_i16 } else { 1_i16 });
             }
@@ -248,9 +272,7 @@ impl Store {
     pub async fn all_of(&self, biz: &str) -> Result<Vec<Record>, Failure> {
         let d = self.dialect;
         let sql = format!("SELECT {} FROM idem_record WHERE biz_type = {} ORDER BY id", columns(d), d.arg(1));
-        let rows = on_pool!(self, |on, persistent| {
-            sqlx::query(AssertSqlSafe(sql)).persistent(persistent).bind(biz).fetch_all(on).await
-        });
+        let rows = on_pool!(self, |on| self.query(sql).bind(biz).fetch_all(on).await);
         let rows = self.idem_tables(rows).await?;
         Ok(rows.iter().map(Record::from_row).collect::<Result<_, _>>()?)
     }
@@ -265,10 +287,7 @@ impl Store {
         let d = self.dialect;
         let (t, c) = (table.quoted(d), column.quoted(d));
         let sql = format!("SELECT DISTINCT {} FROM {t} WHERE {c} IS NOT NULL", d.as_text(&c));
-        let rows = on_pool!(self, |on, persistent| sqlx::query(AssertSqlSafe(sql))
-            .persistent(persistent)
-            .fetch_all(on)
-            .await)?;
+        let rows = on_pool!(self, |on| self.query(sql).fetch_all(on).await)?;
         Ok(rows.iter().map(|r| r.try_get::<String, _>(0)).collect::<Result<_, _>>()?)
     }
 
@@ -276,8 +295,8 @@ impl Store {
     pub async fn delete(&self, biz: &str, key: &str) -> Result<bool, Failure> {
         let d = self.dialect;
         let sql = format!("DELETE FROM idem_record WHERE {}", by_key(d));
-        let done = on_pool!(self, |on, persistent| {
-            let query = sqlx::query(AssertSqlSafe(sql)).persistent(persistent);
+        let done = on_pool!(self, |on| {
+            let query = self.query(sql);
             query.bind(digest_hex(biz, key)).bind(biz).bind(key).execute(on).await
         });
         let done = self.idem_tables(done).await?;
@@ -291,9 +310,7 @@ impl Store {
             return Ok(Some(ns.clone()));
         }
         let sql = "SELECT value FROM idem_meta WHERE name = 'namespace'";
-        let namespace = on_pool!(self, |on, persistent| {
-            sqlx::query_scalar::<_, String>(sql).persistent(persistent).fetch_optional(on).await
-        });
+        let namespace = on_pool!(self, |on| self.query_scalar::<String>(sql).fetch_optional(on).await);
         self.idem_tables(namespace).await
     }
 
@@ -324,9 +341,7 @@ impl Store {
             d.arg(1)
         );
         let now = self.now_ms();
-        let rows = on_pool!(self, |on, persistent| {
-            sqlx::query(AssertSqlSafe(sql)).persistent(persistent).bind(now).fetch_all(on).await
-        });
+        let rows = on_pool!(self, |on| self.query(sql).bind(now).fetch_all(on).await);
         let rows = self.idem_tables(rows).await?;
         let by_biz = |row: &AnyRow| Ok((row.try_get::<String, _>(0)?.trim_end().to_owned(), row.try_get(1)?));
         Ok(rows.iter().map(by_biz).collect::<Result<_, sqlx::Error>>()?)
@@ -366,7 +381,7 @@ impl Store {
     /// Whether SQLite's catalog holds both of idem's tables the tool reads.
     async fn sqlite_has_idem_tables(&self) -> Result<bool, Failure> {
         let sql = "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name IN ('idem_record', 'idem_meta')";
-        let n: i64 = sqlx::query_scalar(sql).fetch_one(&self.pool).await?;
+        let n: i64 = self.query_scalar(sql).fetch_one(&self.pool).await?;
         Ok(n == 2)
     }
 }
