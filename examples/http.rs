@@ -27,8 +27,10 @@
 //! `IDEMPOTENCY_KEY_REUSED`, and with `-H 'X-User-Id: alice:x'` 400
 //! `INVALID_PRINCIPAL`. A client that sends a fresh key with its retry
 //! defeats the record, not the order's own state (layer 4,
-//! `idempotency::state`): the second body finds the order already paid and answers
-//! 200 with the first payment, writing nothing.
+//! `idempotency::state`): the second body finds the order already paid and
+//! answers 200 with the caller's own payment, writing nothing; another
+//! user's new key on that order answers 409 `ORDER_ALREADY_PAID`, showing
+//! nothing of the payment.
 //!
 //! For clients that must not make up their own keys, the form asks for a
 //! token first (it is alice's alone, for 15 minutes) and the submit sends it:

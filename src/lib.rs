@@ -85,8 +85,8 @@ pub use idempotency_runtime::outbox;
 #[cfg(feature = "redis-streams")]
 pub use idempotency_runtime::redis_streams;
 pub use idempotency_runtime::{
-    Backend, Builder, Error, Idem, InvalidNamespace, KeyError, LocalCache, Namespace, Outcome, Status, col, observe,
-    state, transition,
+    Backend, Builder, DEFAULT_MAX_RESULT_BYTES, Error, Idem, InvalidNamespace, KeyError, LocalCache, Namespace,
+    Outcome, Status, col, observe, state, transition,
 };
 
 /// Key rules, shared with entry points that take keys from outside
@@ -94,7 +94,8 @@ pub use idempotency_runtime::{
 /// against the same rules at compile time.
 pub mod key {
     pub use idempotency_runtime::key::{
-        MAX_BIZ_NO_LEN, MAX_KEY_LEN, MIN_HEADER_KEY_LEN, key_digest, validate_biz_no, validate_header_key, validate_key,
+        MAX_BIZ_NO_LEN, MAX_KEY_LEN, MIN_HEADER_KEY_LEN, key_digest, validate_biz_no, validate_header_key,
+        validate_key, validate_text,
     };
 }
 

@@ -66,6 +66,9 @@ pub enum ApiError {
 pub enum Refusal {
     /// The order exists but can no longer be paid (closed, refunded).
     NotPayable(i64),
+    /// Another caller paid the order already: nothing of their payment is
+    /// shown.
+    PaidByAnother(i64),
     NotFound(i64),
     BadAmount,
 }
@@ -75,6 +78,7 @@ impl Refusal {
     pub fn status_and_code(&self) -> (u16, &'static str) {
         match self {
             Refusal::NotPayable(_) => (409, "ORDER_NOT_PAYABLE"),
+            Refusal::PaidByAnother(_) => (409, "ORDER_ALREADY_PAID"),
             Refusal::NotFound(_) => (404, "ORDER_NOT_FOUND"),
             Refusal::BadAmount => (422, "INVALID_AMOUNT"),
         }
@@ -86,6 +90,7 @@ impl fmt::Display for Refusal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Refusal::NotPayable(id) => write!(f, "order {id} is not pending payment"),
+            Refusal::PaidByAnother(id) => write!(f, "order {id} is already paid"),
             Refusal::NotFound(id) => write!(f, "no order {id}"),
             Refusal::BadAmount => f.write_str("amount must be a positive number of cents"),
         }
@@ -116,7 +121,11 @@ impl From<TokenError> for ApiError {
 
 impl From<sqlx::Error> for ApiError {
     fn from(e: sqlx::Error) -> Self {
-        // Rolled back, nothing written: retryable, like the engine's own storage failures (503).
+        // Rolled back, nothing written; `idempotency::Error` tells by the
+        // database's code whether a retry can help: a failure that passes
+        // (connection, deadlock, lock wait) is `Storage` (503, retry), one
+        // that recurs (a constraint, bad data, bad SQL) `StorageRefused`
+        // (500, do not retry), never 503 for a failure a retry meets again.
         ApiError::Idem(e.into())
     }
 }
@@ -176,13 +185,21 @@ macro_rules! payments {
             match advance(idempotency::transition!(OrderStatus: Pending -> Paid)).run(&mut **tx, order_id).await? {
                 Advanced::Applied => {}
                 Advanced::AlreadyThere => {
-                    // Paid before, under another key: success, with that payment.
-                    let (payment_id, amount): (i64, i64) =
-                        sqlx::query_as("SELECT id, amount FROM payments WHERE order_id = ?")
+                    // Paid before, under another key. The caller's own
+                    // payment is the answer (a client that invented a new
+                    // key for its retry); another user's is never shown.
+                    let own: Option<(i64, i64)> =
+                        sqlx::query_as("SELECT id, amount FROM payments WHERE order_id = ? AND user_id = ?")
                             .bind(order_id)
-                            .fetch_one(&mut **tx)
+                            .bind(user)
+                            .fetch_optional(&mut **tx)
                             .await?;
-                    return Ok(PayResponse { order_id, amount, payment_id, status: "PAID".into() });
+                    return match own {
+                        Some((payment_id, amount)) => {
+                            Ok(PayResponse { order_id, amount, payment_id, status: "PAID".into() })
+                        }
+                        None => Err(ApiError::Refused(Refusal::PaidByAnother(order_id))),
+                    };
                 }
                 Advanced::Conflict { .. } => return Err(ApiError::Refused(Refusal::NotPayable(order_id))),
                 Advanced::NotFound => return Err(ApiError::Refused(Refusal::NotFound(order_id))),

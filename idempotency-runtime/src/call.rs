@@ -181,7 +181,13 @@ async fn execute<DB: Backend>(
 
     let (tx, result) = around_body(engine.db().pooling, run_and_read(body, tx)).await;
     let response = match result {
-        Ok(response) => response,
+        Ok(response) => match engine.check_result(id.biz, &response) {
+            Ok(()) => response,
+            Err(e) => {
+                rollback(tx).await;
+                return Err(e.into());
+            }
+        },
         Err(Failed::Body) => {
             rollback(tx).await;
             // A body can fail on what a duplicate left (its lease ran out, or

@@ -32,6 +32,7 @@ struct Inner<DB: Backend> {
     clock: Arc<Clock>,
     gate: Gate,
     lock_wait: Duration,
+    max_result_bytes: usize,
     tokens: token::Settings,
     /// Wakes this engine's outbox relays when a call commits events.
     #[cfg(feature = "outbox")]
@@ -74,10 +75,18 @@ pub struct Builder<DB: Backend> {
     #[cfg(feature = "redis")]
     redis_hot_window: Duration,
     lock_wait: Duration,
+    max_result_bytes: usize,
     local_cache: Option<LocalCache>,
     tokens: token::Settings,
     pooling: Pooling,
 }
+
+/// The longest result (its JSON, in bytes) an engine records unless told
+/// otherwise: 1 MiB, which every backend stores in one statement (MySQL's
+/// and MariaDB's `max_allowed_packet` is 4 MiB or more by default, 16 MiB
+/// on MariaDB 10.11; PostgreSQL and SQLite take far more), and which Redis
+/// and the local cache keep without strain.
+pub const DEFAULT_MAX_RESULT_BYTES: usize = 1 << 20;
 
 impl<DB: Backend> Builder<DB> {
     /// Keeps finished results in this process too, checked before Redis, so
@@ -153,6 +162,20 @@ impl<DB: Backend> Builder<DB> {
         self
     }
 
+    /// The longest result an annotated fn may record: its JSON, in bytes.
+    /// A longer one is refused before anything commits
+    /// ([`Error::ResultTooLarge`], which tells the caller not to retry): the
+    /// body's writes roll back and nothing is recorded, so a retry runs the
+    /// body again and fails the same way (unless its result shrank).
+    /// Default [`DEFAULT_MAX_RESULT_BYTES`] (1 MiB). Raising it past what the
+    /// database takes in one statement (MySQL's `max_allowed_packet`) makes
+    /// those results fail at the database instead
+    /// ([`Error::StorageRefused`]), after the body ran.
+    pub fn max_result_bytes(mut self, max: usize) -> Self {
+        self.max_result_bytes = max;
+        self
+    }
+
     /// How long a consumed [token](Idem::tokens) answers
     /// [`AlreadyUsed`](crate::Consumption::AlreadyUsed) to its subject (and
     /// so lets a resubmission reach the record that replays the first
@@ -198,6 +221,7 @@ impl<DB: Backend> Builder<DB> {
                 clock,
                 gate,
                 lock_wait: self.lock_wait,
+                max_result_bytes: self.max_result_bytes,
                 tokens: self.tokens,
                 #[cfg(feature = "outbox")]
                 outbox: crate::outbox::waker::Waker::default(),
@@ -253,6 +277,7 @@ impl<DB: Backend> Idem<DB> {
             #[cfg(feature = "redis")]
             redis_hot_window: crate::gate::redis::DEFAULT_HOT_WINDOW,
             lock_wait: Duration::from_secs(5),
+            max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
             local_cache: None,
             tokens: token::Settings::default(),
             pooling: Pooling::Session,
@@ -280,6 +305,12 @@ impl<DB: Backend> Idem<DB> {
 
     pub(crate) fn lock_wait(&self) -> Duration {
         self.inner.lock_wait
+    }
+
+    /// The result's JSON as a call records it, or `ResultTooLarge`.
+    pub(crate) fn check_result(&self, biz: &'static str, response: &str) -> Result<(), Error> {
+        let max = self.inner.max_result_bytes;
+        if response.len() > max { Err(Error::ResultTooLarge { biz, len: response.len(), max }) } else { Ok(()) }
     }
 
     pub(crate) fn token_settings(&self) -> &token::Settings {
@@ -336,7 +367,7 @@ impl<DB: Backend> Idem<DB> {
         if let Some(namespace) = self.inner.gate.fixed_namespace() {
             return Ok(Some(namespace));
         }
-        let recorded = DB::namespace(&self.inner.db).await?;
+        let recorded = DB::namespace(&self.inner.db).await.map_err(Error::from_store)?;
         Ok(recorded.and_then(|text| Namespace::new(&text).ok()))
     }
 
@@ -344,7 +375,7 @@ impl<DB: Backend> Idem<DB> {
     /// periodically to keep the table bounded.
     pub async fn purge_expired(&self, limit: u32) -> Result<u64, Error> {
         let now = self.now_ms().await;
-        DB::purge_expired(&self.inner.db, now, i64::from(limit)).await.map_err(Error::Storage)
+        DB::purge_expired(&self.inner.db, now, i64::from(limit)).await.map_err(Error::from_store)
     }
 
     /// Where the call `(biz, key)` stands: the query behind "in progress,

@@ -35,6 +35,34 @@ pub enum Error {
         max: usize,
     },
 
+    /// Text the engine stores as given (`biz_no`; an outbox event's
+    /// destination, aggregate or payload) holds a NUL character, which
+    /// PostgreSQL's text refuses: refused on every backend alike, before
+    /// anything is written. Over HTTP: 400 `INVALID_TEXT`.
+    #[error("{field} holds a NUL character (byte {at}), which database text cannot hold; nothing was written")]
+    InvalidText {
+        /// What holds it: `biz_no`, `destination`, `aggregate`, `payload`.
+        field: &'static str,
+        /// Its byte offset.
+        at: usize,
+    },
+
+    /// The result's JSON is longer than the engine stores
+    /// ([`Builder::max_result_bytes`](crate::Builder::max_result_bytes)):
+    /// the body's writes were rolled back and nothing was recorded. The same
+    /// call fails the same way, so it must not be retried as is; a retry
+    /// runs the body again (with whatever it does outside its transaction)
+    /// and fails again unless its result shrank. Over HTTP: 500.
+    #[error("the result of `{biz}` is {len} bytes of JSON, more than the {max} stored; nothing was recorded")]
+    ResultTooLarge {
+        /// The business action.
+        biz: &'static str,
+        /// The JSON's length in bytes.
+        len: usize,
+        /// The engine's bound.
+        max: usize,
+    },
+
     /// Another call with the same key is running right now. Ask again later;
     /// once it finishes, the same call replays its result.
     #[error("idempotency key `{key}` of `{biz}` is in progress")]
@@ -54,11 +82,34 @@ pub enum Error {
         key: String,
     },
 
-    /// The database failed or could not be reached. Retrying is safe: the
+    /// The database failed for a reason that passes: the connection was
+    /// lost or refused, the pool timed out, a deadlock or serialization
+    /// failure, a lock wait past its bound, a server read-only, shutting
+    /// down or out of connections. Retrying the same call later is safe: the
     /// retry executes, or replays the result if this call's transaction did
     /// commit (a connection lost during `COMMIT` leaves that unknown).
+    /// Over HTTP: 503 with `Retry-After`.
     #[error("idempotency storage failed: {0}")]
     Storage(#[source] sqlx::Error),
+
+    /// The database refused the call for a reason that will recur: data it
+    /// cannot store (a NUL in PostgreSQL text, a value too long, a packet
+    /// past `max_allowed_packet`), a constraint (other than the record's own
+    /// unique index, which decides duplicates), SQL it cannot run, a missing
+    /// privilege. Nothing was committed; the same call fails the same way,
+    /// so it must not be retried as is. A body's `sqlx::Error` converted
+    /// with `?` lands here too when it is of this kind (the code decides,
+    /// per backend: `docs/guarantees.md`). Over HTTP: 500, no `Retry-After`.
+    #[error("the database refused the call (it would fail the same way again): {0}")]
+    StorageRefused(#[source] sqlx::Error),
+
+    /// The engine's tables are missing or of an earlier version: `migrate`
+    /// has not run on this database. Run [`Idem::migrate`](crate::Idem::migrate)
+    /// at start-up (or `idem migrate`). Nothing was written. Over HTTP: 500.
+    #[error(
+        "the idempotency tables are missing or out of date: run `Idem::migrate` at start-up, or `idem migrate` ({0})"
+    )]
+    NotMigrated(#[source] sqlx::Error),
 
     /// The stored result no longer deserializes into the fn's return type
     /// (the type changed since it was stored, or the row was edited).
@@ -120,15 +171,10 @@ pub enum Error {
 
 impl Error {
     /// `true` when the same call may succeed if simply tried again later
-    /// (`InProgress`, `Storage`).
+    /// (`InProgress`, `Storage`); every other error recurs until something
+    /// else changes (the request, the data, the server's code or tables).
     pub fn is_retryable(&self) -> bool {
         matches!(self, Error::InProgress { .. } | Error::Storage(_))
-    }
-}
-
-impl From<sqlx::Error> for Error {
-    fn from(e: sqlx::Error) -> Self {
-        Error::Storage(e)
     }
 }
 

@@ -184,8 +184,17 @@ fn code_of(error: &Error) -> Code {
     match error {
         Error::InProgress { .. } | Error::Storage(_) => Code::Unavailable,
         Error::KeyReused { .. } | Error::Permanent { .. } => Code::FailedPrecondition,
-        Error::InvalidKey(_) | Error::BizNoTooLong { .. } | Error::NonFiniteFloat { .. } => Code::InvalidArgument,
-        Error::Replay { .. } | Error::Serialize(_) | Error::InvalidBiz | Error::InvalidStep { .. } => Code::Internal,
+        Error::InvalidKey(_)
+        | Error::BizNoTooLong { .. }
+        | Error::InvalidText { .. }
+        | Error::NonFiniteFloat { .. } => Code::InvalidArgument,
+        Error::Replay { .. }
+        | Error::Serialize(_)
+        | Error::InvalidBiz
+        | Error::InvalidStep { .. }
+        | Error::StorageRefused(_)
+        | Error::NotMigrated(_)
+        | Error::ResultTooLarge { .. } => Code::Internal,
     }
 }
 
@@ -262,12 +271,22 @@ mod tests {
             ),
             (Error::BizNoTooLong { len: 65, max: 64 }, Code::InvalidArgument, "INVALID_BIZ_NO", (None, None)),
             (Error::NonFiniteFloat { arg: "amount" }, Code::InvalidArgument, "NON_FINITE_NUMBER", (None, None)),
+            (Error::Storage(sqlx::Error::PoolTimedOut), Code::Unavailable, "IDEMPOTENCY_STORAGE_UNAVAILABLE", retry),
+            // A failure that recurs: not UNAVAILABLE (which clients retry).
             (
-                Error::Storage(sqlx::Error::PoolTimedOut),
-                Code::Unavailable,
-                "IDEMPOTENCY_STORAGE_UNAVAILABLE",
+                Error::StorageRefused(sqlx::Error::RowNotFound),
+                Code::Internal,
+                "IDEMPOTENCY_STORAGE_REFUSED",
                 (None, None),
             ),
+            (Error::NotMigrated(sqlx::Error::RowNotFound), Code::Internal, "IDEMPOTENCY_NOT_MIGRATED", (None, None)),
+            (
+                Error::ResultTooLarge { biz: "pay", len: 2, max: 1 },
+                Code::Internal,
+                "IDEMPOTENCY_RESULT_TOO_LARGE",
+                (None, None),
+            ),
+            (Error::InvalidText { field: "biz_no", at: 0 }, Code::InvalidArgument, "INVALID_TEXT", (None, None)),
             (
                 Error::Replay { biz: "pay", key: "k".into(), source: json_error() },
                 Code::Internal,

@@ -29,10 +29,26 @@ pub fn validate_biz(biz: &str) -> Result<(), Error> {
 }
 
 /// Checks a rendered `biz_no`: at most 64 bytes, its column's width
-/// ([`Error::BizNoTooLong`]). Any characters are allowed: it is stored, never
-/// part of a Redis key.
+/// ([`Error::BizNoTooLong`]), and storable as text ([`validate_text`]). Any
+/// other characters are allowed: it is stored, never part of a Redis key.
 pub fn validate_biz_no(no: &str) -> Result<(), Error> {
-    if no.len() <= MAX_BIZ_NO_LEN { Ok(()) } else { Err(Error::BizNoTooLong { len: no.len(), max: MAX_BIZ_NO_LEN }) }
+    if no.len() > MAX_BIZ_NO_LEN {
+        return Err(Error::BizNoTooLong { len: no.len(), max: MAX_BIZ_NO_LEN });
+    }
+    validate_text("biz_no", no)
+}
+
+/// Checks text the engine stores as it was given (`biz_no`, an outbox
+/// event's destination, aggregate and payload): every backend's text columns
+/// take it. PostgreSQL refuses a NUL character in text (`22021`, a failure
+/// that recurs on every try); MySQL and SQLite would store it, so it is
+/// refused on all three alike, before anything is written
+/// ([`Error::InvalidText`]). Every other character is text everywhere.
+pub fn validate_text(field: &'static str, text: &str) -> Result<(), Error> {
+    match text.bytes().position(|b| b == 0) {
+        None => Ok(()),
+        Some(at) => Err(Error::InvalidText { field, at }),
+    }
 }
 
 /// The 16-byte digest of `(biz, key)`: the first half of SHA-256 over

@@ -54,7 +54,7 @@ pub use consumer::amqp;
 pub use consumer::nats;
 #[cfg(feature = "redis-streams")]
 pub use consumer::redis_streams;
-pub use engine::{Builder, Idem};
+pub use engine::{Builder, DEFAULT_MAX_RESULT_BYTES, Idem};
 pub use error::{Error, KeyError};
 pub use gate::local::LocalCache;
 pub use key::MAX_BIZ_NO_LEN;

@@ -46,12 +46,17 @@ impl Outcome {
         match error {
             Error::InProgress { .. } => Outcome::InProgress,
             Error::KeyReused { .. } => Outcome::KeyReused,
-            Error::Storage(_) => Outcome::Failed,
+            // Nothing was recorded: `Storage` may succeed later, the others
+            // fail again (consumers spend their retries on them, then
+            // dead-letter).
+            Error::Storage(_) | Error::StorageRefused(_) | Error::NotMigrated(_) => Outcome::Failed,
             // A recorded failure, seen again: only a replay reports it as an error.
             Error::Permanent { .. } => Outcome::Replayed,
             Error::InvalidKey(_)
             | Error::InvalidBiz
             | Error::BizNoTooLong { .. }
+            | Error::InvalidText { .. }
+            | Error::ResultTooLarge { .. }
             | Error::NonFiniteFloat { .. }
             | Error::Replay { .. }
             | Error::Serialize(_)

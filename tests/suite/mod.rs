@@ -15,6 +15,7 @@
 
 pub(crate) mod fixture;
 
+mod answers;
 mod deadlocks;
 mod deploy_results;
 mod deploy_signature;

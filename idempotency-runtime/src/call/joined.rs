@@ -122,7 +122,13 @@ async fn execute<'t, DB: Backend>(
     // deadlock may have ended the caller's whole transaction, which only
     // the body's own error tells the caller.
     let response = match result {
-        Ok(response) => response,
+        Ok(response) => match engine.check_result(id.biz, &response) {
+            Ok(()) => response,
+            Err(e) => {
+                rollback(savepoint).await;
+                return Err(e.into());
+            }
+        },
         Err(Failed::Body) => {
             rollback(savepoint).await;
             return Err(CallError::Body);

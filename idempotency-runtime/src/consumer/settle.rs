@@ -78,6 +78,9 @@ pub(crate) fn verdict(result: Result<(), Option<&Error>>, outcome: Option<Outcom
     let failed = || if budget.is_spent() { Verdict::DeadLetter(budget.exhausted) } else { Verdict::Retry };
     match carried {
         Some(Error::Storage(_)) => Verdict::Requeue(Wait::Storage),
+        // A failure that will recur: counted retries (the classification
+        // by code may be wrong for one odd case), then the dead letter.
+        Some(Error::StorageRefused(_) | Error::NotMigrated(_)) => failed(),
         Some(Error::InProgress { .. }) => Verdict::Requeue(Wait::InProgress),
         Some(Error::KeyReused { .. }) => Verdict::DeadLetter(Reason::KeyReused),
         // `InvalidKey`, `Replay`, `Serialize` and the like: the call can
@@ -133,6 +136,27 @@ mod tests {
         let down = Error::Storage(sqlx::Error::PoolTimedOut);
         for outcome in EVERY_OUTCOME {
             assert_eq!(verdict(Err(Some(&down)), outcome, AMQP_FIRST), Verdict::Requeue(Wait::Storage), "{outcome:?}");
+        }
+    }
+
+    /// Regression: a failure that recurs (a NUL PostgreSQL refuses, a
+    /// body's own constraint, missing tables) was requeued uncounted for
+    /// ever, never dead-lettered. It spends the budget, then dead-letters.
+    #[test]
+    fn a_final_storage_error_spends_the_budget_then_dead_letters() {
+        let refused = Error::StorageRefused(sqlx::Error::RowNotFound);
+        let not_migrated = Error::NotMigrated(sqlx::Error::RowNotFound);
+        for error in [&refused, &not_migrated] {
+            for outcome in EVERY_OUTCOME {
+                assert_eq!(verdict(Err(Some(error)), outcome, AMQP_FIRST), Verdict::Retry, "{error:?}");
+                let spent = Budget { spent: 3, ..AMQP_FIRST };
+                let dead = Verdict::DeadLetter(Reason::RetriesExhausted);
+                assert_eq!(verdict(Err(Some(error)), outcome, spent), dead, "{error:?}");
+                assert_eq!(
+                    verdict(Err(Some(error)), outcome, nats(4, 4)),
+                    Verdict::DeadLetter(Reason::DeliveriesExhausted)
+                );
+            }
         }
     }
 

@@ -261,7 +261,9 @@ mod tests {
             (Error::BizNoTooLong { len: 65, max: 64 }, 400, None),
             (Error::InvalidBiz, 500, None),
             (Error::NonFiniteFloat { arg: "amount" }, 422, None),
-            (Error::Storage(sqlx::Error::PoolTimedOut), 503, None),
+            (Error::Storage(sqlx::Error::PoolTimedOut), 503, Some("1")),
+            (Error::StorageRefused(sqlx::Error::RowNotFound), 500, None),
+            (Error::NotMigrated(sqlx::Error::RowNotFound), 500, None),
             (Error::Replay { biz: "pay", key: "k".into(), source: json_error() }, 500, None),
             (Error::Serialize(json_error()), 500, None),
         ];

@@ -210,13 +210,16 @@ mod tests {
             (Error::InvalidBiz, 500, "IDEMPOTENCY_MISCONFIGURED"),
             (Error::NonFiniteFloat { arg: "amount" }, 422, "NON_FINITE_NUMBER"),
             (Error::Storage(sqlx::Error::PoolTimedOut), 503, "IDEMPOTENCY_STORAGE_UNAVAILABLE"),
+            (Error::StorageRefused(sqlx::Error::RowNotFound), 500, "IDEMPOTENCY_STORAGE_REFUSED"),
+            (Error::NotMigrated(sqlx::Error::RowNotFound), 500, "IDEMPOTENCY_NOT_MIGRATED"),
             (Error::Replay { biz: "pay", key: "k".into(), source: json_error() }, 500, "IDEMPOTENCY_REPLAY_FAILED"),
             (Error::Serialize(json_error()), 500, "IDEMPOTENCY_SERIALIZE_FAILED"),
         ];
         for (error, status, code) in cases {
             let (got, body, headers) = parts(error);
             assert_eq!((got.as_u16(), body["code"].as_str()), (status, Some(code)));
-            assert!(headers.get(header::RETRY_AFTER).is_none());
+            // Only a failure that passes says when to come back.
+            assert_eq!(headers.get(header::RETRY_AFTER).is_some(), status == 503, "{code}");
         }
     }
 

@@ -173,6 +173,21 @@ fn of_error(error: &Error) -> ProblemDetails {
             "Business number too long",
             format!("the request's business number is {len} bytes long, at most {max} are allowed; nothing was written"),
         ),
+        Error::InvalidText { field, at } => ProblemDetails::new(
+            BAD_REQUEST,
+            "INVALID_TEXT",
+            "Request holds text a database cannot store",
+            format!("the request's {field} holds a NUL character at byte {at}, which cannot be stored; nothing was written"),
+        ),
+        Error::ResultTooLarge { len, max, .. } => ProblemDetails::new(
+            INTERNAL_SERVER_ERROR,
+            "IDEMPOTENCY_RESULT_TOO_LARGE",
+            "Result too large to record",
+            format!(
+                "the result is {len} bytes, more than the {max} the server records; nothing was recorded, \
+                 and sending the same request again fails the same way"
+            ),
+        ),
         Error::InvalidBiz => ProblemDetails::new(
             INTERNAL_SERVER_ERROR,
             "IDEMPOTENCY_MISCONFIGURED",
@@ -203,11 +218,33 @@ fn of_error(error: &Error) -> ProblemDetails {
              use a new key for a new request"
                 .into(),
         ),
-        Error::Storage(_) => ProblemDetails::new(
-            SERVICE_UNAVAILABLE,
-            "IDEMPOTENCY_STORAGE_UNAVAILABLE",
-            "Idempotency storage unavailable",
-            "the request could not be completed; retry with the same key: it runs once, or answers with what was recorded".into(),
+        // Transient: retry. The rule ("What a caller is told to do next" in
+        // docs/guarantees.md): a failure that passes says when to come back.
+        Error::Storage(_) => ProblemDetails {
+            retry_after: Some(1),
+            ..ProblemDetails::new(
+                SERVICE_UNAVAILABLE,
+                "IDEMPOTENCY_STORAGE_UNAVAILABLE",
+                "Idempotency storage unavailable",
+                "the request could not be completed; retry with the same key: it runs once, or answers with what was recorded".into(),
+            )
+        },
+        // Final: the same request fails the same way; no `Retry-After`.
+        Error::StorageRefused(_) => ProblemDetails::new(
+            INTERNAL_SERVER_ERROR,
+            "IDEMPOTENCY_STORAGE_REFUSED",
+            "The database refused the request",
+            "the database refused this request's data or statements; nothing was written, and sending \
+             the same request again fails the same way"
+                .into(),
+        ),
+        Error::NotMigrated(_) => ProblemDetails::new(
+            INTERNAL_SERVER_ERROR,
+            "IDEMPOTENCY_NOT_MIGRATED",
+            "Idempotency tables missing",
+            "the server's idempotency tables are missing or out of date (its operator must run `idem migrate`, \
+             or `Idem::migrate` at start-up); nothing was written"
+                .into(),
         ),
         Error::Replay { .. } => ProblemDetails::new(
             INTERNAL_SERVER_ERROR,

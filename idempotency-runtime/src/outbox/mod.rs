@@ -196,8 +196,10 @@ const MAX_NAME_LEN: usize = 255;
 /// [module docs](self)); elsewhere the event must carry one ([`Event::id`]),
 /// else `Err(Error::InvalidKey(KeyError::Missing))`: there is no key to
 /// derive it from. A destination or aggregate longer than 255 bytes, or
-/// empty, is `Err(Error::InvalidKey(..))` too, with nothing written. The
-/// database's failure is `Err(Error::Storage)`.
+/// empty, is `Err(Error::InvalidKey(..))` too, and a NUL character in the
+/// destination, the aggregate or the payload `Err(Error::InvalidText)`
+/// (PostgreSQL's text refuses it), with nothing written. The database's
+/// failure is `Err(Error::Storage)` when it passes (see [`Error`]).
 ///
 /// An event with an aggregate first locks the aggregate's row until `tx`
 /// ends (one more statement): while another open transaction holds it,
@@ -215,6 +217,11 @@ pub async fn queue<DB: Backend>(tx: &mut Transaction<'_, DB>, event: Event) -> R
             KeyError::TooLong { len, max: MAX_NAME_LEN }
         }));
     }
+    crate::key::validate_text("destination", &event.destination)?;
+    if let Some(aggregate) = &event.aggregate {
+        crate::key::validate_text("aggregate", aggregate)?;
+    }
+    crate::key::validate_text("payload", &event.payload)?;
     let (id, call) = match (event.id, current_call()) {
         (Some(id), call) => (id, call),
         (None, Some(call)) => (MessageId::hash(call.biz, &call.key, call.position), Some(call)),
@@ -237,7 +244,7 @@ pub async fn queue<DB: Backend>(tx: &mut Transaction<'_, DB>, event: Event) -> R
         // engine to read it through, and this host's stands in.
         now_ms: call.as_ref().map_or_else(host_ms, |c| c.clock.now_ms()),
     };
-    DB::outbox_insert(crate::store::pooling::in_body(), &mut **tx, &row).await?;
+    DB::outbox_insert(crate::store::pooling::in_body(), &mut **tx, &row).await.map_err(Error::from_store)?;
     Ok(id)
 }
 
@@ -369,7 +376,7 @@ impl<DB: Backend> Idem<DB> {
 impl<DB: Backend> Outbox<'_, DB> {
     /// Up to `limit` dead events, oldest first.
     pub async fn dead(&self, limit: u32) -> Result<Vec<DeadEvent>, Error> {
-        let rows = DB::outbox_list_dead(self.engine.db(), i64::from(limit)).await?;
+        let rows = DB::outbox_list_dead(self.engine.db(), i64::from(limit)).await.map_err(Error::from_store)?;
         Ok(rows.into_iter().map(DeadEvent::from).collect())
     }
 
@@ -377,7 +384,9 @@ impl<DB: Backend> Outbox<'_, DB> {
     /// it at once (and the events of its aggregate queued after it, after
     /// it). `Ok(false)`: no dead event has that id.
     pub async fn retry_dead(&self, message_id: &str) -> Result<bool, Error> {
-        let retried = DB::outbox_retry_dead(self.engine.db(), message_id, self.engine.now_ms().await).await?;
+        let retried = DB::outbox_retry_dead(self.engine.db(), message_id, self.engine.now_ms().await)
+            .await
+            .map_err(Error::from_store)?;
         if retried {
             self.engine.outbox_waker().wake();
         }
@@ -387,7 +396,7 @@ impl<DB: Backend> Outbox<'_, DB> {
     /// Deletes a dead event for good, never published: the events of its
     /// aggregate queued after it go on. `Ok(false)`: no dead event has that id.
     pub async fn discard_dead(&self, message_id: &str) -> Result<bool, Error> {
-        let discarded = DB::outbox_discard_dead(self.engine.db(), message_id).await?;
+        let discarded = DB::outbox_discard_dead(self.engine.db(), message_id).await.map_err(Error::from_store)?;
         if discarded {
             self.engine.outbox_waker().wake();
         }
@@ -399,7 +408,7 @@ impl<DB: Backend> Outbox<'_, DB> {
     pub async fn purge_sent(&self, retention: Duration, limit: u32) -> Result<u64, Error> {
         let before =
             self.engine.now_ms().await.saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
-        Ok(DB::outbox_purge_sent(self.engine.db(), before, i64::from(limit)).await?)
+        DB::outbox_purge_sent(self.engine.db(), before, i64::from(limit)).await.map_err(Error::from_store)
     }
 
     /// Deletes up to `limit` aggregate rows (the locks that keep one
@@ -410,12 +419,12 @@ impl<DB: Backend> Outbox<'_, DB> {
     pub(crate) async fn purge_aggregates(&self, retention: Duration, limit: u32) -> Result<u64, Error> {
         let before =
             self.engine.now_ms().await.saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
-        Ok(DB::outbox_purge_aggregates(self.engine.db(), before, i64::from(limit)).await?)
+        DB::outbox_purge_aggregates(self.engine.db(), before, i64::from(limit)).await.map_err(Error::from_store)
     }
 
     /// How many events are pending, sent (and not purged), and dead.
     pub async fn counts(&self) -> Result<Counts, Error> {
-        let (pending, sent, dead) = DB::outbox_count(self.engine.db()).await?;
+        let (pending, sent, dead) = DB::outbox_count(self.engine.db()).await.map_err(Error::from_store)?;
         let n = |v: i64| u64::try_from(v).unwrap_or(0);
         Ok(Counts { pending: n(pending), sent: n(sent), dead: n(dead) })
     }

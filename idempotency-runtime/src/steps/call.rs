@@ -172,7 +172,10 @@ async fn execute<DB: Backend>(engine: &Idem<DB>, id: &CallKey<'_>, body: &mut Dy
         return new_owners_outcome(engine, id, body).await;
     }
     let (status, response) = match result {
-        Ok(response) => (SUCCEEDED, response),
+        Ok(response) => match engine.check_result(id.biz, &response) {
+            Ok(()) => (SUCCEEDED, response),
+            Err(e) => return give_up(engine, parts, Ended::error(e)).await,
+        },
         Err(Failed::Serialize(e)) => return give_up(engine, parts, Ended::error(Error::Serialize(e))).await,
         Err(Failed::Body) => match &parts.failure {
             Some(failure) => (FAILED, failure.as_json().to_owned()),

@@ -231,7 +231,7 @@ pub(crate) async fn read<DB: Backend>(db: &Db<DB>, id: &CallKey<'_>) -> Result<O
 pub(crate) fn db_error<DB: Backend>(id: &CallKey<'_>, error: sqlx::Error) -> Error {
     match DB::classify(&error) {
         ErrorClass::LockTimeout | ErrorClass::Conflict => id.in_progress(),
-        _ => Error::Storage(error),
+        _ => Error::from_store(error),
     }
 }
 

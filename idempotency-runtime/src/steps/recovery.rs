@@ -36,7 +36,8 @@ impl<DB: Backend> Idem<DB> {
     /// is safe, since the old owner is fenced off.
     pub async fn stuck_calls(&self, biz: &str, limit: u32) -> Result<Vec<StuckCall>, Error> {
         validate_biz(biz)?;
-        let rows = DB::calls_stuck(self.db(), biz, self.now_ms().await, i64::from(limit)).await?;
+        let rows =
+            DB::calls_stuck(self.db(), biz, self.now_ms().await, i64::from(limit)).await.map_err(Error::from_store)?;
         Ok(rows
             .into_iter()
             .map(|(key, biz_no, fence, lease_ended_at_ms, started_at_ms)| StuckCall {
@@ -53,6 +54,6 @@ impl<DB: Backend> Idem<DB> {
     /// returns how many. Calls in `processing` are never purged: they wait
     /// for [`stuck_calls`](Idem::stuck_calls) and a retry.
     pub async fn purge_expired_calls(&self, limit: u32) -> Result<u64, Error> {
-        Ok(DB::calls_purge_expired(self.db(), self.now_ms().await, i64::from(limit)).await?)
+        DB::calls_purge_expired(self.db(), self.now_ms().await, i64::from(limit)).await.map_err(Error::from_store)
     }
 }

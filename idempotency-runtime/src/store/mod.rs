@@ -16,6 +16,7 @@ use std::time::Duration;
 use sqlx::{Pool, Transaction};
 
 pub(crate) mod calls;
+mod classify;
 mod digest;
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -29,6 +30,7 @@ mod sqlite;
 mod tokens;
 mod upgrade;
 
+pub use classify::{ErrorClass, classify};
 pub use digest::RowKey;
 pub(crate) use pooling::on_pool;
 pub use pooling::{Db, Pooling};
@@ -76,20 +78,6 @@ impl From<RecordRow> for StoredRecord {
     fn from((params_hash, status, response, expires_ms): RecordRow) -> Self {
         StoredRecord { params_hash, status, response, expires_ms }
     }
-}
-
-/// How a database error matters to the engine. Decided by error kind and
-/// code, never by message text.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ErrorClass {
-    /// The unique index on `key_digest` refused the row.
-    Duplicate,
-    /// A lock wait ran past its bound: someone else holds the key.
-    LockTimeout,
-    /// Deadlock or serialization failure: the transaction may be retried.
-    Conflict,
-    /// Anything else.
-    Other,
 }
 
 /// A database `idempotency` can keep its records in: SQLite, MySQL/MariaDB or
@@ -276,8 +264,10 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// Deletes up to `limit` expired rows (any key).
     fn purge_expired(db: &Db<Self>, now_ms: i64, limit: i64) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
-    /// How an error of this backend matters to the engine.
-    fn classify(error: &sqlx::Error) -> ErrorClass;
+    /// How an error of this backend matters to the engine ([`classify`]).
+    fn classify(error: &sqlx::Error) -> ErrorClass {
+        classify(error)
+    }
 
     /// `ident` quoted for this backend's SQL. Only for identifiers checked
     /// at compile time (layer 4's `state::Ident`): none holds a quote.
@@ -465,127 +455,6 @@ pub(crate) fn inserted(result: Result<u64, sqlx::Error>) -> Result<bool, sqlx::E
 /// The part of [`RecordSql::classify`] all backends share.
 pub(crate) fn is_unique_violation(error: &sqlx::Error) -> bool {
     error.as_database_error().is_some_and(|e| e.kind() == sqlx::error::ErrorKind::UniqueViolation)
-}
-
-/// Errors of real servers, classified by code: a unique violation, a lock
-/// wait past its bound, a deadlock, and anything else. Against the servers
-/// on this machine (`IDEM_MYSQL_URL`, `IDEM_PG_URL`); skipped when one does
-/// not answer, unless `IDEM_REQUIRE_SERVICES=1`.
-#[cfg(test)]
-mod classification {
-    use std::time::Duration;
-
-    use sqlx::Pool;
-
-    use super::{ErrorClass, RecordSql};
-
-    /// What differs per server for the test below.
-    struct Server {
-        /// Creates `idem_classify` with rows 1 and 2.
-        ddl: &'static str,
-        /// Makes this transaction's next lock wait give up quickly.
-        short_lock_wait: &'static str,
-        /// Whether row locks exist (SQLite locks the whole database).
-        row_locks: bool,
-    }
-
-    fn unreachable(service: &str, e: impl std::fmt::Display) {
-        assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "{service} unreachable: {e}");
-        eprintln!("skipped: {service} unreachable ({e})");
-    }
-
-    async fn classifies<DB>(pool: Pool<DB>, server: Server)
-    where
-        DB: RecordSql,
-        DB::QueryResult: std::fmt::Debug,
-        for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-        for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
-    {
-        let class = |e: &sqlx::Error| DB::classify(e);
-        sqlx::raw_sql(server.ddl).execute(&pool).await.expect("ddl");
-        let lock = |id: i32| {
-            if id == 1 {
-                "UPDATE idem_classify SET v = v + 1 WHERE id = 1"
-            } else {
-                "UPDATE idem_classify SET v = v + 1 WHERE id = 2"
-            }
-        };
-
-        let dup = sqlx::raw_sql("INSERT INTO idem_classify VALUES (1, 0)").execute(&pool).await.unwrap_err();
-        assert_eq!(class(&dup), ErrorClass::Duplicate, "{dup:?}");
-        let null = sqlx::raw_sql("INSERT INTO idem_classify VALUES (3, NULL)").execute(&pool).await.unwrap_err();
-        assert_eq!(class(&null), ErrorClass::Other, "{null:?}");
-
-        let mut a = pool.begin().await.unwrap();
-        sqlx::raw_sql(lock(1)).execute(&mut *a).await.unwrap();
-        // A connection of its own, closed afterwards: its short lock wait
-        // must not reach the deadlock below through the pool.
-        let mut b = pool.acquire().await.unwrap().detach();
-        sqlx::raw_sql(server.short_lock_wait).execute(&mut b).await.unwrap();
-        let waited = sqlx::raw_sql(lock(1)).execute(&mut b).await.unwrap_err();
-        assert_eq!(class(&waited), ErrorClass::LockTimeout, "{waited:?}");
-        drop(b);
-        if !server.row_locks {
-            return;
-        }
-
-        let mut b = pool.begin().await.unwrap();
-        sqlx::raw_sql(lock(2)).execute(&mut *b).await.unwrap();
-        let a_waits = tokio::spawn(async move {
-            let r = sqlx::raw_sql(lock(2)).execute(&mut *a).await;
-            (a, r)
-        });
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let b_result = sqlx::raw_sql(lock(1)).execute(&mut *b).await;
-        let (a, a_result) = a_waits.await.unwrap();
-        let deadlock = match (a_result, b_result) {
-            (Err(e), _) | (_, Err(e)) => e,
-            (Ok(_), Ok(_)) => panic!("no deadlock"),
-        };
-        assert_eq!(class(&deadlock), ErrorClass::Conflict, "{deadlock:?}");
-        drop((a, b));
-    }
-
-    #[cfg(feature = "sqlite")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn sqlite_errors_are_classified_by_code() {
-        use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
-        let file = std::env::temp_dir().join(format!("idem-classify-{}.db", crate::random::token()));
-        let options = SqliteConnectOptions::new().filename(&file).create_if_missing(true);
-        let pool = SqlitePoolOptions::new().max_connections(2).connect_with(options).await.expect("sqlite");
-        let ddl = "CREATE TABLE idem_classify (id INT PRIMARY KEY, v INT NOT NULL); \
-                   INSERT INTO idem_classify VALUES (1, 0), (2, 0)";
-        classifies(pool, Server { ddl, short_lock_wait: "PRAGMA busy_timeout = 300", row_locks: false }).await;
-        let _ = std::fs::remove_file(file);
-    }
-
-    #[cfg(feature = "mysql")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_errors_are_classified_by_code() {
-        let url = std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-        let pool = match sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&url).await {
-            Ok(pool) => pool,
-            Err(e) => return unreachable("mysql", e),
-        };
-        let ddl = "CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); \
-                   INSERT IGNORE INTO idem_classify VALUES (1, 0), (2, 0)";
-        let short = "SET SESSION innodb_lock_wait_timeout = 1";
-        classifies(pool, Server { ddl, short_lock_wait: short, row_locks: true }).await;
-    }
-
-    #[cfg(feature = "postgres")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_errors_are_classified_by_code() {
-        let url = std::env::var("IDEM_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-        let pool = match sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&url).await {
-            Ok(pool) => pool,
-            Err(e) => return unreachable("postgres", e),
-        };
-        let ddl = "SELECT pg_advisory_xact_lock(7306232718293614); \
-                   CREATE TABLE IF NOT EXISTS idem_classify (id INT PRIMARY KEY, v INT NOT NULL); \
-                   INSERT INTO idem_classify VALUES (1, 0), (2, 0) ON CONFLICT DO NOTHING";
-        classifies(pool, Server { ddl, short_lock_wait: "SET lock_timeout = 300", row_locks: true }).await;
-    }
 }
 
 /// Each server's clock, read as the engines read it: within a second of

@@ -73,8 +73,52 @@ const TQ: TokenQueries = TokenQueries {
 
 /// The largest `innodb_lock_wait_timeout` the server takes (2^30 s).
 const MAX_LOCK_WAIT_SECS: u64 = 1 << 30;
-const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
-const ER_LOCK_DEADLOCK: u16 = 1213;
+/// What MySQL's or MariaDB's error number says of a failure
+/// (`store::classify`'s table): `None` for another backend's error.
+pub(super) fn class_of(error: &(dyn sqlx::error::DatabaseError + 'static)) -> Option<ErrorClass> {
+    let number = error.try_downcast_ref::<MySqlDatabaseError>()?.number();
+    Some(match number {
+        // ER_LOCK_WAIT_TIMEOUT.
+        1205 => ErrorClass::LockTimeout,
+        // ER_LOCK_DEADLOCK (also a Galera certification failure).
+        1213 => ErrorClass::Conflict,
+        // ER_NO_SUCH_TABLE, ER_BAD_FIELD_ERROR.
+        1146 | 1054 => ErrorClass::Schema,
+        // Too many connections (ER_CON_COUNT_ERROR, ER_TOO_MANY_USER_CONNECTIONS,
+        // ER_USER_LIMIT_REACHED); the server shutting down or dropping the
+        // connection (ER_SERVER_SHUTDOWN, ER_ABORTING_CONNECTION,
+        // ER_CONNECTION_KILLED, ER_NET_* 1154-1161); a read-only server
+        // (ER_OPTION_PREVENTS_STATEMENT under --read-only, ER_READ_ONLY_MODE,
+        // ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION); a statement interrupted
+        // or past its time (ER_QUERY_INTERRUPTED, MariaDB's ER_STATEMENT_TIMEOUT,
+        // MySQL's ER_QUERY_TIMEOUT); out of resources (ER_DISK_FULL,
+        // ER_OUTOFMEMORY, ER_OUT_OF_RESOURCES, ER_TOO_MANY_CONCURRENT_TRXS);
+        // a Galera node not ready yet (ER_UNKNOWN_COM_ERROR); a client
+        // dropped for inactivity (MySQL's 4031).
+        1040
+        | 1203
+        | 1226
+        | 1053
+        | 1152
+        | 1927
+        | 1154..=1161
+        | 1290
+        | 1836
+        | 1792
+        | 1317
+        | 1969
+        | 3024
+        | 1021
+        | 1037
+        | 1041
+        | 1637
+        | 1047
+        | 4031 => ErrorClass::Transient,
+        // Data too long or wrong (1406, 1366), a packet over
+        // max_allowed_packet (1153), constraints, syntax, privileges...
+        _ => ErrorClass::Final,
+    })
+}
 
 impl Backend for MySql {}
 
@@ -130,19 +174,6 @@ impl RecordSql for MySql {
     // UTC_TIMESTAMP and a fixed epoch: no session time zone takes part.
     async fn clock_us(pool: &Pool<Self>) -> Result<i64, sqlx::Error> {
         super::select_bigint(pool, "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))").await
-    }
-
-    fn classify(error: &sqlx::Error) -> ErrorClass {
-        if is_unique_violation(error) {
-            return ErrorClass::Duplicate;
-        }
-        let number =
-            error.as_database_error().and_then(|e| e.try_downcast_ref::<MySqlDatabaseError>()).map(|e| e.number());
-        match number {
-            Some(ER_LOCK_WAIT_TIMEOUT) => ErrorClass::LockTimeout,
-            Some(ER_LOCK_DEADLOCK) => ErrorClass::Conflict,
-            _ => ErrorClass::Other,
-        }
     }
 }
 

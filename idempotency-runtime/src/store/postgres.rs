@@ -8,8 +8,7 @@ use sqlx::{AssertSqlSafe, Pool, Transaction};
 use super::outbox::{OutboxQueries, OutboxSql, outbox_queries};
 
 use super::{
-    Backend, Db, ErrorClass, Pooling, Queries, RecordSql, TokenQueries, is_unique_violation, on_pool, record_queries,
-    token_queries,
+    Backend, Db, ErrorClass, Pooling, Queries, RecordSql, TokenQueries, on_pool, record_queries, token_queries,
 };
 
 // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide in the catalog,
@@ -101,9 +100,30 @@ fn set_lock_bound(wait: Duration) -> String {
     )
 }
 
-const LOCK_NOT_AVAILABLE: &str = "55P03";
-const DEADLOCK_DETECTED: &str = "40P01";
-const SERIALIZATION_FAILURE: &str = "40001";
+/// What PostgreSQL's SQLSTATE says of a failure (`store::classify`'s
+/// table): `None` for another backend's error.
+pub(super) fn class_of(error: &(dyn sqlx::error::DatabaseError + 'static)) -> Option<ErrorClass> {
+    let error = error.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?;
+    let code = error.code();
+    Some(match code {
+        // lock_not_available: a lock wait past `lock_timeout`.
+        "55P03" => ErrorClass::LockTimeout,
+        // deadlock_detected, serialization_failure.
+        "40P01" | "40001" => ErrorClass::Conflict,
+        // undefined_table, undefined_column.
+        "42P01" | "42703" => ErrorClass::Schema,
+        // The connection (class 08); the server shutting down, restarting
+        // or refusing connections for now (57P01-57P03); a statement
+        // cancelled or timed out (57014); out of resources (class 53: too
+        // many connections, disk full, out of memory); a read-only server
+        // (a standby, or one in recovery: 25006); the system and its I/O
+        // (class 58); a commit whose outcome is unknown (40003).
+        "57P01" | "57P02" | "57P03" | "57014" | "25006" | "40003" => ErrorClass::Transient,
+        _ if code.starts_with("08") || code.starts_with("53") || code.starts_with("58") => ErrorClass::Transient,
+        // Data exceptions (22), constraints (23), syntax and access (42)...
+        _ => ErrorClass::Final,
+    })
+}
 
 impl Backend for Postgres {}
 
@@ -189,17 +209,6 @@ impl RecordSql for Postgres {
     // its transaction's start.
     async fn clock_us(pool: &Pool<Self>) -> Result<i64, sqlx::Error> {
         super::select_bigint(pool, "SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::BIGINT").await
-    }
-
-    fn classify(error: &sqlx::Error) -> ErrorClass {
-        if is_unique_violation(error) {
-            return ErrorClass::Duplicate;
-        }
-        match error.as_database_error().and_then(|e| e.code()).as_deref() {
-            Some(LOCK_NOT_AVAILABLE) => ErrorClass::LockTimeout,
-            Some(DEADLOCK_DETECTED | SERIALIZATION_FAILURE) => ErrorClass::Conflict,
-            _ => ErrorClass::Other,
-        }
     }
 }
 

@@ -237,7 +237,7 @@ impl<DB: Backend> Records<'_, DB> {
     /// The committed row of `(biz, key)`, live or expired, read without
     /// waiting on locks.
     pub(crate) async fn read(&self, biz: &str, key: &str) -> Result<Option<StoredRecord>, Error> {
-        Ok(DB::read_plain(self.db, RowKey::new(biz, key)).await?)
+        DB::read_plain(self.db, RowKey::new(biz, key)).await.map_err(Error::from_store)
     }
 
     /// The live committed row of `(biz, key)`, if any.
@@ -383,10 +383,11 @@ pub(crate) async fn rollback<DB: Backend>(tx: Transaction<'_, DB>) {
 }
 
 /// A database error as the caller sees it: a lock wait past its bound, or
-/// a conflict that outlived its retries, means someone else holds the key.
+/// a conflict that outlived its retries, means someone else holds the key;
+/// anything else is told as [`Error::from_store`] tells it.
 fn db_error<DB: Backend>(id: &RecordKey<'_>, error: sqlx::Error) -> Error {
     match DB::classify(&error) {
         ErrorClass::LockTimeout | ErrorClass::Conflict => id.in_progress(),
-        _ => Error::Storage(error),
+        _ => Error::from_store(error),
     }
 }

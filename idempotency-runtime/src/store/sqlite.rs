@@ -60,8 +60,28 @@ const TQ: TokenQueries = TokenQueries {
 };
 
 // Primary result codes; extended codes keep them in the low byte.
-const SQLITE_BUSY: u32 = 5;
-const SQLITE_LOCKED: u32 = 6;
+/// What SQLite's result code says of a failure (`store::classify`'s
+/// table): `None` for another backend's error.
+pub(super) fn class_of(error: &(dyn sqlx::error::DatabaseError + 'static)) -> Option<ErrorClass> {
+    let error = error.try_downcast_ref::<sqlx::sqlite::SqliteError>()?;
+    // The extended code; its low byte is the primary one.
+    let code = sqlx::error::DatabaseError::code(error).and_then(|c| c.parse::<u32>().ok()).unwrap_or(0) & 0xff;
+    Some(match code {
+        // SQLITE_BUSY, SQLITE_LOCKED: the busy timeout passed.
+        5 | 6 => ErrorClass::LockTimeout,
+        // SQLITE_ERROR: in the engine's own statements, whose text is
+        // fixed, a table or column that is not there (SQLite gives "no such
+        // table" no code of its own); in a body, its own SQL error, final
+        // all the same.
+        1 => ErrorClass::Schema,
+        // SQLITE_NOMEM, SQLITE_INTERRUPT, SQLITE_IOERR, SQLITE_FULL,
+        // SQLITE_CANTOPEN (the file's "connection refused": a volume not
+        // mounted yet), SQLITE_PROTOCOL.
+        7 | 9 | 10 | 13 | 14 | 15 => ErrorClass::Transient,
+        // Constraints, datatype mismatches, a read-only or corrupt file...
+        _ => ErrorClass::Final,
+    })
+}
 
 impl Backend for Sqlite {}
 
@@ -106,17 +126,6 @@ impl RecordSql for Sqlite {
     // Never asked (`HAS_CLOCK` is false); SQLite reads the host's clock too.
     async fn clock_us(pool: &Pool<Self>) -> Result<i64, sqlx::Error> {
         super::select_bigint(pool, "SELECT CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)").await
-    }
-
-    fn classify(error: &sqlx::Error) -> ErrorClass {
-        if is_unique_violation(error) {
-            return ErrorClass::Duplicate;
-        }
-        let code = error.as_database_error().and_then(|e| e.code()).and_then(|c| c.parse::<u32>().ok());
-        match code.map(|c| c & 0xff) {
-            Some(SQLITE_BUSY | SQLITE_LOCKED) => ErrorClass::LockTimeout,
-            _ => ErrorClass::Other,
-        }
     }
 }
 
