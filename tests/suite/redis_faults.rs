@@ -276,11 +276,10 @@ async fn another_call_claims_in_redis(idem: &Idem<Db>, client: &redis::Client) -
 /// call of the bad key did it again. Now whatever the gate did not write
 /// (too short, another tag, a response that is not UTF-8, a result hash of
 /// another type), forged where the call reads it, is a miss: a new key's
-/// call runs, a finished key's duplicate replays its record (its body rolled
-/// back: one ledger row), the bad entry
-/// is dropped or replaced by the call's result, no claim script fails
-/// (`INFO commandstats`), and the next call on another key still claims in
-/// Redis.
+/// call runs, a finished key's duplicate replays its record (its body
+/// rolled back: one ledger row), the bad entry is replaced by the call's
+/// result, no claim script fails (`INFO commandstats`), and the next call
+/// on another key still claims in Redis.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_cached_result_is_a_miss_not_an_outage() {
     let Some((server, idem)) = engine_in_window_zero().await else { return };
