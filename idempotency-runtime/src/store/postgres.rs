@@ -41,13 +41,28 @@ const DDL: [&str; 3] = [
 // a scan of the whole table): a batch reads only expired rows, and one with
 // nothing to delete is one index probe however many records live. A row a
 // call holds (`SKIP LOCKED`) is left for the next batch.
+//
+// Their plan must not depend on what the planner knows. Planned without
+// the values (the generic plan a prepared statement may switch to after
+// five runs, the only one under `plan_cache_mode = force_generic_plan`),
+// `expires_at <= $1` is taken to match a third of the table and `LIMIT $2` a
+// tenth of that; once the table outgrows `effective_cache_size` a
+// sequential scan and a sort looked cheaper than the walk (2.3 M records:
+// 0.3-0.9 s and 105-134 k buffers a batch, deleted or not). So the bounds
+// and the limit are sub-selects, unknown to every plan, custom or generic,
+// with statistics or without: a range between two unknown bounds (the
+// lower one, `$1 - 2^62`, holds for every row) is taken to be narrow
+// (0.5 %), a tenth of it is fetched, and the walk wins at any size. A
+// lower bound alone, the values known, left a never-analyzed table's
+// custom plan reading all expired rows to sort them (docs/performance.md,
+// "The purge's plans").
 const Q: Queries = Queries {
     insert: "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (key_digest) DO NOTHING",
     mark_succeeded: "UPDATE idem_record SET status = $1, response = $2, updated_at = $3, expires_at = $4 WHERE key_digest = $5 AND biz_type = $6 AND idem_key = $7",
     read_locking: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE key_digest = $1 AND biz_type = $2 AND idem_key = $3",
     read_plain: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE key_digest = $1 AND biz_type = $2 AND idem_key = $3",
     delete_expired: "DELETE FROM idem_record WHERE key_digest = $1 AND biz_type = $2 AND idem_key = $3 AND expires_at <= $4",
-    purge_expired: "DELETE FROM idem_record WHERE id = ANY (ARRAY(SELECT id FROM idem_record WHERE expires_at <= $1 ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED))",
+    purge_expired: "DELETE FROM idem_record WHERE id = ANY (ARRAY(SELECT id FROM idem_record WHERE expires_at > (SELECT $1::bigint - 4611686018427387904) AND expires_at <= (SELECT $1::bigint) ORDER BY expires_at LIMIT (SELECT $2::bigint) FOR UPDATE SKIP LOCKED))",
     meta_ddl: "CREATE TABLE IF NOT EXISTS idem_meta (name VARCHAR(64) PRIMARY KEY, value VARCHAR(255) NOT NULL)",
     init_namespace: "INSERT INTO idem_meta (name, value) VALUES ('namespace', $1) ON CONFLICT (name) DO NOTHING",
 };
@@ -74,12 +89,13 @@ const TOKEN_DDL: [&str; 2] = [
     "CREATE INDEX IF NOT EXISTS idx_idem_token_keep_until ON idem_token (keep_until)",
 ];
 
+// The purge as the records' (`Q`): by `ctid`, the table has no id.
 const TQ: TokenQueries = TokenQueries {
     insert: "INSERT INTO idem_token (biz_type, token, subject, created_at, expires_at, used_at, keep_until) VALUES ($1, $2, $3, $4, $5, NULL, $6) ON CONFLICT (biz_type, token) DO NOTHING",
     consume: "UPDATE idem_token SET used_at = $1, keep_until = $2 WHERE biz_type = $3 AND token = $4 AND subject = $5 AND used_at IS NULL AND expires_at > $6",
     read: "SELECT subject, used_at, expires_at, keep_until FROM idem_token WHERE biz_type = $1 AND token = $2",
     give_back: "UPDATE idem_token SET used_at = NULL, keep_until = expires_at WHERE biz_type = $1 AND token = $2 AND subject = $3 AND used_at = $4",
-    purge_expired: "DELETE FROM idem_token WHERE ctid = ANY (ARRAY(SELECT ctid FROM idem_token WHERE keep_until <= $1 ORDER BY keep_until LIMIT $2 FOR UPDATE SKIP LOCKED))",
+    purge_expired: "DELETE FROM idem_token WHERE ctid = ANY (ARRAY(SELECT ctid FROM idem_token WHERE keep_until > (SELECT $1::bigint - 4611686018427387904) AND keep_until <= (SELECT $1::bigint) ORDER BY keep_until LIMIT (SELECT $2::bigint) FOR UPDATE SKIP LOCKED))",
 };
 
 /// A migration's transaction, holding the migration lock.
@@ -243,6 +259,9 @@ const OUTBOX_DDL: [&str; 6] = [
     "CREATE INDEX IF NOT EXISTS idx_idem_outbox_aggregate_created_at ON idem_outbox_aggregate (created_at)",
 ];
 
+// `purge_sent` walks `(status, sent_at)` as the records' purge walks its
+// index (`Q`: bounds and limit unknown to every plan).
+//
 // `FOR UPDATE OF o`: only the batch's rows are locked; the `NOT EXISTS`
 // is a plain read, so a row another relay holds still counts as pending
 // and holds back the later rows of its aggregate.
@@ -257,7 +276,7 @@ const OQ: OutboxQueries = OutboxQueries {
     insert: "INSERT INTO idem_outbox (message_id, destination, aggregate_key, payload, headers, biz_type, idem_key, status, attempts, next_attempt_at, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, 0, 0, $8, $9) ON CONFLICT (message_id) DO NOTHING",
     pick: "SELECT id, message_id, destination, aggregate_key, payload, headers, attempts, created_at FROM idem_outbox o WHERE status = 0 AND next_attempt_at <= $1 AND NOT EXISTS (SELECT 1 FROM idem_outbox p WHERE p.aggregate_key = o.aggregate_key AND p.status IN (0, 2) AND p.id < o.id) ORDER BY id LIMIT $2 FOR UPDATE OF o SKIP LOCKED",
     mark_failed: "UPDATE idem_outbox SET status = $1, attempts = $2, next_attempt_at = $3, last_error = $4 WHERE id = $5",
-    purge_sent: "DELETE FROM idem_outbox WHERE id = ANY (ARRAY(SELECT id FROM idem_outbox WHERE status = 1 AND sent_at <= $1 ORDER BY sent_at LIMIT $2))",
+    purge_sent: "DELETE FROM idem_outbox WHERE id = ANY (ARRAY(SELECT id FROM idem_outbox WHERE status = 1 AND sent_at > (SELECT $1::bigint - 4611686018427387904) AND sent_at <= (SELECT $1::bigint) ORDER BY sent_at LIMIT (SELECT $2::bigint)))",
     list_dead: "SELECT id, message_id, destination, aggregate_key, payload, headers, attempts, created_at, last_error, biz_type, idem_key FROM idem_outbox WHERE status = 2 ORDER BY id LIMIT $1",
     retry_dead: "UPDATE idem_outbox SET status = 0, attempts = 0, next_attempt_at = $1, last_error = NULL WHERE message_id = $2 AND status = 2",
     discard_dead: "DELETE FROM idem_outbox WHERE message_id = $1 AND status = 2",
@@ -278,9 +297,11 @@ impl OutboxSql for Postgres {
     }
 
     async fn outbox_purge_aggregates(db: &Db<Self>, before_ms: i64, limit: i64) -> Result<u64, sqlx::Error> {
-        // `SKIP LOCKED`: a row a writer holds is left for a later purge.
+        // `SKIP LOCKED`: a row a writer holds is left for a later purge. By
+        // key, as the records' purge by id (`Q`): `IN (subquery)` was planned
+        // as a hash semi join over a scan of the whole table.
         on_pool!(db, |on, pooling| {
-            let done = pooling.query("DELETE FROM idem_outbox_aggregate WHERE aggregate_key IN (SELECT aggregate_key FROM idem_outbox_aggregate WHERE created_at <= $1 ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED)")
+            let done = pooling.query("DELETE FROM idem_outbox_aggregate WHERE aggregate_key = ANY (ARRAY(SELECT aggregate_key FROM idem_outbox_aggregate WHERE created_at > (SELECT $1::bigint - 4611686018427387904) AND created_at <= (SELECT $1::bigint) ORDER BY created_at LIMIT (SELECT $2::bigint) FOR UPDATE SKIP LOCKED))")
                 .bind(before_ms)
                 .bind(limit)
                 .execute(on);
@@ -323,6 +344,8 @@ const CALL_DDL: [&str; 4] = [
     )",
 ];
 
+// The purge as the records' (`Q`).
+//
 // The step insert reads the call `FOR SHARE`: a takeover waits for it, and
 // it waits for a takeover and then finds the new fence (READ COMMITTED
 // re-checks the row it waited for).
@@ -338,7 +361,7 @@ const CQ: super::calls::CallQueries = super::calls::CallQueries {
     steps_read: "SELECT step, response FROM idem_step WHERE call_id = $1",
     steps_delete: "DELETE FROM idem_step WHERE call_id = $1",
     stuck: "SELECT idem_key, biz_no, fence, lease_until, created_at FROM idem_call WHERE biz_type = $1 AND status = 0 AND lease_until <= $2 ORDER BY lease_until LIMIT $3",
-    purge_expired: "DELETE FROM idem_call WHERE id = ANY (ARRAY(SELECT id FROM idem_call WHERE expires_at <= $1 AND status <> 0 ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED))",
+    purge_expired: "DELETE FROM idem_call WHERE id = ANY (ARRAY(SELECT id FROM idem_call WHERE expires_at > (SELECT $1::bigint - 4611686018427387904) AND expires_at <= (SELECT $1::bigint) AND status <> 0 ORDER BY expires_at LIMIT (SELECT $2::bigint) FOR UPDATE SKIP LOCKED))",
 };
 
 impl super::calls::CallSql for Postgres {

@@ -1,8 +1,15 @@
 //! The engine's Redis connection (one node or a cluster), the timeout every
-//! operation runs under, and the back-off after a failure: Redis failing in
-//! any way (refused, timed out, erroring) makes the operation report
+//! operation runs under, and the back-off after a failure: Redis failing
+//! (no connection, no answer in time, a server that cannot serve anyone:
+//! loading, busy, failing over, out of memory) makes the operation report
 //! [`Missed::Failed`], logs a warning once, and leaves Redis alone for
 //! [`BACKOFF`] (claims then go to the database alone).
+//!
+//! An error about the operation alone (a script's error, a key of another
+//! type: [`refused_alone`]) is [`Missed::Refused`] and backs nothing off:
+//! the server answered at once, so the next operation costs no timeout, and
+//! what one key holds says nothing of the others. That operation's call goes
+//! to the database alone; every other call keeps its Redis.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -37,6 +44,15 @@ pub(crate) enum Missed {
     Skipped,
     /// Sent, and it failed or timed out: it may or may not have run.
     Failed,
+    /// Answered with an error about this operation alone ([`refused_alone`]):
+    /// it did not complete, and Redis goes on serving the others.
+    Refused,
+}
+
+/// Whether `reply` came from the server (a value or its refusal): a
+/// refused operation is not tried again, it would be refused again.
+pub(crate) fn answered<T>(reply: &Result<T, Missed>) -> bool {
+    !matches!(reply, Err(Missed::Skipped | Missed::Failed))
 }
 
 /// Whether an operation is skipped while Redis is backing off.
@@ -69,11 +85,19 @@ pub(crate) struct Link {
     /// healthy (a back-off is this process's own business: no other
     /// instance judges it).
     down_until_ms: AtomicU64,
+    /// `clock::monotonic_ms()` before which a refusal is not logged again.
+    quiet_until_ms: AtomicU64,
 }
 
 impl Link {
     pub(crate) fn new(target: Target, timeout: Duration) -> Self {
-        Link { target, connection: OnceCell::new(), timeout, down_until_ms: AtomicU64::new(0) }
+        Link {
+            target,
+            connection: OnceCell::new(),
+            timeout,
+            down_until_ms: AtomicU64::new(0),
+            quiet_until_ms: AtomicU64::new(0),
+        }
     }
 
     pub(crate) fn kind(&self) -> &'static str {
@@ -147,6 +171,10 @@ impl Link {
                 }
                 return Ok(value);
             }
+            Ok(Err(e)) if refused_alone(&e) => {
+                self.log_refusal(&e);
+                return Err(Missed::Refused);
+            }
             Ok(Err(e)) => e.to_string(),
             Err(_) => format!("no answer within {:?}", self.timeout),
         };
@@ -156,6 +184,21 @@ impl Link {
             crate::metrics::redis_degraded();
         }
         Err(Missed::Failed)
+    }
+
+    /// Logs a refusal, at most once per [`BACKOFF`]: one key's bad entry
+    /// can be met by every call of that key.
+    fn log_refusal(&self, e: &redis::RedisError) {
+        let now = clock::monotonic_ms();
+        let quiet_until = self.quiet_until_ms.load(Ordering::Relaxed);
+        if now >= quiet_until
+            && self
+                .quiet_until_ms
+                .compare_exchange(quiet_until, now + millis(BACKOFF), Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(error = %e, "redis refused an idempotency operation; its call continues on the database alone");
+        }
     }
 
     async fn connection(&self) -> redis::RedisResult<Connection> {
@@ -224,6 +267,25 @@ async fn refusal_is_an_answer<T>(
     }
 }
 
+/// Whether `e` is the server refusing this one operation for what it
+/// touches: an `ERR` (a script's runtime error among them), a key of
+/// another type (`WRONGTYPE`), an aborted `EXEC`, keys in several slots, or
+/// an answer of a type the caller did not expect. Everything else says the
+/// server cannot serve now (no connection or answer, `LOADING`, `BUSY`,
+/// `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `READONLY`, `OOM`, `MISCONF`,
+/// `NOPERM`, and codes not known here): a failure, which backs off.
+pub(crate) fn refused_alone(e: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    match e.kind() {
+        ErrorKind::Server(ServerErrorKind::ResponseError | ServerErrorKind::ExecAbort | ServerErrorKind::CrossSlot) => {
+            true
+        }
+        ErrorKind::UnexpectedReturnType => true,
+        ErrorKind::Extension => e.code() == Some("WRONGTYPE"),
+        _ => false,
+    }
+}
+
 /// A cloned connection, usable as `redis::aio::ConnectionLike`.
 struct ConnectionHandle(Connection);
 
@@ -257,4 +319,58 @@ impl redis::aio::ConnectionLike for ConnectionHandle {
 
 pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A link to the test Redis, or `None` (skipped) when none answers,
+    /// unless `IDEM_REQUIRE_SERVICES` is set.
+    async fn test_link() -> Option<Link> {
+        let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let client = redis::Client::open(url).expect("redis url");
+        if let Err(e) = client.get_multiplexed_async_connection().await {
+            assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "redis unreachable: {e}");
+            eprintln!("skipped: redis unreachable ({e})");
+            return None;
+        }
+        Some(Link::new(Target::Single(client), Duration::from_secs(5)))
+    }
+
+    /// Regression (issue 32.5): an error about one operation (a key of
+    /// another type, a script's runtime error) is a refusal: nothing backs
+    /// off, and the next operation is sent. A failure (nothing listening)
+    /// backs off, and the next operation is skipped.
+    #[tokio::test]
+    async fn a_refusal_is_no_outage_and_a_failure_is() {
+        let Some(link) = test_link().await else { return };
+        let key = format!("idem:t_refusal:{}", crate::random::token());
+        let mut set = redis::cmd("SET");
+        set.arg(&key).arg("x").arg("PX").arg(60_000);
+        let _: () = link.query(&set, Backoff::Respect).await.expect("SET");
+
+        let mut hget = redis::cmd("HGET");
+        hget.arg(&key).arg("f");
+        let wrong_type: Result<Option<String>, Missed> = link.query(&hget, Backoff::Respect).await;
+        assert_eq!(wrong_type, Err(Missed::Refused));
+        let mut script_error = redis::cmd("EVAL");
+        script_error.arg("local a = string.byte(ARGV[1], 2, 7) return a + 1").arg(0).arg("d");
+        let script_error: Result<i64, Missed> = link.query(&script_error, Backoff::Respect).await;
+        assert_eq!(script_error, Err(Missed::Refused), "arithmetic on nil: what a short result did to the claim");
+        assert!(!link.backing_off());
+        let mut get = redis::cmd("GET");
+        get.arg(&key);
+        let after: Result<Option<String>, Missed> = link.query(&get, Backoff::Respect).await;
+        assert_eq!(after, Ok(Some("x".into())), "sent at once");
+        let _: Result<i64, Missed> = link.query(redis::cmd("DEL").arg(&key), Backoff::Respect).await;
+
+        let dead =
+            Link::new(Target::Single(redis::Client::open("redis://127.0.0.1:1").unwrap()), Duration::from_secs(5));
+        let failed: Result<Option<String>, Missed> = dead.query(&get, Backoff::Respect).await;
+        assert_eq!(failed, Err(Missed::Failed));
+        assert!(dead.backing_off());
+        let skipped: Result<Option<String>, Missed> = dead.query(&get, Backoff::Respect).await;
+        assert_eq!(skipped, Err(Missed::Skipped));
+    }
 }

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use super::connection::{Backoff, Missed};
+use super::connection::{Backoff, Missed, answered};
 use super::scripts::evalsha;
 use super::{HeldClaim, RedisGate};
 
@@ -43,7 +43,7 @@ impl RedisGate {
     /// Unanswered, or skipped while Redis backs off, it is retried off the
     /// caller's path rather than left to run out its lease.
     pub(crate) async fn release(self: &Arc<Self>, held: &HeldClaim) {
-        if self.release_with(held, Backoff::Respect).await.is_err() {
+        if !answered(&self.release_with(held, Backoff::Respect).await) {
             self.release_unanswered(held.clone());
         }
     }
@@ -53,7 +53,7 @@ impl RedisGate {
     pub(crate) fn release_in_background(self: &Arc<Self>, held: HeldClaim) {
         self.spawn_later(|claims| async move {
             crate::metrics::background_release();
-            if claims.release_with(&held, Backoff::Respect).await.is_err() {
+            if !answered(&claims.release_with(&held, Backoff::Respect).await) {
                 claims.release_after_failure(&held).await;
             }
         });
@@ -77,12 +77,12 @@ impl RedisGate {
     async fn release_after_failure(&self, held: &HeldClaim) {
         // Two answered releases, a timeout apart, within about a lease's
         // worth of tries: the first may still overtake the late claim.
-        let mut answered = 0;
+        let mut replies = 0;
         for _ in 0..LATER_TRIES {
             self.pause_before_retry().await;
-            if self.release_with(held, Backoff::Ignore).await.is_ok() {
-                answered += 1;
-                if answered == 2 {
+            if answered(&self.release_with(held, Backoff::Ignore).await) {
+                replies += 1;
+                if replies == 2 {
                     return;
                 }
             }
@@ -108,14 +108,14 @@ impl RedisGate {
                 let claims = &claims;
                 async move { claims.link.eval::<i64>(&claims.scripts.finish, &call, backoff).await }
             };
-            if write(Backoff::Respect).await.is_ok() {
+            if answered(&write(Backoff::Respect).await) {
                 return;
             }
             for _ in 0..LATER_TRIES {
                 claims.pause_before_retry().await;
                 // Compare-and-swap on our own token with an absolute expiry
                 // inside the value: landing late, or twice, is harmless.
-                if write(Backoff::Ignore).await.is_ok() {
+                if answered(&write(Backoff::Ignore).await) {
                     return;
                 }
             }

@@ -144,18 +144,28 @@ impl StoredResult {
 }
 
 /// Reads a result hash's value: `None` for bytes the gate did not write.
-pub(crate) fn parse_result(mut value: Vec<u8>) -> Option<StoredResult> {
+pub(crate) fn parse_result(value: Vec<u8>) -> Option<StoredResult> {
+    read_result(value).ok()
+}
+
+/// Reads a result hash's value, or hands back bytes the gate did not write
+/// (too short, another tag, a response that is not UTF-8), whole: the claim
+/// script drops a result by comparing it with them.
+pub(crate) fn read_result(mut value: Vec<u8>) -> Result<StoredResult, Vec<u8>> {
     if value.len() < FINGERPRINT_END || value[0] != b'd' {
-        return None;
+        return Err(value);
     }
-    let mut expires = [0; 8];
-    expires[2..].copy_from_slice(&value[1..EXPIRY_END]);
-    let mut fingerprint_prefix = String::with_capacity(2 * FINGERPRINT_BYTES);
-    push_lower_hex(&mut fingerprint_prefix, &value[EXPIRY_END..FINGERPRINT_END]);
+    let mut head = [0; FINGERPRINT_END];
+    head.copy_from_slice(&value[..FINGERPRINT_END]);
     // The response is the value's tail: it stays in the reply's buffer.
     value.drain(..FINGERPRINT_END);
-    let response = String::from_utf8(value).ok()?;
-    Some(StoredResult { expires_ms: i64::try_from(u64::from_be_bytes(expires)).ok()?, fingerprint_prefix, response })
+    let response = String::from_utf8(value).map_err(|e| [&head[..], e.as_bytes()].concat())?;
+    let mut expires = [0; 8];
+    expires[2..].copy_from_slice(&head[1..EXPIRY_END]);
+    let mut fingerprint_prefix = String::with_capacity(2 * FINGERPRINT_BYTES);
+    push_lower_hex(&mut fingerprint_prefix, &head[EXPIRY_END..]);
+    // Six bytes: always a positive i64.
+    Ok(StoredResult { expires_ms: i64::from_be_bytes(expires), fingerprint_prefix, response })
 }
 
 #[cfg(test)]
@@ -181,9 +191,12 @@ mod tests {
         for theirs in [&b""[..], b"d", b"p:t:f", b"dshort", b"x123456789012345678901234"] {
             assert_eq!(parse_result(theirs.to_vec()), None, "{theirs:?}");
         }
-        let mut bad_utf8 = result_value(5, FP, "");
+        let mut bad_utf8 = result_value(5, FP, "{");
         bad_utf8.push(0xff);
-        assert_eq!(parse_result(bad_utf8), None);
+        assert_eq!(parse_result(bad_utf8.clone()), None);
+        // Handed back whole: the claim script drops the value equal to them.
+        assert_eq!(read_result(bad_utf8.clone()), Err(bad_utf8));
+        assert_eq!(read_result(b"dshort".to_vec()), Err(b"dshort".to_vec()));
     }
 
     #[test]

@@ -13,7 +13,10 @@
 //!
 //! Redis failing in any way degrades to the database alone ([`connection`]);
 //! releases and result writes whose answer was lost are left to background
-//! tasks ([`later`]).
+//! tasks ([`later`]). An entry the gate did not write (corrupt, truncated,
+//! of another type) is absent: the claim script drops it and claims, and a
+//! result whose response it could not check is dropped by a second claim
+//! ([`RedisGate::claim`]). One bad entry never takes Redis from other keys.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -35,7 +38,9 @@ pub(crate) use connection::{Reply, Target};
 #[cfg(test)]
 use later::MAX_BACKGROUND;
 use later::Unanswered;
-use layout::{Place, claim_value, parse_result, result_value};
+#[cfg(test)]
+use layout::parse_result;
+use layout::{Place, claim_value, read_result, result_value};
 use scripts::{Scripts, evalsha};
 
 /// How long a finished result stays in Redis for fast replays unless set
@@ -163,52 +168,77 @@ impl RedisGate {
     }
 
     /// Claims the call at `place` for `lease`, or reports what holds it.
+    ///
+    /// A result the script answered but whose bytes cannot be read (the
+    /// script checks their shape, not that the response is UTF-8) is no
+    /// answer: the claim is sent again with those bytes, which the script
+    /// then drops as absent. Sent again twice at most (it reads two
+    /// windows' hashes); past that the call goes to the database alone.
     async fn claim(self: &Arc<Self>, place: Place, fingerprint: &str, lease: Duration) -> Found {
         let held = HeldClaim { place, value: claim_value(fingerprint) };
         let mut unanswered = Unanswered { claims: self, held: Some(held) };
-        let answer = match &unanswered.held {
-            Some(held) => self.send_claim(held, lease, fingerprint).await,
-            None => Err(Missed::Skipped),
-        };
-        if matches!(answer, Err(Missed::Failed)) {
-            return Found::Unavailable; // `unanswered` releases what may have landed
+        let mut unreadable = None;
+        for _ in 0..3 {
+            let answer = match &unanswered.held {
+                Some(held) => self.send_claim(held, lease, unreadable.as_deref()).await,
+                None => Err(Missed::Skipped),
+            };
+            match answer {
+                Err(Missed::Failed) => return Found::Unavailable, // `unanswered` releases what may have landed
+                // Skipped while Redis backs off (never sent), or refused:
+                // the script ran no further than the error, and sets the
+                // claim last.
+                Err(Missed::Skipped | Missed::Refused) => break,
+                Ok(None) => match unanswered.held.take() {
+                    Some(held) => return Found::Ours(held),
+                    None => break,
+                },
+                Ok(Some(value)) => match read(value, fingerprint) {
+                    Ok(found) => {
+                        unanswered.held = None;
+                        return found;
+                    }
+                    Err(bytes) => unreadable = Some(bytes),
+                },
+            }
         }
-        match (answer, unanswered.held.take()) {
-            (Ok(None), Some(held)) => Found::Ours(held),
-            (Ok(Some(holder)), _) => holder,
-            _ => Found::Unavailable, // skipped while Redis backs off: never sent
-        }
+        unanswered.held = None;
+        Found::Unavailable
     }
 
-    /// Sends the claim `held`: `None` when the key is ours, else what holds
-    /// it (read for a caller with `fingerprint`).
-    async fn send_claim(&self, held: &HeldClaim, lease: Duration, fingerprint: &str) -> Result<Option<Found>, Missed> {
+    /// Sends the claim `held`: `None` when the key is ours, else the bytes
+    /// that hold it. `unreadable`: bytes a previous answer held that cannot
+    /// be read, for the script to drop.
+    async fn send_claim(
+        &self,
+        held: &HeldClaim,
+        lease: Duration,
+        unreadable: Option<&[u8]>,
+    ) -> Result<Option<Vec<u8>>, Missed> {
         let now = self.clock.now_ms();
         let [current, previous] = held.place.results_at(now, self.hot_window);
         let mut call = evalsha(&self.scripts.claim, &[&held.place.claim, &current, &previous]);
         call.arg(&held.value).arg(millis(lease)).arg(&held.place.field[..]).arg(now);
-        let found: Option<Vec<u8>> = self.link.eval(&self.scripts.claim, &call, Backoff::Respect).await?;
-        Ok(found.map(|value| read(value, fingerprint)))
+        if let Some(bytes) = unreadable {
+            call.arg(bytes);
+        }
+        self.link.eval(&self.scripts.claim, &call, Backoff::Respect).await
     }
 }
 
-/// What the claim script answered, for a caller with `fingerprint`: a
-/// finished result (under the caller's fingerprint if it was stored for the
-/// same arguments, else under the stored one's prefix, so that the caller
-/// answers `KeyReused`), or someone else's claim.
-fn read(value: Vec<u8>, fingerprint: &str) -> Found {
-    if value.first() != Some(&b'd') {
-        return Found::Running;
+/// What the claim script answered, for a caller with `fingerprint`: someone
+/// else's claim, or a finished result (under the caller's fingerprint if it
+/// was stored for the same arguments, else under the stored one's prefix,
+/// so that the caller answers `KeyReused`). `Err` hands back bytes the gate
+/// did not write.
+fn read(value: Vec<u8>, fingerprint: &str) -> Result<Found, Vec<u8>> {
+    if value.starts_with(b"p:") {
+        return Ok(Found::Running);
     }
-    match parse_result(value) {
-        Some(stored) => {
-            let fingerprint =
-                if stored.is_for(fingerprint) { fingerprint.to_owned() } else { stored.fingerprint_prefix.clone() };
-            Found::Finished(Answer { fingerprint, response: stored.response, expires_ms: stored.expires_ms })
-        }
-        // Bytes we did not write: someone else's.
-        None => Found::Running,
-    }
+    let stored = read_result(value)?;
+    let fingerprint =
+        if stored.is_for(fingerprint) { fingerprint.to_owned() } else { stored.fingerprint_prefix.clone() };
+    Ok(Found::Finished(Answer { fingerprint, response: stored.response, expires_ms: stored.expires_ms }))
 }
 
 /// Our claim while the call runs. Dropped without being settled (a panic
@@ -368,7 +398,7 @@ mod tests {
             panic!("not ours")
         };
         assert_eq!(get(&mut conn).await.as_deref(), Some(held.value.as_str()));
-        assert!(matches!(gate.send_claim(&held, lease, FP).await, Ok(None)), "our own value sent again is ours");
+        assert!(matches!(gate.send_claim(&held, lease, None).await, Ok(None)), "our own value sent again is ours");
         assert!(matches!(gate.claim(Place::of(&namespace, biz, &key), FP, lease).await, Found::Running));
 
         // A live result answers, from this window's hash or the one before;
@@ -399,6 +429,121 @@ mod tests {
         };
         assert_eq!(get(&mut conn).await.as_deref(), Some(held.value.as_str()));
         del(&mut conn, &[&place.claim, &current]).await;
+    }
+
+    /// Regression (issue 32.5): a result value shorter than the claim
+    /// script read made it fail, and the failure backed Redis off for every
+    /// call. Whatever the gate did not write at a call's places is absent:
+    /// the claim is ours, the bad entry is gone, Redis is not backed off.
+    /// Each shape in this window's hash and in the one before.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn results_the_gate_did_not_write_are_absent_and_dropped() {
+        let Some(mut conn) = test_redis().await else { return };
+        let hot = Duration::from_secs(60);
+        let gate = gate(hot);
+        // Its own namespace: no other test's results share its hashes.
+        let namespace = Namespace::new(&format!("t_bad_results.{}", token())).unwrap();
+        let lease = Duration::from_secs(60);
+        let now = local_clock().now_ms();
+        let live = result_value(now + 60_000, FP, "{\"a\":1}");
+        let mut not_utf8 = live.clone();
+        not_utf8.push(0xff);
+        let mut other_tag = live.clone();
+        other_tag[0] = b'x';
+        let shapes: [(&str, Vec<u8>); 7] = [
+            ("empty", Vec::new()),
+            ("the tag alone", b"d".to_vec()),
+            ("the expiry cut short", live[..4].to_vec()),
+            ("one byte short of a fingerprint", live[..22].to_vec()),
+            ("another tag", other_tag),
+            ("a claim's bytes", b"p:owner:fp".to_vec()),
+            ("a response that is not UTF-8", not_utf8),
+        ];
+        for (what, bytes) in shapes {
+            for window in [0, 1] {
+                let place = Place::of(&namespace, "t_bad", &token());
+                let hash = &place.results_at(now, hot)[window];
+                hset(&mut conn, hash, &place.field, &bytes).await;
+                let held = match gate.claim(place.clone(), FP, lease).await {
+                    Found::Ours(held) => held,
+                    other => panic!("{what}, window -{window}: {other:?}"),
+                };
+                let claim: Option<String> = redis::cmd("GET").arg(&place.claim).query_async(&mut conn).await.unwrap();
+                assert_eq!(claim.as_deref(), Some(held.value.as_str()), "{what}: claimed in Redis");
+                let left: Option<Vec<u8>> =
+                    redis::cmd("HGET").arg(hash).arg(&place.field[..]).query_async(&mut conn).await.unwrap();
+                assert_eq!(left, None, "{what}, window -{window}: dropped");
+                assert!(!gate.link.backing_off(), "{what}: Redis is not backed off");
+                del(&mut conn, &[&place.claim]).await;
+            }
+        }
+
+        // A result hash of another type: dropped, so the claim and then the
+        // result written in its place go through.
+        let place = Place::of(&namespace, "t_bad", &token());
+        let [current, _] = place.results_at(now, hot);
+        let _: () =
+            redis::cmd("SET").arg(&current).arg("x").arg("PX").arg(60_000).query_async(&mut conn).await.unwrap();
+        let Found::Ours(held) = gate.claim(place.clone(), FP, lease).await else { panic!("another type, not ours") };
+        let kind: String = redis::cmd("TYPE").arg(&current).query_async(&mut conn).await.unwrap();
+        assert_eq!(kind, "none", "the string where a result hash goes is dropped");
+        // Again where the cache write goes, after the claim.
+        let _: () =
+            redis::cmd("SET").arg(&current).arg("x").arg("PX").arg(60_000).query_async(&mut conn).await.unwrap();
+        let guard = ClaimGuard { gate: Arc::clone(&gate), held: Some(held) };
+        guard.finish(&Answer { fingerprint: FP.into(), response: "{\"b\":2}".into(), expires_ms: now + 60_000 });
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !matches!(gate.claim(place.clone(), FP, lease).await, Found::Finished(_)) {
+            assert!(std::time::Instant::now() < deadline, "the result never replaced the string");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!gate.link.backing_off());
+        del(&mut conn, &[&current]).await;
+    }
+
+    /// What holds a claim key without being a claim (not `p:`, such as an
+    /// earlier layout's result; no lease; a key of another type) is absent:
+    /// the claim is ours. A release meeting a key of another type deletes
+    /// nothing and is answered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn claim_keys_the_gate_did_not_write_are_absent() {
+        let Some(mut conn) = test_redis().await else { return };
+        let gate = gate(Duration::from_secs(60));
+        let namespace = Namespace::new(&format!("t_bad_claims.{}", token())).unwrap();
+        let lease = Duration::from_secs(60);
+        for (what, value, ttl) in
+            [("a result of the layout before", "d:1796212228629:ab:{}", Some(60_000)), ("no lease", "p:owner:fp", None)]
+        {
+            let place = Place::of(&namespace, "t_bad", &token());
+            let mut set = redis::cmd("SET");
+            set.arg(&place.claim).arg(value);
+            if let Some(ttl) = ttl {
+                set.arg("PX").arg(ttl);
+            }
+            let _: () = set.query_async(&mut conn).await.unwrap();
+            let Found::Ours(held) = gate.claim(place.clone(), FP, lease).await else { panic!("{what}: not ours") };
+            let claim: Option<String> = redis::cmd("GET").arg(&place.claim).query_async(&mut conn).await.unwrap();
+            assert_eq!(claim.as_deref(), Some(held.value.as_str()), "{what}");
+            let pttl: i64 = redis::cmd("PTTL").arg(&place.claim).query_async(&mut conn).await.unwrap();
+            assert!(pttl > 0, "{what}: with our lease ({pttl})");
+            del(&mut conn, &[&place.claim]).await;
+        }
+
+        let place = Place::of(&namespace, "t_bad", &token());
+        hset(&mut conn, &place.claim, b"f", b"v").await;
+        let Found::Ours(held) = gate.claim(place.clone(), FP, lease).await else { panic!("another type: not ours") };
+        let claim: Option<String> = redis::cmd("GET").arg(&place.claim).query_async(&mut conn).await.unwrap();
+        assert_eq!(claim.as_deref(), Some(held.value.as_str()));
+        // Our claim replaced by a hash: the release leaves it alone and is
+        // answered (nothing is left to retry in the background).
+        del(&mut conn, &[&place.claim]).await;
+        hset(&mut conn, &place.claim, b"f", b"v").await;
+        gate.release(&held).await;
+        assert_eq!(gate.background(), 0, "the release was answered");
+        let kind: String = redis::cmd("TYPE").arg(&place.claim).query_async(&mut conn).await.unwrap();
+        assert_eq!(kind, "hash", "not ours to delete");
+        assert!(!gate.link.backing_off());
+        del(&mut conn, &[&place.claim]).await;
     }
 
     /// A finished call's claim turns into its result in this window's hash,

@@ -12,34 +12,56 @@ use redis::{Cmd, Script};
 // the claim is ours: set with the lease (ARGV[2], ms) and nil is answered.
 // Our own value counts as ours: a client that resends after a lost reply
 // (the cluster client does) finds it.
+//
+// Whatever the gate did not write is absent, and dropped: a result shorter
+// than its `d`, expiry and fingerprint (23 bytes, `layout`), or not tagged
+// `d`, or the value the caller could not read last time (ARGV[5], its
+// response not UTF-8: Lua cannot tell); a result hash of another type
+// (WRONGTYPE: every call of its shard and window would fail); a claim that
+// is not `p:` or has no lease, or a claim key of another type (SET replaces
+// it). So one corrupt entry costs one call its fast path, never an error:
+// the record decides.
 const CLAIM: &str = r"
 local now = tonumber(ARGV[4])
 for i = 2, 3 do
-  local v = redis.call('HGET', KEYS[i], ARGV[3])
-  if v then
-    local a, b, c, d, e, f = string.byte(v, 2, 7)
-    if ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f > now then return v end
+  local v = redis.pcall('HGET', KEYS[i], ARGV[3])
+  if type(v) == 'table' then
+    redis.call('DEL', KEYS[i])
+  elseif v then
+    if #v < 23 or string.byte(v) ~= 100 or v == ARGV[5] then
+      redis.call('HDEL', KEYS[i], ARGV[3])
+    else
+      local a, b, c, d, e, f = string.byte(v, 2, 7)
+      if ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f > now then return v end
+    end
   end
 end
-local held = redis.call('GET', KEYS[1])
+local held = redis.pcall('GET', KEYS[1])
 if held == ARGV[1] then return false end
-if held then return held end
+if type(held) == 'string' and string.sub(held, 1, 2) == 'p:' and redis.call('PTTL', KEYS[1]) >= 0 then
+  return held
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return false";
 
-// Compare-and-delete: only the owner of the claim may drop it.
+// Compare-and-delete: only the owner of the claim may drop it (a key of
+// another type is no one's claim).
 const RELEASE: &str = r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+if redis.pcall('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0";
 
 // Compare-and-swap: our own claim (KEYS[1], ARGV[1]) turns into the
 // finished result (ARGV[3]) in this window's result hash (KEYS[2], field
 // ARGV[2]), which expires one hot window after the window ends (ARGV[4],
-// ms from now; set once, when the hash is new).
+// ms from now; set once, when the hash is new). A key of another type where
+// the hash goes is not the gate's (the claim script drops it too): replaced.
 const FINISH: &str = r"
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.pcall('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+if type(redis.pcall('HSET', KEYS[2], ARGV[2], ARGV[3])) == 'table' then
+  redis.call('DEL', KEYS[2])
+  redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+end
 if redis.call('PTTL', KEYS[2]) < 0 then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
 return 1";
 
@@ -65,4 +87,16 @@ pub(crate) fn evalsha(script: &Script, keys: &[&str]) -> Cmd {
     let mut cmd = Cmd::with_capacity(3 + keys.len() + 5, 512);
     cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys.len()).arg(keys);
     cmd
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The claim script's idea of a readable result is the layout's.
+    #[test]
+    fn the_claim_script_reads_results_as_the_layout_writes_them() {
+        let shortest = super::super::layout::result_value(0, "", "").len();
+        assert!(CLAIM.contains(&format!("#v < {shortest} or string.byte(v) ~= {}", b'd')), "{CLAIM}");
+    }
 }
