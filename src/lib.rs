@@ -85,8 +85,8 @@ pub use idempotency_runtime::outbox;
 #[cfg(feature = "redis-streams")]
 pub use idempotency_runtime::redis_streams;
 pub use idempotency_runtime::{
-    Backend, Builder, DEFAULT_MAX_RESULT_BYTES, Error, Idem, InvalidNamespace, KeyError, LocalCache, Namespace,
-    Outcome, Status, col, observe, state, transition,
+    Backend, Builder, BusinessError, DEFAULT_MAX_RESULT_BYTES, Error, Idem, InvalidNamespace, KeyError, LocalCache,
+    Namespace, Outcome, Status, col, observe, state, transition,
 };
 
 /// Key rules, shared with entry points that take keys from outside

@@ -3,6 +3,7 @@
 //! an ephemeral port, driven by a real client). `tests/actix.rs` holds
 //! actix-web to the same cases.
 
+mod http_answers;
 mod http_contract;
 // The HTTP examples' business part, as users copy it, and its tests.
 // The token flow's fn (`pay_by_token`) is the example's, unused here.

@@ -11,7 +11,8 @@ use syn::{Expr, Ident, LitStr, Path, Token};
 use crate::key::{Piece, Template, parse_template};
 use crate::ttl::duration;
 
-const ARGUMENTS: &str = "`key`, `ttl`, `biz`, `lease`, `biz_no`, `engine`, `crate`, `steps`, `join`";
+const ARGUMENTS: &str =
+    "`key`, `ttl`, `biz`, `lease`, `biz_no`, `engine`, `crate`, `steps`, `join`, `wait`, `record_errors`";
 /// A Redis claim outlives most bodies by far, and a body outliving it still
 /// commits once (the record decides), so a generous default costs nothing.
 const DEFAULT_LEASE_MS: u64 = 30_000;
@@ -33,6 +34,12 @@ pub struct Args {
     /// `join`: the body joins the transaction the caller passes; the
     /// argument's own token when given.
     pub join: Option<Ident>,
+    /// `wait = "5s"`: how long a duplicate waits for a running call's
+    /// answer (`"0s"`: not at all); the engine's default when absent.
+    pub wait_ms: Option<u64>,
+    /// `record_errors`: errors the fn's error type declares final
+    /// (`BusinessError`) are recorded and replayed; the argument's token.
+    pub record_errors: Option<Ident>,
 }
 
 pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
@@ -45,6 +52,8 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
     let mut krate = None;
     let mut steps = None;
     let mut join = None;
+    let mut wait = None;
+    let mut record_errors = None;
 
     let parser = syn::meta::parser(|meta| {
         let name = meta.path.get_ident().map(ToString::to_string).unwrap_or_default();
@@ -59,6 +68,8 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
             "crate" => set(&mut krate, &meta, &name, || crate_path(value()?)),
             "steps" => set(&mut steps, &meta, &name, || flag(&meta)),
             "join" => set(&mut join, &meta, &name, || flag(&meta)),
+            "wait" => set(&mut wait, &meta, &name, || wait_ms(value()?)),
+            "record_errors" => set(&mut record_errors, &meta, &name, || flag(&meta)),
             _ => {
                 let shown = meta.path.to_token_stream().to_string().replace(' ', "");
                 Err(meta.error(format!("unknown argument `{shown}`; expected one of {ARGUMENTS}")))
@@ -84,6 +95,15 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
         error.combine(syn::Error::new_spanned(steps, "`steps` given here"));
         return Err(error);
     }
+    if let (Some(record), Some(steps)) = (&record_errors, &steps) {
+        let mut error = syn::Error::new_spanned(
+            record,
+            "`record_errors` and `steps` exclude each other: a `steps` body records a final failure with \
+             `Steps::permanent`, which replays as `Error::Permanent`",
+        );
+        error.combine(syn::Error::new_spanned(steps, "`steps` given here"));
+        return Err(error);
+    }
     if let (Some(_), Some((_, at))) = (&join, &lease) {
         return Err(syn::Error::new(
             *at,
@@ -101,7 +121,18 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
         krate: krate.unwrap_or_else(|| syn::parse_quote!(::idempotency)),
         steps,
         join,
+        wait_ms: wait,
+        record_errors,
     })
+}
+
+/// `wait`'s milliseconds: a duration as `ttl` takes it, or zero (`"0s"`:
+/// a duplicate does not wait).
+fn wait_ms(lit: LitStr) -> syn::Result<u64> {
+    match idempotency_rules::parse_duration(&lit.value()) {
+        Err(idempotency_rules::DurationError::Zero { .. }) => Ok(0),
+        _ => duration(lit, "wait"),
+    }
 }
 
 /// Fills an argument's slot once; a second mention is an error.
@@ -229,6 +260,33 @@ mod tests {
         );
         assert!(err(quote!(key = "k", ttl = "1s", biz = "b", lease = "5s", join)).contains("remove `lease`"));
         assert!(err(quote!(jion)).contains("`steps`, `join`"));
+    }
+
+    #[test]
+    fn wait_is_a_duration_or_zero_and_record_errors_a_bare_word_without_steps() {
+        let a = parse(quote!(key = "k", ttl = "1s", biz = "b")).unwrap();
+        assert!(a.wait_ms.is_none() && a.record_errors.is_none());
+        let a = parse(quote!(key = "k", ttl = "1s", biz = "b", wait = "5s", record_errors)).unwrap();
+        assert_eq!(a.wait_ms, Some(5_000));
+        assert_eq!(a.record_errors.unwrap().to_string(), "record_errors");
+        for zero in ["0s", "0ms", "00m"] {
+            assert_eq!(
+                parse(quote!(key = "k", ttl = "1s", biz = "b", wait = #zero)).unwrap().wait_ms,
+                Some(0),
+                "{zero}"
+            );
+        }
+        assert!(err(quote!(key = "k", ttl = "1s", biz = "b", wait = "5x")).contains("invalid `wait`: unknown unit"));
+        assert!(err(quote!(key = "k", ttl = "1s", biz = "b", wait = "0")).contains("invalid `wait`"));
+        assert!(
+            err(quote!(key = "k", ttl = "1s", biz = "b", record_errors = true))
+                .contains("`record_errors` takes no value")
+        );
+        assert!(
+            err(quote!(key = "k", ttl = "1s", biz = "b", steps, record_errors))
+                .contains("`record_errors` and `steps` exclude each other")
+        );
+        assert!(err(quote!(wiat = "1s")).contains("`wait`, `record_errors`"));
     }
 
     #[test]

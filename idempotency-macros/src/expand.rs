@@ -13,32 +13,34 @@
 //!
 //! ```ignore
 //! async fn pay(idem: &Idem<MySql>, order_id: u64) -> Result<Receipt, PayError> {
-//!     const __IDEM_SPEC: ::idempotency::__private::Spec = ::idempotency::__private::Spec { biz: "pay", ttl: .., lease: .. };
+//!     const __IDEM_SPEC: ::idempotency::__private::Spec = ::idempotency::__private::Spec {
+//!         biz: "pay", ttl: .., lease: .., wait: None, record_errors: false,
+//!     };
 //!     let __idem_key = ::std::format!("order_{}_pay", order_id);
 //!     let __idem_biz_no = ::core::option::Option::None;
 //!     let __idem_fingerprint = ::idempotency::__private::Fingerprint::new().arg("order_id", &order_id);
 //!     let __idem_engine = ::core::clone::Clone::clone(&(idem));
-//!     let mut __idem_value = None;
-//!     let mut __idem_error = None;
-//!     let __idem_ended = {
-//!         let __idem_error = &mut __idem_error;
-//!         let mut __idem_body = ::idempotency::__private::Body::new(&mut __idem_value, move |mut __idem_tx| async move {
-//!             let __idem_out: Result<Receipt, PayError> = {
-//!                 let tx: &mut Transaction<'_, MySql> = &mut __idem_tx;
-//!                 async move { body }.await
-//!             };
-//!             (__idem_tx, ::idempotency::__private::stored(__idem_out, __idem_error))
-//!         });
-//!         ::idempotency::__private::run(::core::convert::AsRef::<::idempotency::Idem<_>>::as_ref(&__idem_engine),
-//!             &__IDEM_SPEC, __idem_key, __idem_fingerprint, __idem_biz_no, &mut __idem_body).await
-//!     };
-//!     ::idempotency::__private::answer(__idem_ended, __idem_value, __idem_error)
+//!     let mut __idem_body = ::idempotency::__private::Body::new(move |mut __idem_tx| async move {
+//!         let __idem_out: Result<Receipt, PayError> = {
+//!             let tx: &mut Transaction<'_, MySql> = &mut __idem_tx;
+//!             async move { body }.await
+//!         };
+//!         (__idem_tx, __idem_out)
+//!     });
+//!     let __idem_ended = ::idempotency::__private::run(::core::convert::AsRef::<::idempotency::Idem<_>>::as_ref(&__idem_engine),
+//!         &__IDEM_SPEC, __idem_key, __idem_fingerprint, __idem_biz_no, &mut __idem_body).await;
+//!     __idem_body.answer(__idem_ended)
 //! }
 //! ```
 //!
 //! `run` is generic over the backend only: it takes the body behind `dyn`
 //! (`Body`), so the call flow is built once per backend and each fn adds
-//! its body, its value's JSON (`stored`, `Body::decode`) and `answer`.
+//! its body, its value's JSON (`Body::run`, `Body::decode`) and
+//! `Body::answer`. `Body::new` is where the value's serde bounds are asked
+//! for, spanned on the return type: one error there, and none at the cast.
+//! With `record_errors`, `Body::recording` in place of `Body::new` (it asks
+//! `idempotency::BusinessError` of the error type), and `record_errors: true`
+//! in the spec; `wait = "5s"` is `wait: Some(5 s)` there.
 //!
 //! A parameter marked `#[idem(skip_if_default)]` goes in with
 //! `.arg_unless_default("coupon", &coupon)` instead of `.arg(..)`.
@@ -51,12 +53,12 @@
 //! gets the step context where it would get the transaction:
 //!
 //! ```ignore
-//! let mut __idem_body = ::idempotency::__private::Body::new(&mut __idem_value, move |mut __idem_steps| async move {
+//! let mut __idem_body = ::idempotency::__private::Body::new(move |mut __idem_steps| async move {
 //!     let __idem_out: Result<Receipt, PayError> = {
 //!         let steps: &mut Steps<MySql> = &mut __idem_steps;
 //!         async move { body }.await
 //!     };
-//!     (__idem_steps, ::idempotency::__private::stored(__idem_out, __idem_error))
+//!     (__idem_steps, __idem_out)
 //! });
 //! ::idempotency::__private::run_steps(/* the same arguments */, &mut __idem_body).await
 //! ```
@@ -185,44 +187,49 @@ fn rewrite(func: &mut ItemFn, args: &Args, checked: Checked) {
 
     // Spanned on the return type, so "`T: Serialize` is not satisfied" points there.
     let krate_at_ret = respan(krate.to_token_stream(), ret_span);
-    let stored = quote_spanned!(ret_span=> #krate_at_ret::__private::stored(__idem_out, __idem_error));
-    let answered =
-        quote_spanned!(ret_span=> #krate_at_ret::__private::answer(__idem_ended, __idem_value, __idem_error));
-    let assert_replayable = quote_spanned!(ret_span=> #krate_at_ret::__private::assert_replayable::<#ret>(););
+    let body_new = if args.record_errors.is_some() {
+        quote_spanned!(ret_span=> #krate_at_ret::__private::Body::recording)
+    } else {
+        quote_spanned!(ret_span=> #krate_at_ret::__private::Body::new)
+    };
+    let wait = match args.wait_ms {
+        Some(ms) => quote!(::core::option::Option::Some(::core::time::Duration::from_millis(#ms))),
+        None => quote!(::core::option::Option::None),
+    };
+    let record_errors = args.record_errors.is_some();
     let body = quote!({
         const __IDEM_SPEC: #krate::__private::Spec = #krate::__private::Spec {
             biz: #biz,
             ttl: ::core::time::Duration::from_millis(#ttl),
             lease: ::core::time::Duration::from_millis(#lease),
+            wait: #wait,
+            record_errors: #record_errors,
         };
-        #assert_replayable
         let __idem_key = #key;
         let __idem_biz_no = #biz_no;
         let __idem_fingerprint = #krate::__private::Fingerprint::new() #(#fingerprint_args)*;
         let __idem_engine = ::core::clone::Clone::clone(&(#engine));
-        let mut __idem_value = ::core::option::Option::None;
-        let mut __idem_error = ::core::option::Option::None;
-        let __idem_ended = {
-            let __idem_error = &mut __idem_error;
-            let mut __idem_body = #krate::__private::Body::new(&mut __idem_value, move |mut #handed| async move {
-                let __idem_out: #ret = {
-                    #bind
-                    async move #block.await
-                };
-                (#handed, #stored)
-            });
-            #krate::__private::#entry(
-                ::core::convert::AsRef::<#krate::Idem<_>>::as_ref(&__idem_engine),
-                &__IDEM_SPEC,
-                __idem_key,
-                __idem_fingerprint,
-                __idem_biz_no,
-                #callers_tx
-                &mut __idem_body,
-            )
-            .await
-        };
-        #answered
+        // The fn item alone, at the return type's span: a value that cannot
+        // be stored is reported there, once.
+        let __idem_new = #body_new;
+        let mut __idem_body = __idem_new(move |mut #handed| async move {
+            let __idem_out: #ret = {
+                #bind
+                async move #block.await
+            };
+            (#handed, __idem_out)
+        });
+        let __idem_ended = #krate::__private::#entry(
+            ::core::convert::AsRef::<#krate::Idem<_>>::as_ref(&__idem_engine),
+            &__IDEM_SPEC,
+            __idem_key,
+            __idem_fingerprint,
+            __idem_biz_no,
+            #callers_tx
+            &mut __idem_body,
+        )
+        .await;
+        __idem_body.answer(__idem_ended)
     });
     func.block = syn::parse2(body).expect("generated block parses");
 }

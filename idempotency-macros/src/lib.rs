@@ -235,26 +235,22 @@ mod ttl;
 ///     const SPEC: idempotency::__private::Spec = /* biz, ttl, lease */;
 ///     let key = format!("order_{}_pay", &order_id);
 ///     let fingerprint = Fingerprint::new().arg("order_id", &order_id).arg("amount", &amount);
-///     let (mut value, mut error) = (None, None);
-///     let ended = {
-///         let error = &mut error;
-///         let mut body = idempotency::__private::Body::new(&mut value, move |mut tx| async move {
-///             let out: Result<Receipt, PayError> = {
-///                 let tx: &mut Transaction<'_, MySql> = &mut tx;
-///                 async move { /* the body */ }.await
-///             };
-///             (tx, idempotency::__private::stored(out, error))
-///         });
-///         idempotency::__private::run(idem, &SPEC, key, fingerprint, None, &mut body).await
-///     };
-///     idempotency::__private::answer(ended, value, error)
+///     let mut body = idempotency::__private::Body::new(move |mut tx| async move {
+///         let out: Result<Receipt, PayError> = {
+///             let tx: &mut Transaction<'_, MySql> = &mut tx;
+///             async move { /* the body */ }.await
+///         };
+///         (tx, out)
+///     });
+///     let ended = idempotency::__private::run(idem, &SPEC, key, fingerprint, None, &mut body).await;
+///     body.answer(ended)
 /// }
 /// ```
 ///
 /// `run` takes the body behind `dyn` and is generic over the backend only:
 /// the call flow is built once per backend, not once per fn (a debug build
 /// links to the copy built in `idempotency-runtime`). What each fn adds is
-/// its body, its result's JSON and `answer`: `benches/expansion.rs` measures it.
+/// its body, its result's JSON and `Body::answer`: `benches/expansion.rs` measures it.
 #[proc_macro_attribute]
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::idempotent(args.into(), item.into()).into()

@@ -22,8 +22,8 @@ use crate::outcome::{self, Outcome};
 use crate::retention;
 use crate::spec::Spec;
 use crate::store::pooling::around_body;
-use crate::store::record::{Committed, Opened, RecordKey, Settled, rollback};
-use crate::store::{Backend, SUCCEEDED, StoredRecord};
+use crate::store::record::{Committed, Finished, Opened, RecordKey, Settled, rollback};
+use crate::store::{Backend, StoredRecord};
 
 pub(crate) mod joined;
 pub(crate) mod prebuilt;
@@ -34,11 +34,13 @@ use typed::{BoxFuture, CallError, Failed, Typed, run_and_read};
 /// The body as the flow runs it: handed the record's transaction.
 type DynBody<'a, DB> = dyn Typed<Transaction<'static, DB>> + 'a;
 
-/// A finished call: whether it ran now or was replayed, and where a replay
-/// came from. Its value went to the call's typed side.
+/// A finished call: whether it ran now or was replayed, where a replay
+/// came from, and whether its answer is a recorded business error. Its
+/// value (or that error) went to the call's typed side.
 struct Done {
     outcome: Outcome,
     source: Option<Source>,
+    failed: bool,
 }
 
 /// Runs `body` once per `(spec.biz, key)`; the code the attribute writes
@@ -79,11 +81,16 @@ fn answer(
         Ok(done) => done.outcome,
         Err(CallError::Idem(e)) => Outcome::of(e),
         Err(CallError::Body) => Outcome::Failed,
+        Err(CallError::Recorded) => unreachable!("a recorded error is a finished call"),
     };
     span.record("outcome", outcome.as_str());
     outcome::report(outcome);
     crate::metrics::call_finished(spec.biz, outcome, result.as_ref().ok().and_then(|done| done.source), timer);
-    result.map(|_| ())
+    match result {
+        Ok(Done { failed: true, .. }) => Err(CallError::Recorded),
+        Ok(_) => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 /// The call, its key already checked.
@@ -105,23 +112,36 @@ async fn call<DB: Backend>(
     // first call reads it (once); later calls pay one atomic load.
     engine.now_ms().await;
 
-    let entry = engine.gate().enter(engine.db(), id.row(), &fingerprint, spec.lease, engine.lock_wait()).await;
-    let pass = match entry {
-        Entry::GoAhead(pass) => pass,
-        Entry::Replay(answer, source) => {
-            replay(&id, &answer.fingerprint, &answer.response, body)?;
-            return Ok(Done { outcome: Outcome::Replayed, source: Some(source) });
-        }
-        Entry::Busy { may_have_committed } => {
-            // A claim outlives its call's commit until the cache write lands
-            // (or for good, if the process died right after it): a committed
-            // call is in the record.
-            if may_have_committed && let Some(row) = engine.records().read_live(spec.biz, key).await? {
-                let (outcome, answer) = replay_row(&id, row, body)?.split(fingerprint.clone());
-                engine.gate().remember(spec.biz, key, &answer);
-                return Ok(Done { outcome, source: Some(Source::Database) });
+    // A duplicate of a running call waits for its answer this long (in
+    // memory, on the unique index, or told by Redis), then `InProgress`.
+    let wait = engine.wait_for(spec);
+    let deadline = tokio::time::Instant::now() + wait;
+    let gate = engine.gate();
+    let mut entry = gate.enter(engine.db(), id.row(), &fingerprint, spec.lease, engine.lock_wait().max(wait)).await;
+    let pass = loop {
+        match entry {
+            Entry::GoAhead(pass) => break pass,
+            Entry::Replay(answer, source) => {
+                replay(&id, &answer.fingerprint, &answer.response, answer.failed, body)?;
+                return Ok(Done { outcome: Outcome::Replayed, source: Some(source), failed: answer.failed });
             }
-            return Err(id_in_progress(&id).into());
+            Entry::Busy { may_have_committed } => {
+                // A claim outlives its call's commit until the cache write
+                // lands (or for good, if the process died right after it): a
+                // committed call is in the record.
+                if may_have_committed && let Some(row) = engine.records().read_live(spec.biz, key).await? {
+                    let (outcome, answer) = replay_row(&id, row, body)?.split(fingerprint.clone());
+                    gate.remember(spec.biz, key, &answer);
+                    return Ok(Done { outcome, source: Some(Source::Database), failed: answer.failed });
+                }
+                if wait.is_zero() {
+                    return Err(id_in_progress(&id).into());
+                }
+                entry = match gate.wait_running(engine.db(), id.row(), &fingerprint, spec.lease, deadline).await {
+                    Some(entry) => entry,
+                    None => return Err(id_in_progress(&id).into()),
+                };
+            }
         }
     };
 
@@ -129,7 +149,7 @@ async fn call<DB: Backend>(
     // run to kilobytes, and every wrapper that took it by value (the outbox
     // scope, the span, the caller's future) would copy it, first calls and
     // replays alike. A replay never builds this one.
-    let executed = Box::pin(execute(engine, &id, pass.holds_claim(), body));
+    let executed = Box::pin(execute(engine, spec, &id, pass.holds_claim(), body));
     // Events the body queues take their ids from the call (`outbox::queue`).
     #[cfg(feature = "outbox")]
     let executed = crate::outbox::scope(engine, spec.biz, key, executed);
@@ -141,7 +161,7 @@ async fn call<DB: Backend>(
             pass.finish(&answer);
             engine.gate().remember(spec.biz, key, &answer);
             let source = (outcome == Outcome::Replayed).then_some(Source::Database);
-            Ok(Done { outcome, source })
+            Ok(Done { outcome, source, failed: answer.failed })
         }
         Err(e) => {
             pass.abandon().await;
@@ -150,10 +170,11 @@ async fn call<DB: Backend>(
     }
 }
 
-/// The database part of a call, done (its value decoded already): its
-/// stored form, and when the record expires.
+/// The database part of a call, done (its value, or its recorded error,
+/// decoded already): its stored form, and when the record expires.
 struct Recorded {
     response: String,
+    failed: bool,
     expires_ms: i64,
     outcome: Outcome,
 }
@@ -161,33 +182,35 @@ struct Recorded {
 impl Recorded {
     /// How it ended, and what the duplicates are handed: the stored result.
     fn split(self, fingerprint: String) -> (Outcome, Arc<Answer>) {
-        let answer = Answer { fingerprint, response: self.response, expires_ms: self.expires_ms };
+        let answer = Answer { fingerprint, response: self.response, failed: self.failed, expires_ms: self.expires_ms };
         (self.outcome, Arc::new(answer))
     }
 }
 
-/// The body and its record, in one transaction.
+/// The body and its record, in one transaction. With `record_errors` the fn
+/// records its declared business errors, so the body starts after a
+/// savepoint, to roll back to while the record commits holding the error.
 async fn execute<DB: Backend>(
     engine: &Idem<DB>,
+    spec: &Spec,
     id: &RecordKey<'_>,
     claimed: bool,
     body: &mut DynBody<'_, DB>,
 ) -> Result<Recorded, CallError> {
-    let records = engine.records();
-    let tx = match records.open(id, claimed).await? {
+    let (records, record_errors) = (engine.records_for(spec), spec.record_errors);
+    let mut tx = match records.open(id, claimed).await? {
         Opened::Go(tx) => tx,
         Opened::Taken(row) => return replay_row(id, row, body),
     };
+    if record_errors && let Err(e) = DB::mark_body(&mut tx).await {
+        rollback(tx).await;
+        return Err(Error::from_store(e).into());
+    }
 
-    let (tx, result) = around_body(engine.db().pooling, run_and_read(body, tx)).await;
+    let (mut tx, result) = around_body(engine.db().pooling, run_and_read(body, tx)).await;
+    let failed = matches!(result, Err(Failed::Recorded(_)));
     let response = match result {
-        Ok(response) => match engine.check_result(id.biz, &response) {
-            Ok(()) => response,
-            Err(e) => {
-                rollback(tx).await;
-                return Err(e.into());
-            }
-        },
+        Ok(json) | Err(Failed::Recorded(json)) => json,
         Err(Failed::Body) => {
             rollback(tx).await;
             // A body can fail on what a duplicate left (its lease ran out, or
@@ -204,33 +227,64 @@ async fn execute<DB: Backend>(
             return Err(Error::Serialize(e).into());
         }
     };
-    match records.commit(tx, id, &response, claimed).await? {
-        Committed::Ours { expires_ms } => Ok(Recorded { response, expires_ms, outcome: Outcome::Executed }),
+    if let Err(e) = engine.check_result(id.biz, &response) {
+        rollback(tx).await;
+        return Err(e.into());
+    }
+    let finished = if failed {
+        // The body's own writes go; the record stays, holding its error. A
+        // transaction the database already ended (a deadlock) cannot keep
+        // the record: the error is the body's, unrecorded.
+        if DB::undo_body(&mut tx).await.is_err() {
+            rollback(tx).await;
+            return Err(CallError::Body);
+        }
+        Finished::Error(&response)
+    } else {
+        Finished::Value(&response)
+    };
+    match records.commit(tx, id, finished, claimed).await? {
+        Committed::Ours { expires_ms } => {
+            // The first caller gets its error as every replay will: read
+            // back from the record (its value was, by `run_and_read`).
+            if failed {
+                body.decode_failure(&response).map_err(|source| Error::Replay {
+                    biz: id.biz,
+                    key: id.key.to_owned(),
+                    source,
+                })?;
+            }
+            Ok(Recorded { response, failed, expires_ms, outcome: Outcome::Executed })
+        }
         Committed::Theirs(row) => replay_row(id, row, body),
     }
 }
 
-/// The answer a committed row gives a duplicate.
+/// The answer a committed row gives a duplicate: its value, or its
+/// recorded business error.
 fn replay_row<H>(id: &RecordKey<'_>, row: StoredRecord, body: &mut dyn Typed<H>) -> Result<Recorded, CallError> {
-    let Some(response) = row.response.filter(|_| row.status == SUCCEEDED) else {
+    let Some((_, failed)) = row.answer() else {
         return Err(id_in_progress(id).into());
     };
-    replay(id, &row.params_hash, &response, body)?;
-    Ok(Recorded { response, expires_ms: row.expires_ms, outcome: Outcome::Replayed })
+    let response = row.response.unwrap_or_default();
+    replay(id, &row.params_hash, &response, failed, body)?;
+    Ok(Recorded { response, failed, expires_ms: row.expires_ms, outcome: Outcome::Replayed })
 }
 
-/// A stored result for this call, decoded as its value; `KeyReused` when
-/// it was stored for other arguments.
+/// A stored result for this call, decoded as its value (or, `failed`, as
+/// its error); `KeyReused` when it was stored for other arguments.
 fn replay<H>(
     id: &RecordKey<'_>,
     stored_fingerprint: &str,
     response: &str,
+    failed: bool,
     body: &mut dyn Typed<H>,
 ) -> Result<(), Error> {
     if stored_fingerprint != id.fingerprint {
         return Err(Error::KeyReused { biz: id.biz, key: id.key.to_owned() });
     }
-    body.decode(response).map_err(|source| Error::Replay { biz: id.biz, key: id.key.to_owned(), source })
+    let decoded = if failed { body.decode_failure(response) } else { body.decode(response) };
+    decoded.map_err(|source| Error::Replay { biz: id.biz, key: id.key.to_owned(), source })
 }
 
 fn id_in_progress(id: &RecordKey<'_>) -> Error {

@@ -32,6 +32,7 @@ struct Inner<DB: Backend> {
     clock: Arc<Clock>,
     gate: Gate,
     lock_wait: Duration,
+    wait: Duration,
     max_result_bytes: usize,
     tokens: token::Settings,
     /// Wakes this engine's outbox relays when a call commits events.
@@ -75,6 +76,7 @@ pub struct Builder<DB: Backend> {
     #[cfg(feature = "redis")]
     redis_hot_window: Duration,
     lock_wait: Duration,
+    wait: Duration,
     max_result_bytes: usize,
     local_cache: Option<LocalCache>,
     tokens: token::Settings,
@@ -162,6 +164,25 @@ impl<DB: Backend> Builder<DB> {
         self
     }
 
+    /// How long a duplicate of a running call waits for its answer before
+    /// `InProgress`, for fns that do not say (`#[idempotent(.., wait =
+    /// "5s")]` does). Default zero: a duplicate that meets a running call's
+    /// Redis claim answers `InProgress` at once, to ask again later. With a
+    /// wait it gets the running call's answer as soon as that ends (its
+    /// value, or its recorded error), told by Redis (one connection per
+    /// engine, no polling; a Redis Cluster's waiters ask again at doubling
+    /// intervals), and goes ahead as a first call if that one failed. A
+    /// double click, or a gateway's retry a moment later, then gets the
+    /// same 200 instead of a 409. Without Redis a duplicate waits already,
+    /// on this engine's running call in memory or on the record's unique
+    /// index, for `lock_wait`, or this, whichever is longer. A waiting
+    /// duplicate holds its request (and, without Redis, a connection) for
+    /// up to this long.
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
+    }
+
     /// The longest result an annotated fn may record: its JSON, in bytes.
     /// A longer one is refused before anything commits
     /// ([`Error::ResultTooLarge`], which tells the caller not to retry): the
@@ -221,6 +242,7 @@ impl<DB: Backend> Builder<DB> {
                 clock,
                 gate,
                 lock_wait: self.lock_wait,
+                wait: self.wait,
                 max_result_bytes: self.max_result_bytes,
                 tokens: self.tokens,
                 #[cfg(feature = "outbox")]
@@ -277,6 +299,7 @@ impl<DB: Backend> Idem<DB> {
             #[cfg(feature = "redis")]
             redis_hot_window: crate::gate::redis::DEFAULT_HOT_WINDOW,
             lock_wait: Duration::from_secs(5),
+            wait: Duration::ZERO,
             max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
             local_cache: None,
             tokens: token::Settings::default(),
@@ -324,6 +347,18 @@ impl<DB: Backend> Idem<DB> {
 
     pub(crate) fn records(&self) -> Records<'_, DB> {
         Records { db: &self.inner.db, lock_wait: self.inner.lock_wait, clock: &self.inner.clock }
+    }
+
+    /// How long a duplicate of a call of `spec` waits for the running one:
+    /// its own `wait`, else the engine's.
+    pub(crate) fn wait_for(&self, spec: &crate::spec::Spec) -> Duration {
+        spec.wait.unwrap_or(self.inner.wait)
+    }
+
+    /// The record table as a call of `spec` sees it: a duplicate waits on
+    /// the unique index for `lock_wait`, or the call's `wait` if longer.
+    pub(crate) fn records_for(&self, spec: &crate::spec::Spec) -> Records<'_, DB> {
+        Records { lock_wait: self.inner.lock_wait.max(self.wait_for(spec)), ..self.records() }
     }
 
     /// The database's clock, as this engine reads it (see [`crate::clock`]).
@@ -387,7 +422,13 @@ impl<DB: Backend> Idem<DB> {
         let now = self.now_ms().await;
         let recorded = match self.records().read(biz, key).await? {
             Some(row) if row.is_live(now) => {
-                return Ok(Status::Completed { response: row.response.unwrap_or_default() });
+                let failed = row.answer().is_some_and(|(_, failed)| failed);
+                let stored = row.response.unwrap_or_default();
+                return Ok(if failed {
+                    Status::Failed { error: stored }
+                } else {
+                    Status::Completed { response: stored }
+                });
             }
             row => row.is_some(),
         };

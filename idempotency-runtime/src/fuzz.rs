@@ -93,7 +93,7 @@ pub enum Cached {
 /// The value a finished call leaves in its window's result hash.
 #[cfg(feature = "redis")]
 pub fn cached_value_written(expires_ms: i64, fingerprint: &str, response: &str) -> Vec<u8> {
-    crate::gate::redis::layout::result_value(expires_ms, fingerprint, response)
+    crate::gate::redis::layout::result_value(expires_ms, fingerprint, response, false)
 }
 
 /// The value a running call holds its claim with.

@@ -14,6 +14,7 @@ compile_error!(
     "idem keeps its records in a database: enable at least one of the features `sqlite`, `mysql`, `postgres`"
 );
 
+mod business_error;
 mod call;
 mod clock;
 #[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
@@ -48,6 +49,7 @@ mod store;
 pub mod token;
 
 // The consumer runners live in one folder around their shared core.
+pub use business_error::BusinessError;
 #[cfg(feature = "amqp")]
 pub use consumer::amqp;
 #[cfg(feature = "nats")]
@@ -100,7 +102,7 @@ pub mod redis_layout {
 
     /// The bytes a result hash keeps for a finished call.
     pub fn result_value(expires_ms: i64, fingerprint: &str, response: &str) -> Vec<u8> {
-        layout::result_value(expires_ms, fingerprint, response)
+        layout::result_value(expires_ms, fingerprint, response, false)
     }
 
     /// A claim's value, with a fresh owner token.
@@ -115,9 +117,9 @@ pub mod __private {
     pub use crate::call::joined::run_joined;
     pub use crate::call::prebuilt::flows as prebuilt_flows;
     pub use crate::call::run;
-    pub use crate::call::typed::{Body, answer, stored};
+    pub use crate::call::typed::{Body, Replayable};
     pub use crate::fingerprint::Fingerprint;
-    pub use crate::spec::{Replayable, Spec, assert_replayable};
+    pub use crate::spec::Spec;
     pub use crate::steps::run_steps;
 }
 

@@ -1,12 +1,8 @@
 //! What only the code `#[idempotent]` writes uses: the static [`Spec`] of
-//! an annotated fn, and the check that its return type can be replayed.
+//! an annotated fn. (That its value can be stored and replayed is checked
+//! where its `Body` is made: `call/typed.rs`.)
 
 use std::time::Duration;
-
-use serde::Serialize;
-use serde::de::DeserializeOwned;
-
-use crate::error::Error;
 
 /// What one annotated fn declares; built by the attribute at compile time.
 #[derive(Debug)]
@@ -17,16 +13,10 @@ pub struct Spec {
     pub ttl: Duration,
     /// How long a Redis claim lives while the body runs.
     pub lease: Duration,
+    /// How long a duplicate waits for a running call's answer before
+    /// `InProgress`; `None`: the engine's default (`Builder::wait`).
+    pub wait: Option<Duration>,
+    /// Whether declared business errors are recorded (`record_errors`):
+    /// the body runs after a savepoint, to roll back to.
+    pub record_errors: bool,
 }
-
-/// What an `#[idempotent]` fn must return: its value is stored and replayed.
-#[diagnostic::on_unimplemented(
-    message = "`{Self}` cannot be stored and replayed by #[idempotent]",
-    label = "the return type must be `Result<T, E>` with `T: Serialize + DeserializeOwned` and `E: From<idempotency::Error>`"
-)]
-pub trait Replayable {}
-
-impl<T: Serialize + DeserializeOwned, E: From<Error>> Replayable for Result<T, E> {}
-
-/// Puts the requirements on the return type where the user wrote it.
-pub fn assert_replayable<R: Replayable>() {}

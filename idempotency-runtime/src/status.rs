@@ -16,6 +16,13 @@ pub enum Status {
     },
     /// A call finished but its record outlived the ttl: the next call executes.
     Expired,
+    /// A call finished with a business error its fn declares final
+    /// (`record_errors`): every duplicate gets it; `error` is its record
+    /// as stored (JSON).
+    Failed {
+        /// The recorded error, byte for byte.
+        error: String,
+    },
 }
 
 impl Status {

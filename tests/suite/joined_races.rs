@@ -196,6 +196,10 @@ async fn plain_duplicate_of_a_caller_holding_30_s(redis: Redis) {
     idem.migrate().await.expect("migrate");
     let probe = Arc::new(Probe::default());
     let k = unique("join-held");
+    // A first call of its own: the engine has read the database's clock and
+    // namespace, and its pool holds a connection for the duplicate's body
+    // (on a loaded server, a new connection can wait as long as the caller).
+    pay(&idem, unique("join-held-warm"), 7, &Probe::default(), Mode::Ok).await.unwrap();
 
     let mut caller = idem.pool().begin().await.unwrap();
     let first = pay_in(&idem, &mut caller, k.clone(), 7, &probe, Mode::Ok).await.unwrap();

@@ -26,12 +26,14 @@ mod joined_races;
 mod keys;
 mod leases;
 mod namespaces;
+mod recorded_errors;
 mod redis_faults;
 mod replay;
 mod status;
 mod storms;
 mod trait_methods;
 mod upgrade;
+mod waits;
 
 use idempotency_testkit::TestBackend;
 

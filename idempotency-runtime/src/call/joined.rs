@@ -27,7 +27,7 @@ use crate::retention;
 use crate::spec::Spec;
 use crate::store::Backend;
 use crate::store::pooling::around_body;
-use crate::store::record::{Joined, RecordKey, rollback};
+use crate::store::record::{Finished, Joined, RecordKey, rollback};
 
 /// The body as the flow runs it: handed a savepoint of the caller's transaction.
 type DynBody<'a, 't, DB> = dyn Typed<Transaction<'t, DB>> + 'a;
@@ -87,48 +87,51 @@ async fn call<'t, DB: Backend>(
     engine.now_ms().await;
 
     if let Some(answer) = engine.gate().cached(spec.biz, key) {
-        replay(&id, &answer.fingerprint, &answer.response, body)?;
-        return Ok(Done { outcome: Outcome::Replayed, source: Some(Source::Local) });
+        replay(&id, &answer.fingerprint, &answer.response, answer.failed, body)?;
+        return Ok(Done { outcome: Outcome::Replayed, source: Some(Source::Local), failed: answer.failed });
     }
     // A row found here is never remembered: it may be the caller's own,
     // written earlier in this transaction and not committed.
-    let savepoint = match engine.records().join(tx, &id).await? {
+    let savepoint = match engine.records_for(spec).join(tx, &id).await? {
         Joined::Go(savepoint) => savepoint,
         Joined::Taken(row) => {
-            replay_row(&id, row, body)?;
-            return Ok(Done { outcome: Outcome::Replayed, source: Some(Source::Database) });
+            let failed = replay_row(&id, row, body)?.failed;
+            return Ok(Done { outcome: Outcome::Replayed, source: Some(Source::Database), failed });
         }
     };
-    let executed = Box::pin(execute(engine, &id, savepoint, body));
+    let executed = Box::pin(execute(engine, &id, savepoint, spec.record_errors, body));
     // Events the body queues take their ids from the call (`outbox::queue`).
     #[cfg(feature = "outbox")]
     let executed = crate::outbox::scope(engine, spec.biz, key, executed);
-    executed.await?;
-    Ok(Done { outcome: Outcome::Executed, source: None })
+    let failed = executed.await?;
+    Ok(Done { outcome: Outcome::Executed, source: None, failed })
 }
 
-/// The body in its savepoint, then the finished record beside it.
+/// The body in its savepoint, then the finished record beside it: its
+/// value, or (`record_errors`, a declared business error) that error, the
+/// body's own writes rolled back to a savepoint of their own. `Ok(true)`:
+/// the error was recorded, and read back for the caller.
 async fn execute<'t, DB: Backend>(
     engine: &Idem<DB>,
     id: &RecordKey<'_>,
-    savepoint: Transaction<'t, DB>,
+    mut savepoint: Transaction<'t, DB>,
+    record_errors: bool,
     body: &mut DynBody<'_, 't, DB>,
-) -> Result<(), CallError> {
+) -> Result<bool, CallError> {
+    if record_errors && let Err(e) = DB::mark_body(&mut savepoint).await {
+        rollback(savepoint).await;
+        return Err(Error::from_store(e).into());
+    }
     // A panic or a drop here drops the savepoint, which sqlx rolls back on
     // the connection's next use: the caller's own writes stay.
-    let (savepoint, result) = around_body(engine.db().pooling, run_and_read(body, savepoint)).await;
+    let (mut savepoint, result) = around_body(engine.db().pooling, run_and_read(body, savepoint)).await;
     // No settling after a failure, unlike a call of our own: a duplicate
     // cannot have committed in between (our record holds the key), and a
     // deadlock may have ended the caller's whole transaction, which only
     // the body's own error tells the caller.
+    let failed = matches!(result, Err(Failed::Recorded(_)));
     let response = match result {
-        Ok(response) => match engine.check_result(id.biz, &response) {
-            Ok(()) => response,
-            Err(e) => {
-                rollback(savepoint).await;
-                return Err(e.into());
-            }
-        },
+        Ok(json) | Err(Failed::Recorded(json)) => json,
         Err(Failed::Body) => {
             rollback(savepoint).await;
             return Err(CallError::Body);
@@ -138,6 +141,26 @@ async fn execute<'t, DB: Backend>(
             return Err(Error::Serialize(e).into());
         }
     };
-    engine.records().finish_joined(savepoint, id, &response).await?;
-    Ok(())
+    if let Err(e) = engine.check_result(id.biz, &response) {
+        rollback(savepoint).await;
+        return Err(e.into());
+    }
+    let finished = if failed {
+        if DB::undo_body(&mut savepoint).await.is_err() {
+            rollback(savepoint).await;
+            return Err(CallError::Body);
+        }
+        Finished::Error(&response)
+    } else {
+        Finished::Value(&response)
+    };
+    engine.records().finish_joined(savepoint, id, finished).await?;
+    if failed {
+        body.decode_failure(&response).map_err(|source| Error::Replay {
+            biz: id.biz,
+            key: id.key.to_owned(),
+            source,
+        })?;
+    }
+    Ok(failed)
 }

@@ -148,7 +148,7 @@ mod tests {
     use super::*;
 
     fn answer(response: &str, expires_ms: i64) -> Arc<Answer> {
-        Arc::new(Answer { fingerprint: "f".repeat(64), response: response.into(), expires_ms })
+        Arc::new(Answer { fingerprint: "f".repeat(64), response: response.into(), failed: false, expires_ms })
     }
 
     fn now() -> i64 {

@@ -93,7 +93,12 @@ mod tests {
     use super::*;
 
     fn answer(fingerprint: &str, response: &str) -> Arc<Answer> {
-        Arc::new(Answer { fingerprint: fingerprint.into(), response: response.into(), expires_ms: i64::MAX })
+        Arc::new(Answer {
+            fingerprint: fingerprint.into(),
+            response: response.into(),
+            failed: false,
+            expires_ms: i64::MAX,
+        })
     }
 
     const WAIT: Duration = Duration::from_secs(5);

@@ -29,6 +29,9 @@ pub(crate) struct Answer {
     pub fingerprint: String,
     /// The serialized result, as stored.
     pub response: String,
+    /// Whether `response` is a recorded business error (`record_errors`),
+    /// replayed as the fn's `Err`, rather than its value.
+    pub failed: bool,
     /// When its record expires (epoch ms): no copy answers past it.
     pub expires_ms: i64,
 }
@@ -150,6 +153,34 @@ impl Gate {
         }
         let _ = (db, fingerprint, lease);
         self.memory.enter(biz, key, wait).await
+    }
+
+    /// A duplicate told `Busy`, waiting until `deadline` for the running
+    /// call to end: then the gate's answer again (its result, the key free
+    /// to go ahead, or another call's claim). `None` while it still runs at
+    /// the deadline. Only a Redis claim is waited on here: the in-memory
+    /// gate waited in [`enter`](Gate::enter) already, and without a claim
+    /// the unique index is the wait.
+    pub(crate) async fn wait_running<DB: Backend>(
+        &self,
+        db: &Db<DB>,
+        id: RowKey<'_>,
+        fingerprint: &str,
+        lease: Duration,
+        deadline: tokio::time::Instant,
+    ) -> Option<Entry<'_>> {
+        #[cfg(feature = "redis")]
+        if let Some(redis) = &self.redis {
+            let entry = redis.wait_running(db, id, fingerprint, lease, deadline).await;
+            if let Some(Entry::Replay(answer, _)) = &entry
+                && answer.fingerprint == fingerprint
+            {
+                self.remember(id.biz, id.key, answer);
+            }
+            return entry;
+        }
+        let _ = (db, id, fingerprint, lease, deadline);
+        None
     }
 
     /// The committed result of `(biz, key)` the local cache holds, if any;

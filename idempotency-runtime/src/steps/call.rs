@@ -108,47 +108,63 @@ async fn call<DB: Backend>(
     engine.now_ms().await;
 
     let row = RowKey::new(spec.biz, key);
-    let entry = engine.gate().enter(engine.db(), row, &fingerprint, spec.lease, engine.lock_wait()).await;
-    match entry {
-        Entry::GoAhead(pass) => {
-            // On the heap, as in the single-transaction flow (`crate::call`).
-            let executed = Box::pin(execute(engine, &id, body));
-            // Events the body queues take their ids from the call (`outbox::queue`).
-            #[cfg(feature = "outbox")]
-            let executed = crate::outbox::scope_where(engine, spec.biz, key, executed, |ended| ended.answer.is_some());
-            let ended = executed.await;
-            // A succeeded result goes on to the duplicates (Redis in place of
-            // our claim, or those waiting here); anything else lets them in.
-            match &ended.answer {
-                Some(answer) => {
-                    pass.finish(answer);
-                    engine.gate().remember(spec.biz, key, answer);
-                }
-                None => pass.abandon().await,
-            }
-            ended
-        }
-        Entry::Replay(answer, source) => match replay(&id, &answer.fingerprint, &answer.response, body) {
-            Ok(()) => Ended { result: Ok(()), outcome: Outcome::Replayed, source: Some(source), answer: None },
-            Err(e) => Ended::error(e),
-        },
-        Entry::Busy { may_have_committed } => {
-            // A Redis claim outlives its call's commit until the cache write
-            // lands (or for good, if the process died): the record knows.
-            if may_have_committed {
-                match protocol::read(engine.db(), &id).await {
-                    Ok(Some(row)) if answers(&row, engine) => {
-                        let ended = from_row(&id, row, Outcome::Replayed, body);
-                        if let Some(answer) = &ended.answer {
-                            engine.gate().remember(spec.biz, key, answer);
-                        }
-                        return ended;
+    // A duplicate of a running call waits for its answer this long, as in
+    // the single-transaction flow (`crate::call`).
+    let wait = engine.wait_for(spec);
+    let deadline = tokio::time::Instant::now() + wait;
+    let gate = engine.gate();
+    let mut entry = gate.enter(engine.db(), row, &fingerprint, spec.lease, engine.lock_wait().max(wait)).await;
+    loop {
+        match entry {
+            Entry::GoAhead(pass) => {
+                // On the heap, as in the single-transaction flow (`crate::call`).
+                let executed = Box::pin(execute(engine, &id, body));
+                // Events the body queues take their ids from the call (`outbox::queue`).
+                #[cfg(feature = "outbox")]
+                let executed =
+                    crate::outbox::scope_where(engine, spec.biz, key, executed, |ended| ended.answer.is_some());
+                let ended = executed.await;
+                // A succeeded result goes on to the duplicates (Redis in place of
+                // our claim, or those waiting here); anything else lets them in.
+                match &ended.answer {
+                    Some(answer) => {
+                        pass.finish(answer);
+                        gate.remember(spec.biz, key, answer);
                     }
-                    Ok(_) => {}
-                    Err(e) => return Ended::error(e),
+                    None => pass.abandon().await,
                 }
+                return ended;
             }
-            Ended::error(id.in_progress())
+            Entry::Replay(answer, source) => {
+                return match replay(&id, &answer.fingerprint, &answer.response, body) {
+                    Ok(()) => Ended { result: Ok(()), outcome: Outcome::Replayed, source: Some(source), answer: None },
+                    Err(e) => Ended::error(e),
+                };
+            }
+            Entry::Busy { may_have_committed } => {
+                // A Redis claim outlives its call's commit until the cache write
+                // lands (or for good, if the process died): the record knows.
+                if may_have_committed {
+                    match protocol::read(engine.db(), &id).await {
+                        Ok(Some(row)) if answers(&row, engine) => {
+                            let ended = from_row(&id, row, Outcome::Replayed, body);
+                            if let Some(answer) = &ended.answer {
+                                gate.remember(spec.biz, key, answer);
+                            }
+                            return ended;
+                        }
+                        Ok(_) => {}
+                        Err(e) => return Ended::error(e),
+                    }
+                }
+                if wait.is_zero() {
+                    return Ended::error(id.in_progress());
+                }
+                entry = match gate.wait_running(engine.db(), row, &fingerprint, spec.lease, deadline).await {
+                    Some(entry) => entry,
+                    None => return Ended::error(id.in_progress()),
+                };
+            }
         }
     }
 }
@@ -177,7 +193,9 @@ async fn execute<DB: Backend>(engine: &Idem<DB>, id: &CallKey<'_>, body: &mut Dy
             Err(e) => return give_up(engine, parts, Ended::error(e)).await,
         },
         Err(Failed::Serialize(e)) => return give_up(engine, parts, Ended::error(Error::Serialize(e))).await,
-        Err(Failed::Body) => match &parts.failure {
+        // `record_errors` is refused with `steps` at compile time: a steps
+        // body declares its final failures with `Steps::permanent`.
+        Err(Failed::Body | Failed::Recorded(_)) => match &parts.failure {
             Some(failure) => (FAILED, failure.as_json().to_owned()),
             None => return give_up(engine, parts, Ended::body()).await,
         },
@@ -201,7 +219,12 @@ async fn execute<DB: Backend>(engine: &Idem<DB>, id: &CallKey<'_>, body: &mut Dy
                 result: Ok(()),
                 outcome: Outcome::Executed,
                 source: None,
-                answer: Some(Arc::new(Answer { fingerprint: id.fingerprint.to_owned(), response, expires_ms })),
+                answer: Some(Arc::new(Answer {
+                    fingerprint: id.fingerprint.to_owned(),
+                    response,
+                    failed: false,
+                    expires_ms,
+                })),
             },
             _ => Ended {
                 result: Err(CallError::Idem(permanent(id, response))),
@@ -286,7 +309,7 @@ fn from_row<DB: Backend>(id: &CallKey<'_>, row: CallRow, outcome: Outcome, body:
     match replay(id, &params_hash, &response, body) {
         Ok(()) => {
             let source = (outcome == Outcome::Replayed).then_some(Source::Database);
-            let answer = Arc::new(Answer { fingerprint: params_hash, response, expires_ms });
+            let answer = Arc::new(Answer { fingerprint: params_hash, response, failed: false, expires_ms });
             Ended { result: Ok(()), outcome, source, answer: Some(answer) }
         }
         Err(e) => Ended::error(e),

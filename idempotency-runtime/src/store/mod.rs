@@ -42,6 +42,9 @@ pub(crate) use tokens::{TokenQueries, token_queries};
 pub(crate) const PROCESSING: i16 = 0;
 /// `status` of a row whose response is stored.
 pub(crate) const SUCCEEDED: i16 = 1;
+/// `status` of a row whose response is a declared business error
+/// (`record_errors`), replayed as the fn's `Err`.
+pub(crate) const FAILED: i16 = 2;
 
 /// A row about to be inserted. Times are Unix epoch milliseconds.
 #[derive(Debug, Clone, Copy)]
@@ -65,9 +68,20 @@ pub struct StoredRecord {
 }
 
 impl StoredRecord {
-    /// Whether the row answers duplicates at `now_ms`: finished and not expired.
+    /// Whether the row answers duplicates at `now_ms`: finished (a value or
+    /// a recorded error) and not expired.
     pub fn is_live(&self, now_ms: i64) -> bool {
-        self.status == SUCCEEDED && self.expires_ms > now_ms
+        self.status != PROCESSING && self.expires_ms > now_ms
+    }
+
+    /// The answer it holds, if finished: the stored JSON, and whether it is
+    /// a recorded business error.
+    pub(crate) fn answer(&self) -> Option<(&str, bool)> {
+        match (self.status, &self.response) {
+            (SUCCEEDED, Some(response)) => Some((response, false)),
+            (FAILED, Some(response)) => Some((response, true)),
+            _ => None,
+        }
     }
 }
 
@@ -226,10 +240,18 @@ pub trait RecordSql: sqlx::Database + Sized {
         Self::insert(pooling, tx, rec, Some(wait))
     }
 
+    /// Marks where a body that records its declared errors starts (a
+    /// savepoint after the record's insert, if any), to roll its own writes
+    /// back to ([`undo_body`](RecordSql::undo_body)) and keep the record.
+    fn mark_body(tx: &mut Transaction<'_, Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Rolls the body's writes back to [`mark_body`](RecordSql::mark_body).
+    fn undo_body(tx: &mut Transaction<'_, Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
     /// Stores the response in the row this transaction inserted, with the
     /// status, `updated_at` and `expires_at` of `rec` (the ttl counts from
     /// the end of the body, as when the record goes in last).
-    fn mark_succeeded(
+    fn mark_finished(
         pooling: Pooling,
         tx: &mut Transaction<'_, Self>,
         rec: &NewRecord<'_>,
@@ -320,7 +342,7 @@ where
 /// SQL of the statements every backend runs in the same shape.
 pub(crate) struct Queries {
     pub insert: &'static str,
-    pub mark_succeeded: &'static str,
+    pub mark_finished: &'static str,
     pub read_locking: &'static str,
     pub read_plain: &'static str,
     pub delete_expired: &'static str,
@@ -339,6 +361,15 @@ pub(crate) const NAMESPACE: &str = "SELECT value FROM idem_meta WHERE name = 'na
 /// those outside the call's transaction).
 macro_rules! record_queries {
     ($q:expr) => {
+        // The simple protocol: nothing prepared, behind a pooler too.
+        async fn mark_body(tx: &mut ::sqlx::Transaction<'_, Self>) -> Result<(), ::sqlx::Error> {
+            ::sqlx::raw_sql("SAVEPOINT idem_body").execute(&mut **tx).await.map(drop)
+        }
+
+        async fn undo_body(tx: &mut ::sqlx::Transaction<'_, Self>) -> Result<(), ::sqlx::Error> {
+            ::sqlx::raw_sql("ROLLBACK TO SAVEPOINT idem_body").execute(&mut **tx).await.map(drop)
+        }
+
         async fn insert(
             pooling: $crate::store::Pooling,
             tx: &mut ::sqlx::Transaction<'_, Self>,
@@ -365,13 +396,13 @@ macro_rules! record_queries {
             $crate::store::inserted(done.map(|d| d.rows_affected()))
         }
 
-        async fn mark_succeeded(
+        async fn mark_finished(
             pooling: $crate::store::Pooling,
             tx: &mut ::sqlx::Transaction<'_, Self>,
             rec: &$crate::store::NewRecord<'_>,
         ) -> Result<(), ::sqlx::Error> {
             pooling
-                .query($q.mark_succeeded)
+                .query($q.mark_finished)
                 .bind(rec.status)
                 .bind(rec.response)
                 .bind(rec.now_ms)
@@ -461,7 +492,7 @@ pub(crate) fn is_unique_violation(error: &sqlx::Error) -> bool {
 /// this host's (the servers here share its clock), and the round trip that
 /// bounds a reading's error. Skipped when a server does not answer, unless
 /// `IDEM_REQUIRE_SERVICES=1`.
-#[cfg(test)]
+#[cfg(all(test, any(feature = "mysql", feature = "postgres")))]
 mod clock_reading {
     use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 

@@ -37,7 +37,7 @@ const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_record (
 // Purges walk the expiry index (`ORDER BY expires_at`), oldest first.
 const Q: Queries = Queries {
     insert: "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-    mark_succeeded: "UPDATE idem_record SET status = ?, response = ?, updated_at = ?, expires_at = ? WHERE key_digest = ? AND biz_type = ? AND idem_key = ?",
+    mark_finished: "UPDATE idem_record SET status = ?, response = ?, updated_at = ?, expires_at = ? WHERE key_digest = ? AND biz_type = ? AND idem_key = ?",
     read_locking: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE key_digest = ? AND biz_type = ? AND idem_key = ? LOCK IN SHARE MODE",
     read_plain: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE key_digest = ? AND biz_type = ? AND idem_key = ?",
     delete_expired: "DELETE FROM idem_record WHERE key_digest = ? AND biz_type = ? AND idem_key = ? AND expires_at <= ?",

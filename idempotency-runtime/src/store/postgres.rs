@@ -58,7 +58,7 @@ const DDL: [&str; 3] = [
 // "The purge's plans").
 const Q: Queries = Queries {
     insert: "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (key_digest) DO NOTHING",
-    mark_succeeded: "UPDATE idem_record SET status = $1, response = $2, updated_at = $3, expires_at = $4 WHERE key_digest = $5 AND biz_type = $6 AND idem_key = $7",
+    mark_finished: "UPDATE idem_record SET status = $1, response = $2, updated_at = $3, expires_at = $4 WHERE key_digest = $5 AND biz_type = $6 AND idem_key = $7",
     read_locking: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE key_digest = $1 AND biz_type = $2 AND idem_key = $3",
     read_plain: "SELECT params_hash, status, response, expires_at FROM idem_record WHERE key_digest = $1 AND biz_type = $2 AND idem_key = $3",
     delete_expired: "DELETE FROM idem_record WHERE key_digest = $1 AND biz_type = $2 AND idem_key = $3 AND expires_at <= $4",

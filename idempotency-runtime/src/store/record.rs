@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use sqlx::Transaction;
 
-use super::{Backend, Db, ErrorClass, NewRecord, PROCESSING, Pooling, RowKey, SUCCEEDED, StoredRecord};
+use super::{Backend, Db, ErrorClass, FAILED, NewRecord, PROCESSING, Pooling, RowKey, SUCCEEDED, StoredRecord};
 use crate::clock::Clock;
 use crate::error::Error;
 
@@ -93,6 +93,30 @@ pub(crate) enum Opened<DB: Backend> {
     Taken(StoredRecord),
 }
 
+/// What a call finished with, to record.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Finished<'r> {
+    /// Its value's JSON.
+    Value(&'r str),
+    /// A business error its fn declared final, as recorded (JSON).
+    Error(&'r str),
+}
+
+impl<'r> Finished<'r> {
+    fn status(self) -> i16 {
+        match self {
+            Finished::Value(_) => SUCCEEDED,
+            Finished::Error(_) => FAILED,
+        }
+    }
+
+    fn response(self) -> &'r str {
+        match self {
+            Finished::Value(json) | Finished::Error(json) => json,
+        }
+    }
+}
+
 /// What [`Records::commit`] did.
 pub(crate) enum Committed {
     /// Our record and the body's writes committed; the record expires then.
@@ -161,14 +185,14 @@ impl<DB: Backend> Records<'_, DB> {
         &self,
         mut tx: Transaction<'static, DB>,
         id: &RecordKey<'_>,
-        response: &str,
+        finished: Finished<'_>,
         claimed: bool,
     ) -> Result<Committed, Error> {
-        let record = id.record(SUCCEEDED, Some(response), self.clock.now_ms());
+        let record = id.record(finished.status(), Some(finished.response()), self.clock.now_ms());
         let written = if claimed {
             insert(self.db.pooling, &mut tx, id, &record, Wait::AfterBody(self.lock_wait), self.clock).await
         } else {
-            DB::mark_succeeded(self.db.pooling, &mut tx, &record).await.map(|()| Taken::No)
+            DB::mark_finished(self.db.pooling, &mut tx, &record).await.map(|()| Taken::No)
         };
         let failure = match written {
             Ok(Taken::No) => match tx.commit().await {
@@ -301,10 +325,10 @@ impl<DB: Backend> Records<'_, DB> {
         &self,
         mut savepoint: Transaction<'_, DB>,
         id: &RecordKey<'_>,
-        response: &str,
+        finished: Finished<'_>,
     ) -> Result<(), Error> {
-        let record = id.record(SUCCEEDED, Some(response), self.clock.now_ms());
-        let done = match DB::mark_succeeded(self.db.pooling, &mut savepoint, &record).await {
+        let record = id.record(finished.status(), Some(finished.response()), self.clock.now_ms());
+        let done = match DB::mark_finished(self.db.pooling, &mut savepoint, &record).await {
             Ok(()) => savepoint.commit().await,
             Err(e) => {
                 rollback(savepoint).await;

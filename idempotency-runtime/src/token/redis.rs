@@ -264,6 +264,7 @@ mod tests {
     /// of the reply, so consuming answered "Redis unavailable" (503) and
     /// the claims backed off. It is a value this module did not write: the
     /// token is unknown.
+    #[cfg(feature = "sqlite")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn values_that_are_not_utf8_are_unknown_tokens() {
         let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());

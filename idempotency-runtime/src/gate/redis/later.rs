@@ -70,7 +70,7 @@ impl RedisGate {
 
     async fn release_with(&self, held: &HeldClaim, backoff: Backoff) -> Result<i64, Missed> {
         let mut call = evalsha(&self.scripts.release, &[&held.place.claim]);
-        call.arg(&held.value);
+        call.arg(&held.value).arg(self.publish());
         self.link.eval::<i64>(&self.scripts.release, &call, backoff).await
     }
 
@@ -104,7 +104,7 @@ impl RedisGate {
                 let results = held.place.results(super::layout::window_of(now, claims.hot_window));
                 let ttl = super::layout::results_ttl_ms(now, claims.hot_window);
                 let mut call = evalsha(&claims.scripts.finish, &[&held.place.claim, &results]);
-                call.arg(&held.value).arg(&field[..]).arg(&done).arg(ttl);
+                call.arg(&held.value).arg(&field[..]).arg(&done).arg(ttl).arg(claims.publish());
                 let claims = &claims;
                 async move { claims.link.eval::<i64>(&claims.scripts.finish, &call, backoff).await }
             };

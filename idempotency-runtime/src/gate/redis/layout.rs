@@ -104,10 +104,17 @@ pub(crate) fn claim_value(fingerprint: &str) -> String {
     value
 }
 
-/// A finished result as the result hash keeps it.
-pub(crate) fn result_value(expires_ms: i64, fingerprint: &str, response: &str) -> Vec<u8> {
+/// The tag of a finished call's value.
+pub(crate) const VALUE_TAG: u8 = b'd';
+/// The tag of a finished call's recorded business error (`record_errors`).
+pub(crate) const ERROR_TAG: u8 = b'f';
+
+/// A finished result as the result hash keeps it: its tag (a value, or,
+/// `failed`, a recorded business error), its record's expiry, its
+/// fingerprint's prefix, its JSON.
+pub(crate) fn result_value(expires_ms: i64, fingerprint: &str, response: &str, failed: bool) -> Vec<u8> {
     let mut value = Vec::with_capacity(FINGERPRINT_END + response.len());
-    value.push(b'd');
+    value.push(if failed { ERROR_TAG } else { VALUE_TAG });
     let expires = u64::try_from(expires_ms).unwrap_or(0).min((1 << 48) - 1);
     value.extend_from_slice(&expires.to_be_bytes()[2..]);
     value.extend_from_slice(&fingerprint_prefix(fingerprint));
@@ -131,6 +138,8 @@ fn fingerprint_prefix(fingerprint: &str) -> [u8; FINGERPRINT_BYTES] {
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct StoredResult {
     pub expires_ms: i64,
+    /// A recorded business error rather than a value.
+    pub failed: bool,
     /// The stored fingerprint's first 16 bytes, in hex.
     pub fingerprint_prefix: String,
     pub response: String,
@@ -152,9 +161,10 @@ pub(crate) fn parse_result(value: Vec<u8>) -> Option<StoredResult> {
 /// (too short, another tag, a response that is not UTF-8), whole: the claim
 /// script drops a result by comparing it with them.
 pub(crate) fn read_result(mut value: Vec<u8>) -> Result<StoredResult, Vec<u8>> {
-    if value.len() < FINGERPRINT_END || value[0] != b'd' {
+    if value.len() < FINGERPRINT_END || (value[0] != VALUE_TAG && value[0] != ERROR_TAG) {
         return Err(value);
     }
+    let failed = value[0] == ERROR_TAG;
     let mut head = [0; FINGERPRINT_END];
     head.copy_from_slice(&value[..FINGERPRINT_END]);
     // The response is the value's tail: it stays in the reply's buffer.
@@ -165,7 +175,7 @@ pub(crate) fn read_result(mut value: Vec<u8>) -> Result<StoredResult, Vec<u8>> {
     let mut fingerprint_prefix = String::with_capacity(2 * FINGERPRINT_BYTES);
     push_lower_hex(&mut fingerprint_prefix, &head[EXPIRY_END..]);
     // Six bytes: always a positive i64.
-    Ok(StoredResult { expires_ms: i64::from_be_bytes(expires), fingerprint_prefix, response })
+    Ok(StoredResult { expires_ms: i64::from_be_bytes(expires), failed, fingerprint_prefix, response })
 }
 
 #[cfg(test)]
@@ -176,14 +186,14 @@ mod tests {
 
     #[test]
     fn results_read_back_as_written() {
-        let stored = parse_result(result_value(1_796_212_228_629, FP, "{\"x\":\"a:b\"}")).unwrap();
+        let stored = parse_result(result_value(1_796_212_228_629, FP, "{\"x\":\"a:b\"}", false)).unwrap();
         assert_eq!(stored.expires_ms, 1_796_212_228_629);
         assert_eq!(stored.response, "{\"x\":\"a:b\"}");
         assert!(stored.is_for(FP));
         assert!(!stored.is_for(&FP.replace('0', "1")));
         assert!(!stored.is_for("0123"), "a shorter fingerprint never matches");
-        assert_eq!(result_value(5, FP, "").len(), FINGERPRINT_END, "1 + 6 + 16 bytes besides the response");
-        assert_eq!(parse_result(result_value(5, FP, "")).unwrap().response, "");
+        assert_eq!(result_value(5, FP, "", false).len(), FINGERPRINT_END, "1 + 6 + 16 bytes besides the response");
+        assert_eq!(parse_result(result_value(5, FP, "", false)).unwrap().response, "");
     }
 
     #[test]
@@ -191,7 +201,7 @@ mod tests {
         for theirs in [&b""[..], b"d", b"p:t:f", b"dshort", b"x123456789012345678901234"] {
             assert_eq!(parse_result(theirs.to_vec()), None, "{theirs:?}");
         }
-        let mut bad_utf8 = result_value(5, FP, "{");
+        let mut bad_utf8 = result_value(5, FP, "{", false);
         bad_utf8.push(0xff);
         assert_eq!(parse_result(bad_utf8.clone()), None);
         // Handed back whole: the claim script drops the value equal to them.

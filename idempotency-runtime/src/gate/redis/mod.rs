@@ -31,6 +31,7 @@ mod connection;
 mod later;
 pub(crate) mod layout;
 mod scripts;
+mod waiters;
 
 pub use connection::BACKOFF;
 use connection::{Backoff, Link, Missed, millis};
@@ -46,6 +47,15 @@ use scripts::{Scripts, evalsha};
 /// How long a finished result stays in Redis for fast replays unless set
 /// otherwise: between one and two of these ([`layout`]).
 pub const DEFAULT_HOT_WINDOW: Duration = Duration::from_secs(10 * 60);
+
+/// How a wait for a running call ended.
+enum Told {
+    /// It ended (or, polling, it is time to ask again).
+    Ended,
+    /// The pub/sub connection went.
+    ConnectionLost,
+    Deadline,
+}
 
 /// What the claim found.
 #[derive(Debug)]
@@ -76,6 +86,9 @@ pub(crate) struct RedisGate {
     /// Background tasks running now; at most [`MAX_BACKGROUND`].
     background: AtomicUsize,
     scripts: Scripts,
+    /// Duplicates waiting for a running call here (one Redis node; a
+    /// cluster's waiters ask again at intervals).
+    waiters: Option<waiters::Waiters>,
     /// The database's clock, which a cached result's expiry is judged by.
     clock: Arc<Clock>,
 }
@@ -98,12 +111,17 @@ impl RedisGate {
         hot_window: Duration,
         clock: Arc<Clock>,
     ) -> Self {
+        let waiters = match &target {
+            Target::Single(client) => Some(waiters::Waiters::new(client.clone())),
+            Target::Cluster(_) => None,
+        };
         Self {
             link: Link::new(target, timeout),
             namespace: NamespaceSlot::new(namespace),
             hot_window: hot_window.max(Duration::from_secs(1)),
             background: AtomicUsize::new(0),
             scripts: Scripts::new(),
+            waiters,
             clock,
         }
     }
@@ -130,6 +148,66 @@ impl RedisGate {
             Found::Running => Some(Entry::Busy { may_have_committed: true }),
             Found::Unavailable => None,
         }
+    }
+
+    /// A duplicate of a running call, waiting until `deadline` for it to
+    /// end: then what the claim says (its result, the key free, or another
+    /// call's claim, waited on in turn). `None` while it still runs at the
+    /// deadline, or when Redis cannot tell. Told of the end on one Redis
+    /// node (`waiters`); asking again at doubling intervals on a cluster.
+    pub(crate) async fn wait_running<DB: Backend>(
+        self: &Arc<Self>,
+        db: &Db<DB>,
+        id: RowKey<'_>,
+        fingerprint: &str,
+        lease: Duration,
+        deadline: tokio::time::Instant,
+    ) -> Option<Entry<'static>> {
+        let namespace = self.namespace.get(db).await?;
+        let claim = Place::at(&namespace, id.biz, id.key, id.digest_bytes()).claim;
+        let mut subscription = match &self.waiters {
+            Some(waiters) => waiters.subscribe(&claim).await,
+            None => None,
+        };
+        let mut pause = Duration::from_millis(10);
+        loop {
+            // Subscribed first: an end after this question is told.
+            match self.enter(db, id, fingerprint, lease).await? {
+                Entry::Busy { .. } => {}
+                settled => return Some(settled),
+            }
+            let told = match &mut subscription {
+                Some(subscription) => match tokio::time::timeout_at(deadline, subscription.told.changed()).await {
+                    Ok(Ok(())) => Told::Ended,
+                    Ok(Err(_closed)) => Told::ConnectionLost,
+                    Err(_elapsed) => Told::Deadline,
+                },
+                None => {
+                    let at = (tokio::time::Instant::now() + pause).min(deadline);
+                    pause = (pause * 2).min(Duration::from_millis(500));
+                    tokio::time::sleep_until(at).await;
+                    if at >= deadline { Told::Deadline } else { Told::Ended }
+                }
+            };
+            match told {
+                Told::Ended => {}
+                // Ask at intervals from here.
+                Told::ConnectionLost => subscription = None,
+                // One last question: it may have ended just now.
+                Told::Deadline => {
+                    return match self.enter(db, id, fingerprint, lease).await? {
+                        Entry::Busy { .. } => None,
+                        settled => Some(settled),
+                    };
+                }
+            }
+        }
+    }
+
+    /// `'1'` when duplicates may wait here (told by the scripts on the
+    /// claim key's channel), `'0'` on a cluster, whose waiters poll.
+    pub(crate) fn publish(&self) -> &'static str {
+        if self.waiters.is_some() { "1" } else { "0" }
     }
 
     /// Whether a call holds the claim of `(biz, key)` right now.
@@ -238,7 +316,8 @@ fn read(value: Vec<u8>, fingerprint: &str) -> Result<Found, Vec<u8>> {
     let stored = read_result(value)?;
     let fingerprint =
         if stored.is_for(fingerprint) { fingerprint.to_owned() } else { stored.fingerprint_prefix.clone() };
-    Ok(Found::Finished(Answer { fingerprint, response: stored.response, expires_ms: stored.expires_ms }))
+    let (response, failed, expires_ms) = (stored.response, stored.failed, stored.expires_ms);
+    Ok(Found::Finished(Answer { fingerprint, response, failed, expires_ms }))
 }
 
 /// Our claim while the call runs. Dropped without being settled (a panic
@@ -256,7 +335,7 @@ impl ClaimGuard {
     /// expiry, so it never answers past it, however late it lands.
     pub(crate) fn finish(mut self, answer: &Answer) {
         let Some(held) = self.held.take() else { return };
-        let done = result_value(answer.expires_ms, &answer.fingerprint, &answer.response);
+        let done = result_value(answer.expires_ms, &answer.fingerprint, &answer.response, answer.failed);
         let field = held.place.field;
         self.gate.finish_later(held, field, done);
     }
@@ -404,7 +483,7 @@ mod tests {
         // A live result answers, from this window's hash or the one before;
         // the claim is left alone.
         for hash in [&current, &previous] {
-            hset(&mut conn, hash, &place.field, &result_value(now + 60_000, FP, "{\"a\":1}")).await;
+            hset(&mut conn, hash, &place.field, &result_value(now + 60_000, FP, "{\"a\":1}", false)).await;
             match gate.claim(Place::of(&namespace, biz, &key), FP, lease).await {
                 Found::Finished(answer) => {
                     assert_eq!((answer.response.as_str(), answer.fingerprint.as_str()), ("{\"a\":1}", FP));
@@ -423,7 +502,7 @@ mod tests {
 
         // Expired by the database's clock, still kept by Redis: no answer.
         del(&mut conn, &[&place.claim]).await;
-        hset(&mut conn, &current, &place.field, &result_value(now - 1, FP, "1")).await;
+        hset(&mut conn, &current, &place.field, &result_value(now - 1, FP, "1", false)).await;
         let Found::Ours(held) = gate.claim(Place::of(&namespace, biz, &key), FP, lease).await else {
             panic!("expired, not ours")
         };
@@ -445,7 +524,7 @@ mod tests {
         let namespace = Namespace::new(&format!("t_bad_results.{}", token())).unwrap();
         let lease = Duration::from_secs(60);
         let now = local_clock().now_ms();
-        let live = result_value(now + 60_000, FP, "{\"a\":1}");
+        let live = result_value(now + 60_000, FP, "{\"a\":1}", false);
         let mut not_utf8 = live.clone();
         not_utf8.push(0xff);
         let mut other_tag = live.clone();
@@ -491,7 +570,12 @@ mod tests {
         let _: () =
             redis::cmd("SET").arg(&current).arg("x").arg("PX").arg(60_000).query_async(&mut conn).await.unwrap();
         let guard = ClaimGuard { gate: Arc::clone(&gate), held: Some(held) };
-        guard.finish(&Answer { fingerprint: FP.into(), response: "{\"b\":2}".into(), expires_ms: now + 60_000 });
+        guard.finish(&Answer {
+            fingerprint: FP.into(),
+            response: "{\"b\":2}".into(),
+            failed: false,
+            expires_ms: now + 60_000,
+        });
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while !matches!(gate.claim(place.clone(), FP, lease).await, Found::Finished(_)) {
             assert!(std::time::Instant::now() < deadline, "the result never replaced the string");
@@ -563,7 +647,12 @@ mod tests {
         let place = held.place.clone();
         let guard = ClaimGuard { gate: Arc::clone(&gate), held: Some(held) };
         let now = local_clock().now_ms();
-        guard.finish(&Answer { fingerprint: FP.into(), response: "{\"b\":2}".into(), expires_ms: now + 3_600_000 });
+        guard.finish(&Answer {
+            fingerprint: FP.into(),
+            response: "{\"b\":2}".into(),
+            failed: false,
+            expires_ms: now + 3_600_000,
+        });
         let hash = place.results(layout::window_of(now, hot));
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         loop {

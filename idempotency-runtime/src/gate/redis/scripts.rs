@@ -14,8 +14,8 @@ use redis::{Cmd, Script};
 // (the cluster client does) finds it.
 //
 // Whatever the gate did not write is absent, and dropped: a result shorter
-// than its `d`, expiry and fingerprint (23 bytes, `layout`), or not tagged
-// `d`, or the value the caller could not read last time (ARGV[5], its
+// than its tag, expiry and fingerprint (23 bytes, `layout`), or tagged
+// neither `d` (a value) nor `f` (a recorded business error), or the value the caller could not read last time (ARGV[5], its
 // response not UTF-8: Lua cannot tell); a result hash of another type
 // (WRONGTYPE: every call of its shard and window would fail); a claim that
 // is not `p:` or has no lease, or a claim key of another type (SET replaces
@@ -28,7 +28,8 @@ for i = 2, 3 do
   if type(v) == 'table' then
     redis.call('DEL', KEYS[i])
   elseif v then
-    if #v < 23 or string.byte(v) ~= 100 or v == ARGV[5] then
+    local tag = string.byte(v)
+    if #v < 23 or (tag ~= 100 and tag ~= 102) or v == ARGV[5] then
       redis.call('HDEL', KEYS[i], ARGV[3])
     else
       local a, b, c, d, e, f = string.byte(v, 2, 7)
@@ -45,9 +46,14 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return false";
 
 // Compare-and-delete: only the owner of the claim may drop it (a key of
-// another type is no one's claim).
+// another type is no one's claim). ARGV[2] '1': duplicates may be waiting
+// (`waiters.rs`): told on the channel named as the claim key.
 const RELEASE: &str = r"
-if redis.pcall('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+if redis.pcall('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  if ARGV[2] == '1' then redis.call('PUBLISH', KEYS[1], '') end
+  return 1
+end
 return 0";
 
 // Compare-and-swap: our own claim (KEYS[1], ARGV[1]) turns into the
@@ -55,6 +61,7 @@ return 0";
 // ARGV[2]), which expires one hot window after the window ends (ARGV[4],
 // ms from now; set once, when the hash is new). A key of another type where
 // the hash goes is not the gate's (the claim script drops it too): replaced.
+// ARGV[5] '1': duplicates may be waiting (`waiters.rs`), told as by RELEASE.
 const FINISH: &str = r"
 if redis.pcall('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
@@ -63,6 +70,7 @@ if type(redis.pcall('HSET', KEYS[2], ARGV[2], ARGV[3])) == 'table' then
   redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 end
 if redis.call('PTTL', KEYS[2]) < 0 then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
+if ARGV[5] == '1' then redis.call('PUBLISH', KEYS[1], '') end
 return 1";
 
 /// The three scripts, hashed once per engine.
@@ -96,7 +104,9 @@ mod tests {
     /// The claim script's idea of a readable result is the layout's.
     #[test]
     fn the_claim_script_reads_results_as_the_layout_writes_them() {
-        let shortest = super::super::layout::result_value(0, "", "").len();
-        assert!(CLAIM.contains(&format!("#v < {shortest} or string.byte(v) ~= {}", b'd')), "{CLAIM}");
+        use super::super::layout::{ERROR_TAG, VALUE_TAG, result_value};
+        let shortest = result_value(0, "", "", false).len();
+        let check = format!("#v < {shortest} or (tag ~= {VALUE_TAG} and tag ~= {ERROR_TAG})");
+        assert!(CLAIM.contains(&check), "{CLAIM}");
     }
 }

@@ -5,12 +5,16 @@
 //! `Error::from_store` for the engine's own). Skipped when a server does not
 //! answer, unless `IDEM_REQUIRE_SERVICES=1`.
 
+#[cfg(any(feature = "mysql", feature = "postgres"))]
 use std::time::Duration;
 
-use sqlx::{Executor, Pool};
+use sqlx::Executor;
+#[cfg(any(feature = "mysql", feature = "postgres"))]
+use sqlx::Pool;
 
 use super::{ErrorClass, classify};
 use crate::error::Error;
+#[cfg(any(feature = "mysql", feature = "postgres"))]
 use crate::store::Pooling;
 
 /// `error` is of `class`, and a caller is told to retry it exactly when
@@ -41,6 +45,7 @@ fn engine_table_missing(error: sqlx::Error) {
     assert!(told.to_string().contains("migrate"), "{told}");
 }
 
+#[cfg(any(feature = "mysql", feature = "postgres"))]
 fn unreachable(service: &str, e: impl std::fmt::Display) {
     assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "{service} unreachable: {e}");
     eprintln!("skipped: {service} unreachable ({e})");
@@ -54,6 +59,7 @@ async fn fails<'e, E: Executor<'e>>(on: E, sql: &'static str) -> sqlx::Error {
 }
 
 /// Neither the network nor the pool is the call's fault, whatever the backend.
+#[cfg(all(feature = "postgres", feature = "sqlite"))]
 #[tokio::test]
 async fn a_refused_connection_and_a_pool_timeout_pass() {
     let refused = sqlx::postgres::PgPoolOptions::new()
@@ -315,6 +321,7 @@ mod mysql {
     }
 }
 
+#[cfg(feature = "postgres")]
 mod postgres {
     use sqlx::postgres::{PgConnectOptions, PgPoolOptions, Postgres};
 

@@ -1,0 +1,277 @@
+//! What an HTTP caller is answered where issue 34 changed it, on axum with
+//! MariaDB: a duplicate storm that waits (`wait = "5s"`) instead of 409s,
+//! across two engine processes; and a declared business error replayed with
+//! the same status and body, plus `Idempotent-Replayed: true`.
+//!
+//! The second process is this test binary again, running the same test
+//! with `IDEM_HTTP_ANSWERS_SERVER` set: it serves and prints its address
+//! (`listening <addr>`) until it is killed.
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router, middleware};
+use idempotency::http::{IdempotencyKey, replay_header};
+use idempotency::{BusinessError, Idem, idempotent};
+use idempotency_testkit::{mysql_url, reach, redis_client, unique};
+use serde::{Deserialize, Serialize};
+use sqlx::{MySql, Transaction};
+
+const SERVER_ROLE: &str = "IDEM_HTTP_ANSWERS_SERVER";
+/// The body's own time: long enough that duplicates meet it running.
+const BODY_TIME: Duration = Duration::from_millis(300);
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Paid {
+    key: String,
+    /// Drawn by the body: two executions could never answer alike.
+    nonce: String,
+}
+
+impl IntoResponse for Paid {
+    fn into_response(self) -> Response {
+        (StatusCode::OK, Json(self)).into_response()
+    }
+}
+
+/// A card the processor declined: the answer, recorded and replayed.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Declined {
+    reason: String,
+    nonce: String,
+}
+
+#[derive(Debug)]
+enum ApiError {
+    Declined(Declined),
+    Idem(idempotency::Error),
+}
+
+impl From<idempotency::Error> for ApiError {
+    fn from(e: idempotency::Error) -> Self {
+        ApiError::Idem(e)
+    }
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(e: sqlx::Error) -> Self {
+        ApiError::Idem(e.into())
+    }
+}
+
+impl BusinessError for ApiError {
+    type Record = Declined;
+    fn recorded(&self) -> Option<Declined> {
+        match self {
+            ApiError::Declined(declined) => Some(declined.clone()),
+            ApiError::Idem(_) => None,
+        }
+    }
+    fn replayed(record: Declined) -> Self {
+        ApiError::Declined(record)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        match self {
+            ApiError::Declined(declined) => (StatusCode::PAYMENT_REQUIRED, Json(declined)).into_response(),
+            ApiError::Idem(e) => e.into_response(),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct App {
+    idem: Idem<MySql>,
+}
+
+fn nonce() -> String {
+    format!("{:x}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos())
+}
+
+#[idempotent(key = "<idem_key>", ttl = "1h", biz = "http_storm", engine = app.idem, wait = "5s")]
+async fn pay(
+    State(app): State<App>,
+    tx: &mut Transaction<'_, MySql>,
+    IdempotencyKey(idem_key): IdempotencyKey,
+) -> Result<Paid, ApiError> {
+    sqlx::query("INSERT INTO idem_test_ledger (k, amount) VALUES (?, 1)").bind(&idem_key).execute(&mut **tx).await?;
+    tokio::time::sleep(BODY_TIME).await;
+    Ok(Paid { key: idem_key, nonce: nonce() })
+}
+
+/// Executions of `charge`'s body in this process.
+static CHARGES: AtomicUsize = AtomicUsize::new(0);
+
+#[idempotent(key = "<idem_key>", ttl = "1h", biz = "http_declined", engine = app.idem, record_errors)]
+async fn charge(
+    State(app): State<App>,
+    tx: &mut Transaction<'_, MySql>,
+    IdempotencyKey(idem_key): IdempotencyKey,
+) -> Result<Paid, ApiError> {
+    CHARGES.fetch_add(1, SeqCst);
+    sqlx::query("INSERT INTO idem_test_ledger (k, amount) VALUES (?, 1)").bind(&idem_key).execute(&mut **tx).await?;
+    Err(ApiError::Declined(Declined { reason: "insufficient funds".into(), nonce: nonce() }))
+}
+
+async fn engine(redis: bool) -> Option<Idem<MySql>> {
+    let pool = reach("mysql", || async {
+        sqlx::mysql::MySqlPoolOptions::new().max_connections(32).connect(&mysql_url()).await.ok()
+    })
+    .await?;
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS idem_test_ledger (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(300) NOT NULL, amount BIGINT NOT NULL, KEY (k))",
+    )
+    .execute(&pool)
+    .await
+    .expect("ledger");
+    let builder = Idem::builder(pool);
+    let idem = if redis { builder.redis(redis_client().await?).build() } else { builder.build() };
+    idem.migrate().await.expect("migrate");
+    Some(idem)
+}
+
+async fn serve(idem: Idem<MySql>) -> String {
+    let router = Router::new()
+        .route("/pay", post(pay))
+        .route("/charge", post(charge))
+        .layer(middleware::from_fn(replay_header))
+        .with_state(App { idem });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.expect("serve") });
+    format!("http://{addr}")
+}
+
+/// The other engine process: this binary, serving until killed.
+struct OtherProcess {
+    child: std::process::Child,
+    base: String,
+}
+
+impl OtherProcess {
+    fn start(test: &str, redis: bool) -> Self {
+        let mut child = Command::new(std::env::current_exe().expect("test binary"))
+            .args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env(SERVER_ROLE, if redis { "redis" } else { "database" })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn the other process");
+        let stdout = child.stdout.take().expect("its stdout");
+        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+        let base = loop {
+            let line = lines.next().expect("the other process ended before it listened").expect("a line");
+            // libtest prints the test's name on the same line first.
+            if let Some((_, base)) = line.split_once("listening ") {
+                break base.trim().to_owned();
+            }
+        };
+        OtherProcess { child, base }
+    }
+}
+
+impl Drop for OtherProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// In the other process: serve, say where, and stay until killed.
+async fn serve_until_killed(role: &str) {
+    let Some(idem) = engine(role == "redis").await else { panic!("the other process found no servers") };
+    let base = serve(idem).await;
+    println!("listening {base}");
+    std::future::pending::<()>().await;
+}
+
+/// 100 identical requests at once, half to each of two engine processes,
+/// against a body of 300 ms, with a 5 s wait: 100 × 200, identical bodies,
+/// one execution. Without the wait, every duplicate that met the running
+/// call was answered 409.
+async fn storm(test: &str, redis: bool) {
+    const REQUESTS: usize = 100;
+    if let Ok(role) = std::env::var(SERVER_ROLE) {
+        return serve_until_killed(&role).await;
+    }
+    let Some(idem) = engine(redis).await else { return };
+    let here = serve(idem.clone()).await;
+    let other = OtherProcess::start(test, redis);
+    let client = reqwest::Client::new();
+    let key = unique("storm-key");
+    let barrier = Arc::new(tokio::sync::Barrier::new(REQUESTS));
+    let requests: Vec<_> = (0..REQUESTS)
+        .map(|i| {
+            let base = if i % 2 == 0 { here.clone() } else { other.base.clone() };
+            let (client, key, barrier) = (client.clone(), key.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let response =
+                    client.post(format!("{base}/pay")).header("Idempotency-Key", &key).send().await.expect("answered");
+                (response.status().as_u16(), response.text().await.expect("a body"))
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for request in requests {
+        answers.push(tokio::time::timeout(Duration::from_secs(60), request).await.expect("no hang").unwrap());
+    }
+    let statuses: Vec<u16> = answers.iter().map(|(status, _)| *status).collect();
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    assert!(answers.iter().all(|(_, body)| *body == answers[0].1), "{answers:?}");
+    let executions: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idem_test_ledger WHERE k = ?")
+        .bind(&key)
+        .fetch_one(idem.pool())
+        .await
+        .unwrap();
+    assert_eq!(executions, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_storm_of_100_waits_for_one_execution_across_two_processes() {
+    storm("http_answers::a_storm_of_100_waits_for_one_execution_across_two_processes", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_storm_of_100_waits_for_one_execution_across_two_processes_with_redis() {
+    storm("http_answers::a_storm_of_100_waits_for_one_execution_across_two_processes_with_redis", true).await;
+}
+
+/// A declined charge answers 402 with its body; the same request again gets
+/// the same status and the same bytes, marked `Idempotent-Replayed: true`,
+/// and the body ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declared_error_replays_with_its_status_and_body() {
+    for redis in [false, true] {
+        let Some(idem) = engine(redis).await else { return };
+        let charges = CHARGES.load(SeqCst);
+        let base = serve(idem.clone()).await;
+        let client = reqwest::Client::new();
+        let key = unique("declined-key");
+        let mut answers = Vec::new();
+        for _ in 0..3 {
+            let response = client.post(format!("{base}/charge")).header("Idempotency-Key", &key).send().await.unwrap();
+            let replayed = response.headers().get("idempotent-replayed").map(|v| v.to_str().unwrap().to_owned());
+            answers.push((response.status().as_u16(), replayed, response.text().await.unwrap()));
+        }
+        assert_eq!((answers[0].0, answers[0].1.as_deref()), (402, None), "{answers:?}");
+        for again in &answers[1..] {
+            assert_eq!((again.0, again.1.as_deref(), &again.2), (402, Some("true"), &answers[0].2), "{answers:?}");
+        }
+        let executions: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idem_test_ledger WHERE k = ?")
+            .bind(&key)
+            .fetch_one(idem.pool())
+            .await
+            .unwrap();
+        assert_eq!(executions, 0, "the body's write rolled back, redis: {redis}");
+        assert_eq!(CHARGES.load(SeqCst), charges + 1, "the body ran once, redis: {redis}");
+    }
+}
