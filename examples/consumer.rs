@@ -201,7 +201,7 @@ fn describe(s: &Settled) -> String {
         Action::Ack => "ack".to_string(),
         Action::Requeue if s.outcome == Some(Outcome::InProgress) => "in progress elsewhere -> requeued".to_string(),
         Action::Requeue => "database unavailable -> requeued, not counted".to_string(),
-        Action::Retry { retries } => format!("failed -> retry #{retries} republished"),
+        Action::Retry { count } => format!("failed -> retry #{count} republished"),
         Action::DeadLetter(reason) => format!("dead-lettered ({reason:?})"),
         other => format!("{other:?}"),
     };

@@ -65,6 +65,11 @@
 pub use idempotency_macros::{State, idempotent};
 #[cfg(feature = "amqp")]
 pub use idempotency_runtime::amqp;
+/// The consumer runners' shared builder ([`consumer::Consumer`]), settlement
+/// vocabulary and error trait; each transport has its module (`amqp`,
+/// `nats`, `redis_streams`).
+#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
+pub use idempotency_runtime::consumer;
 #[cfg(feature = "cron")]
 pub use idempotency_runtime::cron;
 /// gRPC glue for tonic (feature `tonic`): the key from `idempotency-key`

@@ -206,7 +206,7 @@ pub fn nats_message(reply: Option<&str>, headers: Option<&[(&str, &str)]>, paylo
 
 /// What the consumer core reads of a delivery of `T`, as its runner does.
 #[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
-fn consumed<T: crate::consumer::Transport>(delivery: &T::Delivery) -> Option<Consumed> {
+fn consumed<T: crate::consumer::transport::Settle>(delivery: &T::Delivery) -> Option<Consumed> {
     Some(Consumed {
         message_id: T::message_id(delivery).map(str::to_owned),
         decoded: crate::consumer::decode::message_id_and_payload::<T, Value>(delivery),

@@ -17,7 +17,7 @@ compile_error!(
 mod call;
 mod clock;
 #[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
-mod consumer;
+pub mod consumer;
 #[cfg(feature = "cron")]
 pub mod cron;
 mod engine;
@@ -47,7 +47,8 @@ pub mod steps;
 mod store;
 pub mod token;
 
-// The consumer runners live in one folder around their shared core.
+// The consumer runners live in one folder around their shared core; each
+// transport is also reachable at the root.
 #[cfg(feature = "amqp")]
 pub use consumer::amqp;
 #[cfg(feature = "nats")]
