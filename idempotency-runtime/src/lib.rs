@@ -16,7 +16,7 @@ compile_error!(
 
 mod call;
 mod clock;
-#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
+#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams", feature = "kafka"))]
 pub mod consumer;
 #[cfg(feature = "cron")]
 pub mod cron;
@@ -51,6 +51,8 @@ pub mod token;
 // transport is also reachable at the root.
 #[cfg(feature = "amqp")]
 pub use consumer::amqp;
+#[cfg(feature = "kafka")]
+pub use consumer::kafka;
 #[cfg(feature = "nats")]
 pub use consumer::nats;
 #[cfg(feature = "redis-streams")]

@@ -123,7 +123,7 @@ impl<T: Start> Consumer<T> {
     /// business fields (the outbox relays set it to the event's id:
     /// `#[idempotent(key = "<message_id>", ...)]`). Where the id is: the
     /// AMQP `message_id` property, the `Nats-Msg-Id` header, the stream
-    /// entry's `message_id` field. A
+    /// entry's `message_id` field, the Kafka `Idem-Message-Id` header. A
     /// delivery without one is poison: dead-lettered unhandled.
     pub async fn run_with_id<M, F, Fut, R, E, S>(self, shutdown: S, handler: F) -> Result<(), T::Error>
     where

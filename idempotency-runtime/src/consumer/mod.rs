@@ -1,7 +1,8 @@
 //! The consumer runners, on one core: one builder, [`Consumer`], generic
 //! over the transport, and one settlement contract. RabbitMQ
-//! ([`amqp`](crate::amqp)), NATS JetStream ([`nats`](crate::nats)) and Redis
-//! Streams ([`redis_streams`](crate::redis_streams)) each hold only what differs: how a delivery is
+//! ([`amqp`](crate::amqp)), NATS JetStream ([`nats`](crate::nats)), Redis
+//! Streams ([`redis_streams`](crate::redis_streams)) and Kafka
+//! ([`kafka`](crate::kafka)) each hold only what differs: how a delivery is
 //! read, acked, retried and dead-lettered, and the settings of that
 //! transport (a [`Transport`]). Everything else lives here:
 //!
@@ -32,6 +33,8 @@ pub(crate) mod transport;
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 #[cfg(feature = "redis-streams")]
@@ -103,14 +106,14 @@ pub enum Reason {
     /// The payload did not deserialize into the handler's argument (or,
     /// for `Consumer::run_with_id`, the message had no message id: the
     /// AMQP `message_id` property, the `Nats-Msg-Id` header, the stream
-    /// entry's `message_id` field).
+    /// entry's `message_id` field, the Kafka `Idem-Message-Id` header).
     Poison,
     /// The key was already used with other arguments.
     KeyReused,
     /// Invalid key, unreplayable stored result, or unserializable argument.
     Rejected,
-    /// RabbitMQ: still failing after `Consumer::max_retries` retries (a
-    /// retry copy the broker refused counts as one).
+    /// RabbitMQ, Kafka: still failing after `Consumer::max_retries` retries
+    /// (a retry copy the broker refused counts as one).
     RetriesExhausted,
     /// NATS JetStream, Redis Streams: still failing at its
     /// `Consumer::max_deliver`th delivery.

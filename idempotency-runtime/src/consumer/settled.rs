@@ -23,9 +23,9 @@ pub enum Action {
     /// [`Consumer::retry_delay`](super::Consumer::retry_delay).
     Retry {
         /// The retry's number in the transport's own count: the retry
-        /// header of the copy (RabbitMQ `x-idem-retries`), or the delivery
-        /// it comes back as (NATS, Redis Streams: the delivery count it
-        /// had, plus one).
+        /// header of the copy (RabbitMQ `x-idem-retries`, Kafka
+        /// `Idem-Retries`), or the delivery it comes back as (NATS, Redis
+        /// Streams: the delivery count it had, plus one).
         count: u64,
     },
     /// Dead-lettered, and why.

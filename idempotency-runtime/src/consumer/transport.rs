@@ -11,7 +11,8 @@ use std::time::Duration;
 use super::Reason;
 
 /// The transport a [`Consumer`](super::Consumer) runs on: its settings
-/// (`amqp::Settings`, `nats::Settings`, `redis_streams::Settings`), from
+/// (`amqp::Settings`, `nats::Settings`, `redis_streams::Settings`,
+/// `kafka::Settings`), from
 /// which a runner starts. Sealed: implemented by this crate's transports
 /// only.
 pub trait Transport: sealed::Sealed + Send + Sized + 'static {
@@ -48,7 +49,7 @@ pub(crate) enum Retried<E> {
     Done(Result<(), E>),
     /// The transport refused the retry (RabbitMQ: a copy the broker did not
     /// take); why. The retry counts as spent and the next is tried.
-    #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "amqp", feature = "kafka")), allow(dead_code))]
     Refused(String),
     /// The connection went, and the delivery with it: the broker delivers
     /// it again.
@@ -77,7 +78,7 @@ pub(crate) trait Settle: Send + Sync + 'static {
     /// What the `on_settle` hook is told of a delivery besides the common parts.
     type Delivered: Send + 'static;
 
-    /// For logs: `amqp`, `nats`, `redis_streams`.
+    /// For logs: `amqp`, `nats`, `redis_streams`, `kafka`.
     const NAME: &'static str;
     /// Where the message id is, for the poison text (`no {MESSAGE_ID}`).
     const MESSAGE_ID: &'static str;
@@ -93,8 +94,8 @@ pub(crate) trait Settle: Send + Sync + 'static {
     fn payload(delivery: &Self::Delivery) -> Result<&[u8], String>;
     /// The message id, if the delivery carries one.
     fn message_id(delivery: &Self::Delivery) -> Option<&str>;
-    /// How much of the retry budget the delivery has spent: RabbitMQ its
-    /// `x-idem-retries`, NATS and Redis its delivery count.
+    /// How much of the retry budget the delivery has spent: RabbitMQ and
+    /// Kafka their retry header, NATS and Redis the delivery count.
     fn spent(delivery: &Self::Delivery) -> u64;
     /// What the hook is told of the delivery.
     fn delivered(delivery: &Self::Delivery) -> Self::Delivered;
