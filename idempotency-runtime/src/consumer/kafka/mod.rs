@@ -82,8 +82,8 @@
 
 pub(crate) mod book;
 pub(crate) mod headers;
-mod reader;
-mod settler;
+pub(crate) mod reader;
+pub(crate) mod settler;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::KafkaError;
+use rdkafka::message::OwnedMessage;
 use rdkafka::{ClientContext, Message as _, Offset, TopicPartitionList};
 use tokio::sync::{Notify, oneshot};
 use tokio::task::JoinHandle;
@@ -140,12 +141,7 @@ async fn poll(
             }
             fetched = consumer.recv() => match fetched {
                 Ok(message) => {
-                    let received = Received {
-                        retries: headers::retries(message.headers(), &retries_header),
-                        message_id: headers::message_id(message.headers(), &message_id_header),
-                        message: message.detach(),
-                        generation: 0,
-                    };
+                    let received = received(message.detach(), &message_id_header, &retries_header);
                     let pause = {
                         let mut book = shared.book();
                         book.receive(received);
@@ -162,6 +158,17 @@ async fn poll(
                 Err(e) => tracing::warn!(error = %e, "idem kafka consumer: fetch failed; retrying"),
             },
         }
+    }
+}
+
+/// A fetched message as the runner holds it: its id and retry count read
+/// from its headers.
+pub(crate) fn received(message: OwnedMessage, message_id_header: &str, retries_header: &str) -> Received {
+    Received {
+        retries: headers::retries(message.headers(), retries_header),
+        message_id: headers::message_id(message.headers(), message_id_header),
+        message,
+        generation: 0,
     }
 }
 
