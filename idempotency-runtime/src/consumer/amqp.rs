@@ -78,7 +78,7 @@
 //! holds what RabbitMQ does differently (a retry is a republished copy
 //! carrying its count; the broker dead-letters).
 
-/// The RabbitMQ client the runner takes its [`Channel`](lapin::Channel) from, re-exported so the
+/// The RabbitMQ client the runner takes its [`Channel`] from, re-exported so the
 /// versions match: `idempotency::amqp::lapin::Connection::connect(..)`.
 pub use lapin;
 use std::future::poll_fn;

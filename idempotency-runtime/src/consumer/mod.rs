@@ -1,8 +1,8 @@
 //! The consumer runners, on one core: one builder, [`Consumer`], generic
 //! over the transport, and one settlement contract. RabbitMQ
-//! ([`amqp`](crate::amqp)), NATS JetStream ([`nats`](crate::nats)), Redis
-//! Streams ([`redis_streams`](crate::redis_streams)) and Kafka
-//! ([`kafka`](crate::kafka)) each hold only what differs: how a delivery is
+//! ([`amqp`]), NATS JetStream ([`nats`]), Redis
+//! Streams ([`redis_streams`]) and Kafka
+//! ([`kafka`]) each hold only what differs: how a delivery is
 //! read, acked, retried and dead-lettered, and the settings of that
 //! transport (a [`Transport`]). Everything else lives here:
 //!

@@ -1,7 +1,7 @@
 //! Redis Streams consumers (feature `redis-streams`, on the [`redis`]
 //! client the claims use): a consumer group read with `XREADGROUP`, your
 //! handler called once per entry, and the entry settled by what the handler
-//! returned and the [`Outcome`] of the `#[idempotent]` call it made: the
+//! returned and the [`Outcome`](crate::Outcome) of the `#[idempotent]` call it made: the
 //! same contract as the other runners, on the same core and builder
 //! ([`crate::consumer`]).
 //!
