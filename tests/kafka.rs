@@ -17,7 +17,7 @@ use idempotency::kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use idempotency::kafka::rdkafka::message::{Header, Headers, OwnedHeaders};
 use idempotency::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idempotency::kafka::rdkafka::{ClientConfig, Message as _, Offset, TopicPartitionList};
-use idempotency::kafka::{Action, AsIdemError, Consumer, DeadLetter, Reason, Settled};
+use idempotency::kafka::{Action, Consumer, DeadLetter, Reason, Settled};
 use idempotency::outbox::{Event, Relay, kafka::KafkaPublisher};
 use idempotency::{Idem, Outcome, idempotent};
 use idempotency_testkit::kafka::Tansu;
@@ -36,34 +36,9 @@ struct OrderPaid {
     qty: i64,
 }
 
-#[derive(Debug)]
-#[allow(dead_code)] // shown through Debug
-enum StockError {
-    Idem(idempotency::Error),
-    Db(sqlx::Error),
-    UnknownSku(String),
-}
-
-impl From<idempotency::Error> for StockError {
-    fn from(e: idempotency::Error) -> Self {
-        StockError::Idem(e)
-    }
-}
-
-impl From<sqlx::Error> for StockError {
-    fn from(e: sqlx::Error) -> Self {
-        StockError::Db(e)
-    }
-}
-
-impl AsIdemError for StockError {
-    fn idem_error(&self) -> Option<&idempotency::Error> {
-        match self {
-            StockError::Idem(e) => Some(e),
-            _ => None,
-        }
-    }
-}
+/// The handlers' error: boxed, so the runner finds an `idempotency::Error`
+/// in it through `AsIdemError` (a database down is waited out).
+type StockError = Box<dyn std::error::Error + Send + Sync>;
 
 async fn deduct_in(tx: &mut Transaction<'_, MySql>, event: &OrderPaid) -> Result<(), StockError> {
     let updated = sqlx::query("UPDATE stock SET qty = qty - ? WHERE sku = ?")
@@ -72,7 +47,7 @@ async fn deduct_in(tx: &mut Transaction<'_, MySql>, event: &OrderPaid) -> Result
         .execute(&mut **tx)
         .await?;
     if updated.rows_affected() == 0 {
-        return Err(StockError::UnknownSku(event.sku.clone()));
+        return Err(format!("unknown sku {}", event.sku).into());
     }
     sqlx::query("INSERT INTO moves (order_id, sku, qty) VALUES (?, ?, ?)")
         .bind(event.order_id)
