@@ -477,6 +477,67 @@ async fn commits_stop_at_the_lowest_unsettled_message_and_a_key_keeps_its_order(
     w.remove().await;
 }
 
+/// A database down (`Error::Storage`) is waited out in the runner: the
+/// message comes back after `storage_delay`, uncounted (no retry copy, its
+/// retry header still 0), its offset not committed past, and its key's
+/// next message waiting, while another key goes on; once the database
+/// answers it executes once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_down_is_waited_out_uncounted_holding_its_key_and_the_commit() {
+    let Some(w) = world(1, true).await else { return };
+    // Offsets 0 and 1 share the key "a"; 2 has "b".
+    for (order, key) in [(20, "a"), (21, "a"), (22, "b")] {
+        w.produce(0, key, &serde_json::to_vec(&event(order, "sku-1", 1)).unwrap(), &[]).await;
+    }
+    let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let log: Log = Arc::default();
+    let handler = {
+        let (idem, down, log) = (w.idem.clone(), Arc::clone(&down), Arc::clone(&log));
+        move |e: OrderPaid| {
+            let (idem, down, log) = (idem.clone(), Arc::clone(&down), Arc::clone(&log));
+            async move {
+                log.lock().unwrap().push(format!("start {}", e.order_id));
+                if e.order_id == 20 && down.load(std::sync::atomic::Ordering::SeqCst) {
+                    let e: StockError = Box::new(idempotency::Error::Storage(sqlx::Error::PoolTimedOut));
+                    return Err(e);
+                }
+                deduct_stock(&idem, e).await
+            }
+        }
+    };
+    let consumer = w.consumer().concurrency(3).storage_delay(Duration::from_millis(100));
+    let mut running = Running::logged(consumer, handler, Arc::clone(&log));
+    let mut seen = Vec::new();
+    while !(seen.iter().any(|s: &Settled| s.delivery.offset == 0) && seen.iter().any(|s| s.delivery.offset == 2)) {
+        seen.push(running.next().await);
+    }
+    // "b" settled beside it; the commit stays at the waiting message.
+    w.await_committed("orders", &[Some(0)]);
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    while !seen.iter().any(|s| s.delivery.offset == 1) {
+        seen.push(running.next().await);
+    }
+    running.stop().await;
+    let of = |offset: i64| -> Vec<(Action, Option<Outcome>, u64)> {
+        seen.iter().filter(|s| s.delivery.offset == offset).map(|s| (s.action, s.outcome, s.delivery.retries)).collect()
+    };
+    let waits = of(0);
+    let (last, requeues) = waits.split_last().unwrap();
+    assert!(!requeues.is_empty(), "{waits:?}");
+    assert!(requeues.iter().all(|r| *r == (Action::Requeue, None, 0)), "uncounted: {waits:?}");
+    assert_eq!(*last, (Action::Ack, Some(Outcome::Executed), 0));
+    assert_eq!(of(1), [(Action::Ack, Some(Outcome::Executed), 0)]);
+    assert_eq!(of(2), [(Action::Ack, Some(Outcome::Executed), 0)]);
+    let log = log.lock().unwrap().clone();
+    let settled_0 = log.iter().rposition(|l| l == "settled 0").unwrap();
+    let start_21 = log.iter().position(|l| l == "start 21").unwrap();
+    assert!(settled_0 < start_21, "21 started before 20, of its key, settled: {log:?}");
+    w.await_committed("orders", &[Some(3)]);
+    assert_eq!(w.moves().await, BTreeMap::from([(20, 1), (21, 1), (22, 1)]));
+    assert_eq!(w.records("t_kafka_deduct").await, 3);
+    w.remove().await;
+}
+
 /// Handlers that signal once their call returned and wait for a release
 /// before returning (their message settles only then).
 #[derive(Clone, Default)]
