@@ -650,6 +650,7 @@ async fn a_partition_revoked_mid_handling_executes_once_and_its_former_owner_com
 /// database named in its environment; it prints what it does, and with
 /// `IDEM_KAFKA_CHILD_HANG` it hangs after its call returned (never acks).
 #[test]
+#[ignore = "the crash test's consumer process: run by that test, as a child"]
 fn kafka_child_consumer() {
     let Ok(bootstrap) = std::env::var("IDEM_KAFKA_CHILD_BOOTSTRAP") else { return };
     let db = std::env::var("IDEM_KAFKA_CHILD_DB").unwrap();
@@ -687,7 +688,7 @@ fn kafka_child_consumer() {
 fn spawn_child(w: &World, hang: bool) -> (Child, std::sync::mpsc::Receiver<String>) {
     let mut command = Command::new(std::env::current_exe().unwrap());
     command
-        .args(["kafka_child_consumer", "--exact", "--nocapture", "--test-threads=1"])
+        .args(["kafka_child_consumer", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
         .env("IDEM_KAFKA_CHILD_BOOTSTRAP", w.broker.bootstrap())
         .env("IDEM_KAFKA_CHILD_DB", &w.db)
         .stdout(Stdio::piped())
