@@ -5,16 +5,22 @@
 //! however many times the event is delivered. MariaDB when `IDEM_MYSQL_URL` is
 //! set, else in-memory SQLite; Redis when `IDEM_REDIS_URL` is set.
 //!
+//! The Kafka variant: `IDEM_KAFKA_BROKERS=127.0.0.1:9092 cargo run --example
+//! consumer --features amqp,mysql,sqlite,redis,kafka` consumes the topic
+//! `order.paid` as the group `stock` instead (the same handler, the same
+//! builder: only the constructor differs).
+//!
 //! At start it publishes a few demo events itself — duplicates, a key reused
 //! with another quantity, a poison message, an unknown SKU that keeps
 //! failing — prints how each delivery was settled, the stock, the ledger and
-//! the dead-letter queue, and exits.
+//! the dead-letter queue (or topic), and exits.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idempotency::amqp::{Action, Consumer, Settled};
+use idempotency::amqp::Consumer;
+use idempotency::consumer::{Action, Settled};
 use idempotency::{Idem, Outcome, idempotent};
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
@@ -196,12 +202,12 @@ impl Store {
     }
 }
 
-fn describe(s: &Settled) -> String {
+fn describe<D>(s: &Settled<D>) -> String {
     let what = match s.action {
         Action::Ack => "ack".to_string(),
         Action::Requeue if s.outcome == Some(Outcome::InProgress) => "in progress elsewhere -> requeued".to_string(),
         Action::Requeue => "database unavailable -> requeued, not counted".to_string(),
-        Action::Retry { retries } => format!("failed -> retry #{retries} republished"),
+        Action::Retry { count } => format!("failed -> retry #{count} republished"),
         Action::DeadLetter(reason) => format!("dead-lettered ({reason:?})"),
         other => format!("{other:?}"),
     };
@@ -210,8 +216,82 @@ fn describe(s: &Settled) -> String {
     format!("{:<7} outcome {outcome:<10} {what}{error}", s.message_id.as_deref().unwrap_or("?"))
 }
 
+/// The demo events: (message id, payload) for orders `base + 1..=3`.
+fn demo_events(base: i64) -> Vec<(&'static str, Vec<u8>)> {
+    let event = |n: i64, sku: &str, qty: i64| {
+        serde_json::to_vec(&OrderPaid { order_id: base + n, sku: sku.into(), qty }).expect("serializable")
+    };
+    vec![
+        ("evt-1", event(1, "SKU-A", 2)),
+        ("evt-2", event(1, "SKU-A", 2)), // duplicate: replayed
+        ("evt-3", event(2, "SKU-B", 1)),
+        ("evt-4", event(1, "SKU-A", 2)),  // duplicate again
+        ("evt-5", event(2, "SKU-B", 5)),  // same order, other qty: key reused
+        ("evt-6", b"{not json".to_vec()), // poison
+        ("evt-7", event(3, "SKU-X", 1)),  // unknown SKU: fails every time
+    ]
+}
+
+/// The Kafka variant: the same events and handler on a topic.
+#[cfg(feature = "kafka")]
+async fn kafka(brokers: &str, store: Store, base: i64) -> Result<(), Box<dyn std::error::Error>> {
+    use idempotency::kafka::rdkafka::ClientConfig;
+    use idempotency::kafka::rdkafka::message::{Header, OwnedHeaders};
+    use idempotency::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", brokers);
+    let names = idempotency::kafka::declare_with_dead_letter(&config, QUEUE, "stock", 3, 1).await?;
+    let producer: FutureProducer = config.create()?;
+    let demo = demo_events(base);
+    for (id, payload) in &demo {
+        // The order id as the message key: one order's events stay in order.
+        let key = serde_json::from_slice::<OrderPaid>(payload).map(|e| e.order_id.to_string()).unwrap_or_default();
+        let headers =
+            OwnedHeaders::new().insert(Header { key: idempotency::kafka::MESSAGE_ID_HEADER, value: Some(*id) });
+        let record = FutureRecord::to(QUEUE).key(&key).payload(payload).headers(headers);
+        producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e)?;
+    }
+    println!("produced {} events to `{QUEUE}`", demo.len());
+    let expected = demo.len() + 2;
+    let (count, done) = (Arc::new(AtomicUsize::new(0)), Arc::new(Notify::new()));
+    let notify = Arc::clone(&done);
+    let handler_store = store.clone();
+    idempotency::kafka::Consumer::new(config.clone(), QUEUE, "stock")
+        .concurrency(4)
+        .max_retries(2)
+        .retry_delay(Duration::from_millis(200))
+        .in_progress_delay(Duration::from_millis(200))
+        .on_settle(move |s| {
+            println!("{}  ({}/{} @{})", describe(s), s.delivery.topic, s.delivery.partition, s.delivery.offset);
+            if count.fetch_add(1, Ordering::SeqCst) + 1 == expected {
+                notify.notify_one();
+            }
+        })
+        .run(
+            async move {
+                let _ = tokio::time::timeout(Duration::from_secs(60), done.notified()).await;
+            },
+            move |event: OrderPaid| {
+                let store = handler_store.clone();
+                async move { store.deduct(event).await }
+            },
+        )
+        .await?;
+    store.report(&[base + 1, base + 2, base + 3]).await?;
+    println!("dead letters go to the topic `{}` with their reason in `Idem-Dead-Reason`", names.dead_letter_topic);
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // Order ids from the clock, so a rerun against MariaDB deducts again
+    // instead of replaying the last run.
+    let base = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs() as i64 * 10;
+    #[cfg(feature = "kafka")]
+    if let Ok(brokers) = std::env::var("IDEM_KAFKA_BROKERS") {
+        return kafka(&brokers, Store::open().await?, base).await;
+    }
     let url = std::env::var("IDEM_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672".into());
     let conn = match Connection::connect(&url, ConnectionProperties::default()).await {
         Ok(conn) => conn,
@@ -228,21 +308,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     channel.queue_purge(QUEUE.into(), QueuePurgeOptions::default()).await?;
     channel.queue_purge(names.dead_letter_queue.as_str().into(), QueuePurgeOptions::default()).await?;
 
-    // Demo events. Order ids from the clock, so a rerun against MariaDB
-    // deducts again instead of replaying the last run.
-    let base = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs() as i64 * 10;
-    let event = |n: i64, sku: &str, qty: i64| {
-        serde_json::to_vec(&OrderPaid { order_id: base + n, sku: sku.into(), qty }).expect("serializable")
-    };
-    let demo: Vec<(&str, Vec<u8>)> = vec![
-        ("evt-1", event(1, "SKU-A", 2)),
-        ("evt-2", event(1, "SKU-A", 2)), // duplicate: replayed
-        ("evt-3", event(2, "SKU-B", 1)),
-        ("evt-4", event(1, "SKU-A", 2)),  // duplicate again
-        ("evt-5", event(2, "SKU-B", 5)),  // same order, other qty: key reused
-        ("evt-6", b"{not json".to_vec()), // poison
-        ("evt-7", event(3, "SKU-X", 1)),  // unknown SKU: fails every time
-    ];
+    let demo = demo_events(base);
     let publisher = conn.create_channel().await?;
     publisher.confirm_select(ConfirmSelectOptions::default()).await?;
     for (id, payload) in &demo {

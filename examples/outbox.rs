@@ -137,7 +137,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let consumer_engine = stock.clone();
     let consumer = tokio::spawn(
         idempotency::nats::Consumer::new(js.clone(), "EXAMPLE_ORDERS", "stock")
-            .on_settle(|s| println!("consumer: {:?} ({:?}), delivery {}", s.action, s.outcome, s.delivered))
+            .on_settle(|s| println!("consumer: {:?} ({:?}), delivery {}", s.action, s.outcome, s.delivery.count))
             .run_with_id(
                 async move {
                     let _ = consumer_stopped.await;

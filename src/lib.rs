@@ -65,6 +65,11 @@
 pub use idempotency_macros::{State, idempotent};
 #[cfg(feature = "amqp")]
 pub use idempotency_runtime::amqp;
+/// The consumer runners' shared builder ([`consumer::Consumer`]), settlement
+/// vocabulary and error trait; each transport has its module (`amqp`,
+/// `nats`, `redis_streams`, `kafka`).
+#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams", feature = "kafka"))]
+pub use idempotency_runtime::consumer;
 #[cfg(feature = "cron")]
 pub use idempotency_runtime::cron;
 /// gRPC glue for tonic (feature `tonic`): the key from `idempotency-key`
@@ -76,6 +81,8 @@ pub use idempotency_runtime::grpc;
 /// any framework; adapters for axum (feature `axum`) and actix-web
 /// (feature `actix`, `idempotency::http::actix`).
 pub use idempotency_runtime::http;
+#[cfg(feature = "kafka")]
+pub use idempotency_runtime::kafka;
 #[cfg(feature = "metrics")]
 pub use idempotency_runtime::metrics;
 #[cfg(feature = "nats")]

@@ -454,8 +454,8 @@ async fn handler_panicking_before_its_future_is_retried_then_dead_lettered() {
         )
         .await;
 
-    let actions: Vec<(Action, u32)> = seen.iter().map(|s| (s.action, s.retries)).collect();
-    assert_eq!(actions, vec![(Action::Retry { retries: 1 }, 0), (Action::DeadLetter(Reason::RetriesExhausted), 1)]);
+    let actions: Vec<(Action, u32)> = seen.iter().map(|s| (s.action, s.delivery.retries)).collect();
+    assert_eq!(actions, vec![(Action::Retry { count: 1 }, 0), (Action::DeadLetter(Reason::RetriesExhausted), 1)]);
     assert!(seen.iter().all(|s| s.outcome.is_none()), "{seen:#?}");
     assert!(seen.iter().all(|s| s.error.as_deref().is_some_and(|e| e.contains("handler panicked"))), "{seen:#?}");
     assert_eq!(calls.load(SeqCst), 2, "1 attempt + 1 retry");
@@ -520,7 +520,7 @@ async fn duplicates_and_a_redelivery_deduct_once() {
     let mut ids: Vec<_> = seen.iter().map(|s| s.message_id.clone().unwrap()).collect();
     ids.sort();
     assert_eq!(ids, (1..=5).map(|i| format!("dup-{i}")).collect::<Vec<_>>());
-    let redelivered: Vec<_> = seen.iter().filter(|s| s.redelivered).map(|s| s.message_id.as_deref()).collect();
+    let redelivered: Vec<_> = seen.iter().filter(|s| s.delivery.redelivered).map(|s| s.message_id.as_deref()).collect();
     assert_eq!(redelivered, vec![Some("dup-1")], "only the crashed consumer's delivery came back: {seen:#?}");
     assert_eq!(calls.load(SeqCst), 5);
     assert_eq!(body_runs(&env.sku), 1, "the body ran once, in the consumer that crashed");
@@ -632,7 +632,7 @@ async fn invalid_key_is_dead_lettered_and_nothing_written() {
     assert_eq!(seen.len(), 1, "settled once, never retried: {seen:#?}");
     assert_eq!(seen[0].action, Action::DeadLetter(Reason::Rejected));
     assert_eq!(seen[0].outcome, Some(Outcome::Rejected));
-    assert_eq!(seen[0].retries, 0);
+    assert_eq!(seen[0].delivery.retries, 0);
     assert!(seen[0].error.as_deref().is_some_and(|e| e.contains("InvalidKey")), "{seen:#?}");
     assert_eq!(calls.load(SeqCst), 1);
     assert_eq!(body_runs(&env.sku), 0, "the body never ran");
@@ -674,12 +674,12 @@ async fn failing_body_is_retried_up_to_the_bound_then_dead_lettered() {
         )
         .await;
 
-    let actions: Vec<(Action, u32)> = seen.iter().map(|s| (s.action, s.retries)).collect();
+    let actions: Vec<(Action, u32)> = seen.iter().map(|s| (s.action, s.delivery.retries)).collect();
     assert_eq!(
         actions,
         vec![
-            (Action::Retry { retries: 1 }, 0),
-            (Action::Retry { retries: 2 }, 1),
+            (Action::Retry { count: 1 }, 0),
+            (Action::Retry { count: 2 }, 1),
             (Action::DeadLetter(Reason::RetriesExhausted), 2),
         ]
     );
@@ -743,7 +743,7 @@ async fn database_down_is_requeued_uncounted_then_executed_once() {
         .await;
 
     let got: Vec<(Action, Option<Outcome>, u32, bool)> =
-        seen.iter().map(|s| (s.action, s.outcome, s.retries, s.redelivered)).collect();
+        seen.iter().map(|s| (s.action, s.outcome, s.delivery.retries, s.delivery.redelivered)).collect();
     assert_eq!(
         got,
         vec![
@@ -803,7 +803,7 @@ async fn refused_retry_copy_is_counted_then_dead_lettered() {
     let (seen, opened) = tokio::join!(consuming, fill_then_open);
 
     let got: Vec<(Option<&str>, Action, Option<Outcome>, u32)> =
-        seen.iter().map(|s| (s.message_id.as_deref(), s.action, s.outcome, s.retries)).collect();
+        seen.iter().map(|s| (s.message_id.as_deref(), s.action, s.outcome, s.delivery.retries)).collect();
     assert_eq!(
         got,
         vec![
@@ -856,18 +856,21 @@ async fn handler_returning_ok_is_acked_whatever_the_outcome() {
     let seen =
         env.consume(|c| c.max_retries(3).retry_delay(Duration::from_millis(10)), handler, |seen| seen.len() == 3).await;
 
-    let got: Vec<(Option<&str>, Action, Option<Outcome>)> =
+    // In settlement order, which is not delivery order: a slot is freed
+    // before its delivery's ack, so the next handler can finish first.
+    let mut got: Vec<(Option<&str>, Action, Option<Outcome>)> =
         seen.iter().map(|s| (s.message_id.as_deref(), s.action, s.outcome)).collect();
+    got.sort_by_key(|(id, _, _)| *id);
     assert_eq!(
         got,
         vec![
+            (Some("failing"), Action::Ack, Some(Outcome::Failed)),
             (Some("first"), Action::Ack, Some(Outcome::Executed)),
             (Some("reused"), Action::Ack, Some(Outcome::KeyReused)),
-            (Some("failing"), Action::Ack, Some(Outcome::Failed)),
         ],
         "{seen:#?}"
     );
-    assert!(seen.iter().all(|s| s.error.is_none() && s.retries == 0 && !s.redelivered), "{seen:#?}");
+    assert!(seen.iter().all(|s| s.error.is_none() && s.delivery.retries == 0 && !s.delivery.redelivered), "{seen:#?}");
     assert_eq!(calls.load(SeqCst), 3);
     assert_eq!((body_runs(&env.sku), body_runs(&unknown)), (1, 1));
     assert_eq!(env.ready(&env.names.queue).await, 0, "nothing republished");

@@ -319,7 +319,7 @@ async fn executed_and_replayed_messages_are_acked() {
     w.publish_event(&w.event(1, 2), "m2").await;
     let first = next(&mut settlements).await;
     let second = next(&mut settlements).await;
-    assert_eq!((first.action, first.outcome, first.delivered), (Action::Ack, Some(Outcome::Executed), 1));
+    assert_eq!((first.action, first.outcome, first.delivery.count), (Action::Ack, Some(Outcome::Executed), 1));
     assert_eq!((second.action, second.outcome), (Action::Ack, Some(Outcome::Replayed)));
     assert_eq!((first.message_id.as_deref(), second.message_id.as_deref()), (Some("m1"), Some("m2")));
     assert_eq!(w.moves().await, 1);
@@ -389,13 +389,13 @@ async fn a_failing_body_is_naked_until_max_deliver_then_dead_lettered() {
     let s: Vec<(Action, u64)> =
         [next(&mut settlements).await, next(&mut settlements).await, next(&mut settlements).await]
             .iter()
-            .map(|s| (s.action, s.delivered))
+            .map(|s| (s.action, s.delivery.count))
             .collect();
     assert_eq!(
         s,
         [
-            (Action::Retry { delivered: 1 }, 1),
-            (Action::Retry { delivered: 2 }, 2),
+            (Action::Retry { count: 2 }, 1),
+            (Action::Retry { count: 3 }, 2),
             (Action::DeadLetter(Reason::DeliveriesExhausted), 3)
         ]
     );
@@ -446,7 +446,7 @@ async fn a_consumer_dropped_before_its_ack_gets_the_message_again_and_replays() 
     assert!(first_settlements.try_recv().is_err(), "nothing was settled");
     let (mut settlements, stop_tx, task) = w.run("c", false, |c| c);
     let again = next(&mut settlements).await;
-    assert_eq!((again.action, again.outcome, again.delivered), (Action::Ack, Some(Outcome::Replayed), 2));
+    assert_eq!((again.action, again.outcome, again.delivery.count), (Action::Ack, Some(Outcome::Replayed), 2));
     assert_eq!(w.moves().await, 1);
     stop(stop_tx, task).await;
     w.remove().await;

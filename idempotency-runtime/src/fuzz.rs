@@ -147,7 +147,7 @@ pub fn token_live_read(value: &[u8], now_ms: u64) -> Result<Option<u64>, String>
 }
 
 /// What a consumer runner reads of one message before its handler runs.
-#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
+#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams", feature = "kafka"))]
 #[derive(Debug, Clone, PartialEq)]
 pub struct Consumed {
     /// The message id, if any (what `run_with_id` keys the call by).
@@ -155,8 +155,8 @@ pub struct Consumed {
     /// `run_with_id`'s decoding: the id and the JSON payload, or why the
     /// message is poison.
     pub decoded: Result<(String, Value), String>,
-    /// The count the runner settles by: `x-idem-retries` (AMQP), or the
-    /// delivery count from the reply subject (NATS).
+    /// The count the runner settles by: `x-idem-retries` (AMQP),
+    /// `Idem-Retries` (Kafka), or the delivery count (NATS, Redis).
     pub count: u64,
 }
 
@@ -204,9 +204,33 @@ pub fn nats_message(reply: Option<&str>, headers: Option<&[(&str, &str)]>, paylo
     consumed::<crate::consumer::nats::Jet>(&message)
 }
 
+/// A Kafka message with these headers (name and value, `None`: a header
+/// without a value; in order, names may repeat) and payload (`None`: a
+/// null payload), read as the Kafka runner reads what it fetched.
+#[cfg(feature = "kafka")]
+pub fn kafka_message(headers: &[(&str, Option<&[u8]>)], payload: Option<&[u8]>) -> Consumed {
+    use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
+    let owned = headers.iter().fold(OwnedHeaders::new(), |h, (key, value)| h.insert(Header { key, value: *value }));
+    let message = OwnedMessage::new(
+        payload.map(<[u8]>::to_vec),
+        None,
+        "t".to_owned(),
+        rdkafka::Timestamp::NotAvailable,
+        0,
+        0,
+        Some(owned),
+    );
+    let received = crate::consumer::kafka::reader::received(
+        message,
+        crate::kafka::MESSAGE_ID_HEADER,
+        crate::kafka::RETRIES_HEADER,
+    );
+    consumed::<crate::consumer::kafka::settler::Group>(&received).expect("always read")
+}
+
 /// What the consumer core reads of a delivery of `T`, as its runner does.
-#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
-fn consumed<T: crate::consumer::Transport>(delivery: &T::Delivery) -> Option<Consumed> {
+#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams", feature = "kafka"))]
+fn consumed<T: crate::consumer::transport::Settle>(delivery: &T::Delivery) -> Option<Consumed> {
     Some(Consumed {
         message_id: T::message_id(delivery).map(str::to_owned),
         decoded: crate::consumer::decode::message_id_and_payload::<T, Value>(delivery),

@@ -17,8 +17,8 @@ compile_error!(
 mod business_error;
 mod call;
 mod clock;
-#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
-mod consumer;
+#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams", feature = "kafka"))]
+pub mod consumer;
 #[cfg(feature = "cron")]
 pub mod cron;
 mod engine;
@@ -48,10 +48,13 @@ pub mod steps;
 mod store;
 pub mod token;
 
-// The consumer runners live in one folder around their shared core.
 pub use business_error::BusinessError;
+// The consumer runners live in one folder around their shared core; each
+// transport is also reachable at the root.
 #[cfg(feature = "amqp")]
 pub use consumer::amqp;
+#[cfg(feature = "kafka")]
+pub use consumer::kafka;
 #[cfg(feature = "nats")]
 pub use consumer::nats;
 #[cfg(feature = "redis-streams")]

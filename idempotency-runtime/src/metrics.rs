@@ -80,6 +80,9 @@ pub const CRON_SLOTS: &str = "idem_cron_slots_total";
 /// `idem_nats_settlements_total{stream, action}`.
 #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 pub const NATS_SETTLEMENTS: &str = "idem_nats_settlements_total";
+/// `idem_kafka_settlements_total{topic, action}`.
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub const KAFKA_SETTLEMENTS: &str = "idem_kafka_settlements_total";
 /// `idem_redis_stream_settlements_total{stream, action}`.
 #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 pub const REDIS_STREAM_SETTLEMENTS: &str = "idem_redis_stream_settlements_total";
@@ -115,6 +118,11 @@ pub fn describe() {
         NATS_SETTLEMENTS,
         Unit::Count,
         "Messages settled by the NATS JetStream consumer runner, by stream and action."
+    );
+    describe_counter!(
+        KAFKA_SETTLEMENTS,
+        Unit::Count,
+        "Messages settled by the Kafka consumer runner, by topic and action."
     );
     describe_counter!(
         REDIS_STREAM_SETTLEMENTS,
@@ -195,7 +203,7 @@ pub(crate) fn background_release() {
 /// A consumer runner settled a delivery of the queue or stream `scope`:
 /// `counter{scope_label = scope, action}`. The runners pass plain labels, so
 /// this module names none of their types.
-#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
+#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams", feature = "kafka"))]
 #[inline]
 pub(crate) fn consumer_settled(counter: &'static str, scope_label: &'static str, scope: &str, action: &'static str) {
     #[cfg(feature = "metrics")]

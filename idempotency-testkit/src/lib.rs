@@ -14,6 +14,7 @@
 //! - [`backend`]: the contract the behaviour suite (`tests/suite/`) runs on,
 //!   [`TestBackend`], implemented once per database.
 //! - [`galera`]: a private three-node MariaDB Galera cluster.
+//! - [`kafka`]: a private Kafka-protocol broker (tansu).
 //! - [`pgbouncer`]: a private PgBouncer in transaction pooling mode.
 //! - [`pg_cluster`]: a private PostgreSQL primary and streaming standby, and
 //!   [`forwarder`]: a TCP path between clients and a server that a test can
@@ -32,6 +33,7 @@ pub mod backend;
 mod cron_clock;
 pub mod forwarder;
 pub mod galera;
+pub mod kafka;
 #[cfg(all(feature = "redis", any(feature = "mysql", feature = "postgres")))]
 pub mod nemesis;
 pub mod pg_cluster;

@@ -162,7 +162,7 @@ async fn redis_down_is_waited_out_without_a_busy_loop_then_consumption_resumes()
     // the connection's own reconnecting: at most the back-off's 7 in 5 s.
     assert!(tries <= 8, "{tries} failed reads in {outage:?}");
     assert_eq!(
-        (after.action, after.outcome, after.entry_id.as_str()),
+        (after.action, after.outcome, after.delivery.entry_id.as_str()),
         (Action::Ack, Some(Outcome::Executed), entry.as_str())
     );
     assert!(rest.is_empty(), "{rest:#?}");

@@ -424,5 +424,5 @@ impl Running {
 }
 
 pub(crate) fn actions(seen: &[Settled]) -> Vec<(Action, Option<Outcome>, u64)> {
-    seen.iter().map(|s| (s.action, s.outcome, s.delivered)).collect()
+    seen.iter().map(|s| (s.action, s.outcome, s.delivery.count)).collect()
 }

@@ -39,7 +39,7 @@ async fn a_handler_returning_ok_is_acked_whatever_the_outcome() {
 
     // In the order handled; one entry's settlement may finish after the next one's.
     let mut got: Vec<(Option<&str>, Action, Option<Outcome>, u64)> =
-        seen.iter().map(|s| (s.message_id.as_deref(), s.action, s.outcome, s.delivered)).collect();
+        seen.iter().map(|s| (s.message_id.as_deref(), s.action, s.outcome, s.delivery.count)).collect();
     got.sort_by_key(|(id, ..)| ["first", "reused", "failing"].iter().position(|want| Some(*want) == *id));
     assert_eq!(
         got,
@@ -135,9 +135,9 @@ async fn a_duplicate_during_the_body_is_left_pending_uncounted_then_replayed() {
     let gate = hold_next_body(&w.sku);
     let mut running = w.run(w.consumer("c").concurrency(2), false);
     let busy = running.next().await;
-    assert_eq!((busy.action, busy.outcome, busy.delivered), (Action::Requeue, Some(Outcome::InProgress), 1));
+    assert_eq!((busy.action, busy.outcome, busy.delivery.count), (Action::Requeue, Some(Outcome::InProgress), 1));
     let pending = w.pending().await;
-    let waiting = pending.iter().find(|p| p.id == busy.entry_id).expect("still pending");
+    let waiting = pending.iter().find(|p| p.id == busy.delivery.entry_id).expect("still pending");
     assert_eq!(waiting.delivered, 0, "put back uncounted: {pending:?}");
     gate.notify_one();
     let seen = running.until(|seen| seen.iter().filter(|s| s.action == Action::Ack).count() == 2).await;
@@ -146,7 +146,7 @@ async fn a_duplicate_during_the_body_is_left_pending_uncounted_then_replayed() {
     let acked: Vec<(Option<&str>, Option<Outcome>, u64)> = seen
         .iter()
         .filter(|s| s.action == Action::Ack)
-        .map(|s| (s.message_id.as_deref(), s.outcome, s.delivered))
+        .map(|s| (s.message_id.as_deref(), s.outcome, s.delivery.count))
         .collect();
     let holder = if busy.message_id.as_deref() == Some("dup-1") { "dup-2" } else { "dup-1" };
     assert!(acked.contains(&(Some(holder), Some(Outcome::Executed), 1)), "{seen:#?}");
@@ -242,7 +242,7 @@ async fn invalid_key_is_dead_lettered_and_nothing_written() {
     let rest = running.stop().await;
 
     assert_eq!(
-        (settled.action, settled.outcome, settled.delivered),
+        (settled.action, settled.outcome, settled.delivery.count),
         (Action::DeadLetter(Reason::Rejected), Some(Outcome::Rejected), 1)
     );
     assert!(settled.error.as_deref().is_some_and(|e| e.contains("InvalidKey")), "{settled:#?}");
@@ -287,8 +287,8 @@ async fn failing_body_is_retried_until_max_deliver_then_dead_lettered() {
     assert_eq!(
         actions(&seen),
         vec![
-            (Action::Retry { delivered: 1 }, Some(Outcome::Failed), 1),
-            (Action::Retry { delivered: 2 }, Some(Outcome::Failed), 2),
+            (Action::Retry { count: 2 }, Some(Outcome::Failed), 1),
+            (Action::Retry { count: 3 }, Some(Outcome::Failed), 2),
             (Action::DeadLetter(Reason::DeliveriesExhausted), Some(Outcome::Failed), 3),
         ]
     );
@@ -326,7 +326,7 @@ async fn handler_panicking_is_retried_then_dead_lettered() {
 
     assert_eq!(
         actions(&seen),
-        vec![(Action::Retry { delivered: 1 }, None, 1), (Action::DeadLetter(Reason::DeliveriesExhausted), None, 2)]
+        vec![(Action::Retry { count: 2 }, None, 1), (Action::DeadLetter(Reason::DeliveriesExhausted), None, 2)]
     );
     assert!(rest.is_empty(), "{rest:#?}");
     assert!(seen.iter().all(|s| s.error.as_deref().is_some_and(|e| e.contains("handler panicked"))), "{seen:#?}");
@@ -359,7 +359,7 @@ async fn run_with_id_keys_by_the_message_id_field_and_an_entry_without_one_is_po
 
     // In entry order (one entry's settlement may finish after the next one's).
     let mut seen = seen;
-    seen.sort_by(|a, b| a.entry_id.cmp(&b.entry_id));
+    seen.sort_by(|a, b| a.delivery.entry_id.cmp(&b.delivery.entry_id));
     let got: Vec<(Action, Option<Outcome>, Option<&str>)> =
         seen.iter().map(|s| (s.action, s.outcome, s.message_id.as_deref())).collect();
     assert_eq!(
@@ -371,7 +371,10 @@ async fn run_with_id_keys_by_the_message_id_field_and_an_entry_without_one_is_po
             (Action::DeadLetter(Reason::Poison), None, None),
         ]
     );
-    assert_eq!((seen[0].entry_id.as_str(), seen[1].entry_id.as_str()), (first.as_str(), copy.as_str()));
+    assert_eq!(
+        (seen[0].delivery.entry_id.as_str(), seen[1].delivery.entry_id.as_str()),
+        (first.as_str(), copy.as_str())
+    );
     assert!(seen[2..].iter().all(|s| s.error.as_deref() == Some("no message id field (UTF-8)")), "{seen:#?}");
     assert!(rest.is_empty(), "{rest:#?}");
     assert_eq!(body_runs(&w.sku), 1);

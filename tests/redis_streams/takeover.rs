@@ -64,12 +64,12 @@ async fn duplicates_and_a_redelivery_deduct_once() {
 
     assert!(rest.is_empty(), "{rest:#?}");
     assert!(seen.iter().all(|s| s.action == Action::Ack && s.outcome == Some(Outcome::Replayed)), "{seen:#?}");
-    let mut got: Vec<(String, u64)> = seen.iter().map(|s| (s.message_id.clone().unwrap(), s.delivered)).collect();
+    let mut got: Vec<(String, u64)> = seen.iter().map(|s| (s.message_id.clone().unwrap(), s.delivery.count)).collect();
     got.sort();
     let expected: Vec<(String, u64)> = (1..=5).map(|i| (format!("dup-{i}"), if i == 1 { 2 } else { 1 })).collect();
     assert_eq!(got, expected, "only the dead consumer's entry came back, claimed: its second delivery");
-    let taken_over = seen.iter().find(|s| s.delivered == 2).unwrap();
-    assert_eq!(taken_over.entry_id, ids[0]);
+    let taken_over = seen.iter().find(|s| s.delivery.count == 2).unwrap();
+    assert_eq!(taken_over.delivery.entry_id, ids[0]);
     assert_eq!(body_runs(&w.sku), 1, "the body ran once, in the consumer that died");
     assert_eq!((w.stock().await, w.moves().await), (97, 1));
     assert_eq!(w.pending().await, vec![], "every entry acked");
@@ -163,8 +163,8 @@ async fn a_consumer_killed_after_its_commit_and_before_xack_is_taken_over_and_re
     let rest = survivor.stop().await;
 
     assert!(rest.is_empty(), "{rest:#?}");
-    assert_eq!((taken.action, taken.outcome, taken.delivered), (Action::Ack, Some(Outcome::Replayed), 2));
-    assert_eq!((taken.entry_id.as_str(), taken.message_id.as_deref()), (entry.as_str(), Some("killed-1")));
+    assert_eq!((taken.action, taken.outcome, taken.delivery.count), (Action::Ack, Some(Outcome::Replayed), 2));
+    assert_eq!((taken.delivery.entry_id.as_str(), taken.message_id.as_deref()), (entry.as_str(), Some("killed-1")));
     assert_eq!(body_runs(&w.sku), 0, "the body never ran here: it replayed the child's result");
     assert_eq!((w.moves().await, w.stock().await), (1, 96), "deducted once");
     assert_eq!(w.pending().await, vec![], "acked");
@@ -200,8 +200,8 @@ async fn a_stop_mid_read_gives_back_what_the_read_brought_uncounted() {
     let entry = w.add_event(order_id(), 1, "mid-read").await;
     within("the runner's stop", &mut running.task).await.expect("runner task").expect("clean stop");
     let returned = running.settlements.try_recv().expect("the entry the read brought was settled");
-    assert_eq!((returned.action, returned.outcome, returned.delivered), (Action::Returned, None, 1));
-    assert_eq!(returned.entry_id, entry);
+    assert_eq!((returned.action, returned.outcome, returned.delivery.count), (Action::Returned, None, 1));
+    assert_eq!(returned.delivery.entry_id, entry);
     assert_eq!(running.calls.load(SeqCst), 0, "never started");
     let pending = w.pending().await;
     assert_eq!(pending.len(), 1, "{pending:?}");
@@ -211,7 +211,7 @@ async fn a_stop_mid_read_gives_back_what_the_read_brought_uncounted() {
     let mut next = w.run(w.consumer("next"), false);
     let taken = next.next().await;
     let rest = next.stop().await;
-    assert_eq!((taken.action, taken.outcome, taken.delivered), (Action::Ack, Some(Outcome::Executed), 1));
+    assert_eq!((taken.action, taken.outcome, taken.delivery.count), (Action::Ack, Some(Outcome::Executed), 1));
     assert!(rest.is_empty(), "{rest:#?}");
     assert_eq!(w.pending().await, vec![]);
     assert_eq!(w.moves().await, 1);

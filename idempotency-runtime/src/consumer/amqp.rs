@@ -1,6 +1,6 @@
 //! RabbitMQ consumers (feature `amqp`, through [`lapin`]): a small runner
 //! that calls your handler once per delivery and settles the delivery by what
-//! the handler returned and the [`Outcome`] of the `#[idempotent]` call it
+//! the handler returned and the [`Outcome`](crate::Outcome) of the `#[idempotent]` call it
 //! made.
 //!
 //! ```ignore
@@ -38,13 +38,14 @@
 //!
 //! How a delivery is settled. A handler's `Err` is judged by the
 //! [`idempotency::Error`](crate::Error) it carries ([`AsIdemError`]); one that
-//! carries none, by the [`Outcome`] of the last `#[idempotent]` call the
+//! carries none, by the [`Outcome`](crate::Outcome) of the last `#[idempotent]` call the
 //! handler made.
 //!
 //! | what happened | settlement |
 //! |---|---|
 //! | the handler returned `Ok` (whatever the outcome of its calls: it handled them) | ack |
 //! | `Err` carrying `Error::Storage` (the database failed or is down) | after [`Consumer::storage_delay`], nack with requeue; not counted as a retry |
+//! | `Err` carrying `Error::StorageRefused` or `Error::NotMigrated` (a database failure that recurs) | a counted retry while the budget allows, then the dead letter |
 //! | `Err` carrying `Error::InProgress`, or outcome `InProgress` (a duplicate is running elsewhere) | after [`Consumer::in_progress_delay`], nack with requeue; not counted as a retry |
 //! | `Err` carrying any other `idempotency::Error` (`KeyReused`, `InvalidKey`, `Replay`, `Serialize`: the call can never succeed as sent), or outcome `KeyReused` or `Rejected` | reject without requeue: to the dead-letter queue |
 //! | the payload does not deserialize into the handler's argument, or ([`Consumer::run_with_id`]) the message has no `message_id` (a poison message) | reject without requeue: to the dead-letter queue |
@@ -73,18 +74,16 @@
 //! [`declare_with_dead_letter`] declares the queue together with its
 //! dead-letter exchange and queue.
 //!
-//! The settlement contract and the loop are the consumer core's, shared
-//! with [`nats`](crate::nats) and [`redis_streams`](crate::redis_streams);
-//! this module holds what RabbitMQ does differently (a retry is a
-//! republished copy carrying its count; the broker dead-letters).
+//! The builder, the settlement contract and the loop are the consumer
+//! core's ([`crate::consumer`]), shared with every transport; this module
+//! holds what RabbitMQ does differently (a retry is a republished copy
+//! carrying its count; the broker dead-letters).
 
-/// The RabbitMQ client the runner takes its [`Channel`](lapin::Channel) from, re-exported so the
+/// The RabbitMQ client the runner takes its [`Channel`] from, re-exported so the
 /// versions match: `idempotency::amqp::lapin::Connection::connect(..)`.
 pub use lapin;
-use std::fmt::Debug;
-use std::future::{Future, poll_fn};
+use std::future::poll_fn;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures_core::Stream;
@@ -95,18 +94,13 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, Confirmation, ExchangeKind};
-use serde::de::DeserializeOwned;
 
-use super::decode::{message_id_and_payload, payload};
-use super::run::{Runner, run};
-use super::settle::Policy;
-use super::{DeadLettered, Deliveries, Retried, Settlement, Transport};
-use crate::outcome::Outcome;
+use super::transport::{DeadLettered, Deliveries, Retried, Settle, Start, Transport};
 
 /// The header carrying how many times a message was retried after a failure.
 pub const RETRIES_HEADER: &str = "x-idem-retries";
 
-pub use super::{AsIdemError, Reason};
+pub use super::{Action, AsIdemError, Reason};
 
 /// The names [`declare_with_dead_letter`] declared.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -152,72 +146,28 @@ pub async fn declare_with_dead_letter(channel: &Channel, queue: &str) -> lapin::
     Ok(names)
 }
 
-/// How a delivery was settled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What RabbitMQ tells of a delivery ([`Settled::delivery`](crate::consumer::Settled::delivery)).
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Action {
-    /// Acked: the handler returned `Ok` (its call executed or replayed, or
-    /// it dealt with the failure itself).
-    Ack,
-    /// Nacked with requeue, not counted as a retry: after
-    /// [`Consumer::in_progress_delay`] when a duplicate was running (outcome
-    /// `InProgress`), after [`Consumer::storage_delay`] when the database
-    /// failed (`Error::Storage`).
-    Requeue,
-    /// Republished with `x-idem-retries` = `retries` after
-    /// [`Consumer::retry_delay`], original acked.
-    Retry {
-        /// The retry count the copy carries.
-        retries: u32,
-    },
-    /// Rejected without requeue, to the queue's dead-letter exchange.
-    DeadLetter(Reason),
-    /// Back to the queue unsettled by the handler: nacked with requeue
-    /// because the runner was stopping, or left for the broker to redeliver
-    /// because the channel closed before the delivery could be settled.
-    Returned,
-}
-
-/// What the runner did with one delivery; passed to [`Consumer::on_settle`].
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct Settled {
-    /// The outcome of the last `#[idempotent]` call the handler made, if any.
-    pub outcome: Option<Outcome>,
-    /// The settlement.
-    pub action: Action,
+pub struct Delivered {
     /// The `x-idem-retries` the delivery carried (0 on the first attempt).
     pub retries: u32,
     /// Whether the broker flagged the delivery as redelivered.
     pub redelivered: bool,
-    /// The message's `message_id` property, if set.
-    pub message_id: Option<String>,
-    /// The handler's error or panic, or why the payload was refused, as text.
-    pub error: Option<String>,
 }
+
+/// What the runner did with one delivery; passed to [`Consumer::on_settle`].
+pub type Settled = super::Settled<Delivered>;
 
 /// Consumes one queue, calling a handler per delivery and settling each
 /// delivery by its outcome; see the [module docs](self).
-#[must_use]
-pub struct Consumer {
+pub type Consumer = super::Consumer<Settings>;
+
+/// What a RabbitMQ runner reads from: a channel and a queue.
+#[derive(Debug)]
+pub struct Settings {
     channel: Channel,
     queue: String,
-    concurrency: u16,
-    policy: Policy,
-    on_settle: Option<super::run::Hook<Settled>>,
-}
-
-impl Debug for Consumer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Consumer")
-            .field("queue", &self.queue)
-            .field("concurrency", &self.concurrency)
-            .field("max_retries", &self.policy.bound)
-            .field("retry_delay", &self.policy.retry_delay)
-            .field("in_progress_delay", &self.policy.in_progress_delay)
-            .field("storage_delay", &self.policy.storage_delay)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Consumer {
@@ -225,21 +175,7 @@ impl Consumer {
     /// confirm mode when the runner starts (retries are republished with
     /// confirms), and its prefetch is set to the concurrency.
     pub fn new(channel: Channel, queue: impl Into<String>) -> Self {
-        let second = Duration::from_secs(1);
-        Self {
-            channel,
-            queue: queue.into(),
-            concurrency: 1,
-            policy: Policy { bound: 3, retry_delay: second, in_progress_delay: second, storage_delay: second },
-            on_settle: None,
-        }
-    }
-
-    /// How many deliveries are handled at once (and the channel's prefetch).
-    /// Default 1: one at a time, in order.
-    pub fn concurrency(mut self, n: u16) -> Self {
-        self.concurrency = n.max(1);
-        self
+        super::Consumer::with(Settings { channel, queue: queue.into() }, 3)
     }
 
     /// How many times a failing delivery is retried before it is
@@ -248,93 +184,23 @@ impl Consumer {
         self.policy.bound = n.into();
         self
     }
+}
 
-    /// How long a failed delivery waits before its retry is published.
-    /// Default 1 s.
-    pub fn retry_delay(mut self, delay: Duration) -> Self {
-        self.policy.retry_delay = delay;
-        self
-    }
+impl Transport for Settings {
+    type Error = lapin::Error;
+    type Delivered = Delivered;
+}
 
-    /// How long a delivery whose key is in progress elsewhere waits before it
-    /// is requeued. Default 1 s.
-    pub fn in_progress_delay(mut self, delay: Duration) -> Self {
-        self.policy.in_progress_delay = delay;
-        self
-    }
+impl Start for Settings {
+    type Settle = Rabbit;
+    type Deliveries = RabbitDeliveries;
 
-    /// How long a delivery whose handler failed with `Error::Storage` (the
-    /// database failed or is down) waits before it is requeued, uncounted.
-    /// Default 1 s.
-    pub fn storage_delay(mut self, delay: Duration) -> Self {
-        self.policy.storage_delay = delay;
-        self
-    }
-
-    /// Called after each delivery is settled (for logs, metrics, tests).
-    pub fn on_settle(mut self, hook: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
-        self.on_settle = Some(Arc::new(hook));
-        self
-    }
-
-    /// Consumes until `shutdown` resolves (or the channel fails), calling
-    /// `handler` with each payload deserialized from JSON into `T`.
-    ///
-    /// The handler's error tells the runner, through [`AsIdemError`], whether
-    /// the database was down; see the [settlement table](self).
-    ///
-    /// On shutdown the consumer is cancelled, deliveries not yet handled are
-    /// requeued, and the runner waits for the ones being handled (including
-    /// their delays) to be settled. Returns the channel's error if it failed.
-    pub async fn run<T, F, Fut, R, E, S>(self, shutdown: S, handler: F) -> lapin::Result<()>
-    where
-        T: DeserializeOwned + Send + 'static,
-        F: Fn(T) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<R, E>> + Send + 'static,
-        R: Send + 'static,
-        E: AsIdemError + Debug + Send + 'static,
-        S: Future,
-    {
-        self.consume(shutdown, payload::<Rabbit, T>, handler).await
-    }
-
-    /// Like [`run`](Consumer::run), handing the handler the message's
-    /// `message_id` property too, so it can key its call by the message
-    /// rather than by business fields (the outbox relay sets it to the
-    /// event's id: `#[idempotent(key = "<message_id>", ...)]`). A delivery
-    /// without a `message_id` is poison: dead-lettered unhandled.
-    pub async fn run_with_id<T, F, Fut, R, E, S>(self, shutdown: S, handler: F) -> lapin::Result<()>
-    where
-        T: DeserializeOwned + Send + 'static,
-        F: Fn(String, T) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<R, E>> + Send + 'static,
-        R: Send + 'static,
-        E: AsIdemError + Debug + Send + 'static,
-        S: Future,
-    {
-        let handler = move |(id, message)| handler(id, message);
-        self.consume(shutdown, message_id_and_payload::<Rabbit, T>, handler).await
-    }
-
-    /// Sets the channel up (confirms, prefetch), starts consuming and hands
-    /// the deliveries to the core's loop.
-    async fn consume<I, F, Fut, R, E, S>(
-        self,
-        shutdown: S,
-        decode: fn(&Delivery) -> Result<I, String>,
-        handler: F,
-    ) -> lapin::Result<()>
-    where
-        I: Send + 'static,
-        F: Fn(I) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<R, E>> + Send + 'static,
-        R: Send + 'static,
-        E: AsIdemError + Debug + Send + 'static,
-        S: Future,
-    {
+    /// Sets the channel up (confirms, prefetch) and starts consuming.
+    async fn start(self, concurrency: usize) -> lapin::Result<(Rabbit, RabbitDeliveries)> {
         let channel = &self.channel;
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
-        channel.basic_qos(self.concurrency, BasicQosOptions::default()).await?;
+        let prefetch = u16::try_from(concurrency).unwrap_or(u16::MAX);
+        channel.basic_qos(prefetch, BasicQosOptions::default()).await?;
         let consumer = channel
             .basic_consume(
                 self.queue.as_str().into(),
@@ -345,13 +211,7 @@ impl Consumer {
             .await?;
         tracing::info!(queue = %self.queue, tag = %consumer.tag(), "idem consumer started");
         let deliveries = RabbitDeliveries { channel: self.channel.clone(), consumer };
-        let runner = Runner {
-            transport: Rabbit { channel: self.channel, queue: self.queue },
-            policy: self.policy,
-            concurrency: usize::from(self.concurrency),
-            on_settle: self.on_settle,
-        };
-        run(runner, deliveries, shutdown, decode, handler).await
+        Ok((Rabbit { channel: self.channel, queue: self.queue }, deliveries))
     }
 }
 
@@ -361,10 +221,10 @@ pub(crate) struct Rabbit {
     queue: String,
 }
 
-impl Transport for Rabbit {
+impl Settle for Rabbit {
     type Delivery = Delivery;
     type Error = lapin::Error;
-    type Settled = Settled;
+    type Delivered = Delivered;
 
     const NAME: &'static str = "amqp";
     const MESSAGE_ID: &'static str = "message_id property";
@@ -418,27 +278,8 @@ impl Transport for Rabbit {
         DeadLettered::Done(delivery.reject(BasicRejectOptions { requeue: false }).await.map(drop))
     }
 
-    fn settled(
-        delivery: &Delivery,
-        outcome: Option<Outcome>,
-        settlement: Settlement,
-        error: Option<String>,
-    ) -> Settled {
-        let action = match settlement {
-            Settlement::Ack => Action::Ack,
-            Settlement::Requeue => Action::Requeue,
-            Settlement::Retry { count } => Action::Retry { retries: u32::try_from(count).unwrap_or(u32::MAX) },
-            Settlement::DeadLetter(reason) => Action::DeadLetter(reason),
-            Settlement::Returned => Action::Returned,
-        };
-        Settled {
-            outcome,
-            action,
-            retries: retries_of(delivery),
-            redelivered: delivery.redelivered,
-            message_id: Self::message_id(delivery).map(str::to_owned),
-            error,
-        }
+    fn delivered(delivery: &Delivery) -> Delivered {
+        Delivered { retries: retries_of(delivery), redelivered: delivery.redelivered }
     }
 }
 
@@ -468,7 +309,7 @@ impl Rabbit {
 
 /// The reading side: lapin's consumer, cancelled on shutdown (the
 /// deliveries it still yields are then requeued by the core).
-struct RabbitDeliveries {
+pub(crate) struct RabbitDeliveries {
     channel: Channel,
     consumer: lapin::Consumer,
 }

@@ -4,7 +4,7 @@
 
 use serde::de::DeserializeOwned;
 
-use super::Transport;
+use super::transport::Settle;
 
 /// The payload as JSON.
 pub(crate) fn payload_json<M: DeserializeOwned>(payload: &[u8]) -> Result<M, String> {
@@ -23,12 +23,12 @@ pub(crate) fn message_id_and_payload_json<M: DeserializeOwned>(
 }
 
 /// [`payload_json`] of a delivery of `T` (what `Consumer::run` hands over).
-pub(crate) fn payload<T: Transport, M: DeserializeOwned>(delivery: &T::Delivery) -> Result<M, String> {
+pub(crate) fn payload<T: Settle, M: DeserializeOwned>(delivery: &T::Delivery) -> Result<M, String> {
     payload_json(T::payload(delivery)?)
 }
 
 /// [`message_id_and_payload_json`] of a delivery of `T` (`Consumer::run_with_id`).
-pub(crate) fn message_id_and_payload<T: Transport, M: DeserializeOwned>(
+pub(crate) fn message_id_and_payload<T: Settle, M: DeserializeOwned>(
     delivery: &T::Delivery,
 ) -> Result<(String, M), String> {
     message_id_and_payload_json(T::message_id(delivery), T::MESSAGE_ID, T::payload(delivery)?)

@@ -1,10 +1,14 @@
-//! The consumer runners' one core: how a handler's result settles a
-//! delivery, written once for every transport. RabbitMQ ([`amqp`](crate::amqp)),
-//! NATS JetStream ([`nats`](crate::nats)) and Redis Streams
-//! ([`redis_streams`](crate::redis_streams)) each implement [`Transport`]
-//! (how to read a delivery and carry out a settlement) and [`Deliveries`]
-//! (where deliveries come from); everything else lives here:
+//! The consumer runners, on one core: one builder, [`Consumer`], generic
+//! over the transport, and one settlement contract. RabbitMQ
+//! ([`amqp`]), NATS JetStream ([`nats`]), Redis
+//! Streams ([`redis_streams`]) and Kafka
+//! ([`kafka`]) each hold only what differs: how a delivery is
+//! read, acked, retried and dead-lettered, and the settings of that
+//! transport (a [`Transport`]). Everything else lives here:
 //!
+//! - `builder`: [`Consumer`]: the settings every runner shares (concurrency,
+//!   the delays, the `on_settle` hook) and `run` / `run_with_id`.
+//! - `settled`: [`Action`] and [`Settled`]: what the hook is told.
 //! - `settle`: the settlement contract, an outcome or error becoming ack,
 //!   an uncounted delayed requeue, a counted retry or a dead letter; the
 //!   retry budget; the delays.
@@ -13,35 +17,39 @@
 //!   metrics, the `on_settle` hook), and stop on shutdown.
 //! - `decode`: a payload (JSON) and a message id becoming the handler's
 //!   argument, or a poison message.
+//! - `transport`: the traits a transport implements (sealed).
 //!
 //! The core never asks which transport it drives: where they differ (a
 //! retry republished with a counter or left to the server's delivery
 //! count, a dead letter by the broker or copied by the runner), the trait
 //! says it.
 
+mod builder;
 pub(crate) mod decode;
 pub(crate) mod run;
 pub(crate) mod settle;
+mod settled;
+pub(crate) mod transport;
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 #[cfg(feature = "redis-streams")]
 pub mod redis_streams;
 
-use std::fmt::Display;
-use std::future::Future;
-use std::time::Duration;
+pub use builder::Consumer;
+pub use settled::{Action, Settled};
+pub use transport::Transport;
 
 use crate::error::Error;
-use crate::outcome::Outcome;
 
 /// What a consumer runner asks of a handler's error: the
 /// [`idempotency::Error`](Error) it carries, if any, so that a database that is
 /// down (`Error::Storage`) is waited out instead of spending the message's
-/// retries; see the settlement tables of [`amqp`](crate::amqp),
-/// [`nats`](crate::nats) and [`redis_streams`](crate::redis_streams). One
+/// retries; see the settlement tables of each transport's module. One
 /// trait for every runner.
 ///
 /// Implemented for `idempotency::Error` itself and for
@@ -50,7 +58,7 @@ use crate::outcome::Outcome;
 /// it wraps:
 ///
 /// ```ignore
-/// impl idempotency::amqp::AsIdemError for StockError {
+/// impl idempotency::consumer::AsIdemError for StockError {
 ///     fn idem_error(&self) -> Option<&idempotency::Error> {
 ///         match self {
 ///             StockError::Idem(e) => Some(e),
@@ -64,7 +72,7 @@ use crate::outcome::Outcome;
 /// last `#[idempotent]` call, and otherwise retried, counted.
 #[diagnostic::on_unimplemented(
     message = "the consumer cannot look inside `{Self}` for an `idempotency::Error`",
-    label = "the handler's error type must implement `AsIdemError` (`idempotency::amqp::AsIdemError`, the same trait as `idempotency::nats::AsIdemError` and `idempotency::redis_streams::AsIdemError`)",
+    label = "the handler's error type must implement `idempotency::consumer::AsIdemError` (re-exported by every transport: `idempotency::amqp::AsIdemError`, ...)",
     note = "implement it for `{Self}`: return the `idempotency::Error` it wraps, or `None`"
 )]
 pub trait AsIdemError {
@@ -98,14 +106,14 @@ pub enum Reason {
     /// The payload did not deserialize into the handler's argument (or,
     /// for `Consumer::run_with_id`, the message had no message id: the
     /// AMQP `message_id` property, the `Nats-Msg-Id` header, the stream
-    /// entry's `message_id` field).
+    /// entry's `message_id` field, the Kafka `Idem-Message-Id` header).
     Poison,
     /// The key was already used with other arguments.
     KeyReused,
     /// Invalid key, unreplayable stored result, or unserializable argument.
     Rejected,
-    /// RabbitMQ: still failing after `Consumer::max_retries` retries (a
-    /// retry copy the broker refused counts as one).
+    /// RabbitMQ, Kafka: still failing after `Consumer::max_retries` retries
+    /// (a retry copy the broker refused counts as one).
     RetriesExhausted,
     /// NATS JetStream, Redis Streams: still failing at its
     /// `Consumer::max_deliver`th delivery.
@@ -126,147 +134,6 @@ impl Reason {
     }
 }
 
-/// What the core did with a delivery; each transport names it in its own
-/// public `Action`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Settlement {
-    /// Acked.
-    Ack,
-    /// Given back after a delay, uncounted.
-    Requeue,
-    /// Given back for a counted retry; `count` is the retry's number
-    /// (the budget spent once it runs).
-    Retry { count: u64 },
-    /// Dead-lettered.
-    DeadLetter(Reason),
-    /// Back unsettled: the runner was stopping, the connection went, or
-    /// the dead-letter copy could not be stored.
-    Returned,
-}
-
-impl Settlement {
-    /// The `action` label of the settlement metrics.
-    pub(crate) fn label(self) -> &'static str {
-        match self {
-            Settlement::Ack => "ack",
-            Settlement::Requeue => "requeue",
-            Settlement::Retry { .. } => "retry",
-            Settlement::Returned => "returned",
-            Settlement::DeadLetter(Reason::Poison) => "dead_letter_poison",
-            Settlement::DeadLetter(Reason::KeyReused) => "dead_letter_key_reused",
-            Settlement::DeadLetter(Reason::Rejected) => "dead_letter_rejected",
-            Settlement::DeadLetter(Reason::RetriesExhausted) => "dead_letter_retries_exhausted",
-            Settlement::DeadLetter(Reason::DeliveriesExhausted) => "dead_letter_deliveries_exhausted",
-        }
-    }
-}
-
-/// How a counted retry went.
-pub(crate) enum Retried<E> {
-    /// Given back for its retry; the result of settling the original.
-    Done(Result<(), E>),
-    /// The transport refused the retry (RabbitMQ: a copy the broker did not
-    /// take); why. The retry counts as spent and the next is tried.
-    #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
-    Refused(String),
-    /// The connection went, and the delivery with it: the broker delivers
-    /// it again.
-    #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
-    Lost(E),
-}
-
-/// How a dead letter went.
-pub(crate) enum DeadLettered<E> {
-    /// Dead-lettered; the result of settling the original.
-    Done(Result<(), E>),
-    /// The dead-letter copy was not stored: the delivery is given back
-    /// rather than lost.
-    #[cfg_attr(not(any(feature = "nats", feature = "redis-streams")), allow(dead_code))]
-    NotStored(E),
-}
-
-/// What differs between transports on the settling side: a delivery's
-/// parts, and how each settlement is carried out. Shared by the tasks of
-/// one runner.
-pub(crate) trait Transport: Send + Sync + 'static {
-    /// One delivery, as the transport hands it over.
-    type Delivery: Send + Sync + 'static;
-    /// The transport's error.
-    type Error: Display + Send + 'static;
-    /// What the `on_settle` hook receives.
-    type Settled: Send + 'static;
-
-    /// For logs: `amqp`, `nats`, `redis_streams`.
-    const NAME: &'static str;
-    /// Where the message id is, for the poison text (`no {MESSAGE_ID}`).
-    const MESSAGE_ID: &'static str;
-    /// Why a delivery whose retry budget is spent is dead-lettered.
-    const EXHAUSTED: Reason;
-    /// The settlement counter's name, and the label naming its queue or stream.
-    const METRIC: &'static str;
-    const METRIC_SCOPE: &'static str;
-
-    /// The queue or stream this runner consumes (logs, metrics).
-    fn scope(&self) -> &str;
-    /// The payload, or why there is none.
-    fn payload(delivery: &Self::Delivery) -> Result<&[u8], String>;
-    /// The message id, if the delivery carries one.
-    fn message_id(delivery: &Self::Delivery) -> Option<&str>;
-    /// How much of the retry budget the delivery has spent: RabbitMQ its
-    /// `x-idem-retries`, NATS and Redis its delivery count.
-    fn spent(delivery: &Self::Delivery) -> u64;
-
-    fn ack(&self, delivery: &Self::Delivery) -> impl Future<Output = Result<(), Self::Error>> + Send;
-    /// Gives the delivery back to come again after `delay` without
-    /// spending its budget (`Duration::ZERO`: at once).
-    fn requeue(
-        &self,
-        delivery: &Self::Delivery,
-        delay: Duration,
-    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
-    /// Gives the delivery back to come again after `delay` as retry number
-    /// `count`.
-    fn retry(
-        &self,
-        delivery: &Self::Delivery,
-        delay: Duration,
-        count: u64,
-    ) -> impl Future<Output = Retried<Self::Error>> + Send;
-    /// Dead-letters the delivery; `error` is the handler's, or why the
-    /// payload was refused.
-    fn dead_letter(
-        &self,
-        delivery: &Self::Delivery,
-        reason: Reason,
-        error: Option<&str>,
-    ) -> impl Future<Output = DeadLettered<Self::Error>> + Send;
-    /// What the hook is told.
-    fn settled(
-        delivery: &Self::Delivery,
-        outcome: Option<Outcome>,
-        settlement: Settlement,
-        error: Option<String>,
-    ) -> Self::Settled;
-}
-
-/// Where a runner's deliveries come from (owned by its loop).
-pub(crate) trait Deliveries: Send {
-    type Delivery: Send + 'static;
-    type Error: Send + 'static;
-
-    /// The next delivery; `None` once the source ended (after [`stop`](Self::stop):
-    /// once it has handed back everything it had taken), `Some(Err)` when it
-    /// failed for good. `room` is how many deliveries could start now (at
-    /// least 1): a source that fetches in batches takes no more. Dropped
-    /// mid-way (the runner stopping), it loses nothing.
-    fn next(&mut self, room: usize) -> impl Future<Output = Option<Result<Self::Delivery, Self::Error>>> + Send;
-    /// Stops taking deliveries; what [`next`](Self::next) still yields is
-    /// given back unhandled.
-    fn stop(&mut self) -> impl Future<Output = Result<(), Self::Error>> + Send;
-    /// After the last delivery was settled (NATS: flush the acks).
-    fn finish(self) -> impl Future<Output = ()> + Send;
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -276,18 +143,18 @@ mod tests {
     #[test]
     fn settlements_are_counted_under_their_metric_labels() {
         let labels: Vec<&str> = [
-            Settlement::Ack,
-            Settlement::Requeue,
-            Settlement::Retry { count: 7 },
-            Settlement::Returned,
-            Settlement::DeadLetter(Reason::Poison),
-            Settlement::DeadLetter(Reason::KeyReused),
-            Settlement::DeadLetter(Reason::Rejected),
-            Settlement::DeadLetter(Reason::RetriesExhausted),
-            Settlement::DeadLetter(Reason::DeliveriesExhausted),
+            Action::Ack,
+            Action::Requeue,
+            Action::Retry { count: 7 },
+            Action::Returned,
+            Action::DeadLetter(Reason::Poison),
+            Action::DeadLetter(Reason::KeyReused),
+            Action::DeadLetter(Reason::Rejected),
+            Action::DeadLetter(Reason::RetriesExhausted),
+            Action::DeadLetter(Reason::DeliveriesExhausted),
         ]
         .into_iter()
-        .map(Settlement::label)
+        .map(Action::label)
         .collect();
         assert_eq!(
             labels,

@@ -1,7 +1,7 @@
 //! NATS JetStream consumers (feature `nats`, through [`async_nats`]): the
 //! same contract as the RabbitMQ runner ([`amqp`](crate::amqp)): your
 //! handler is called once per message, and the message is settled by what
-//! the handler returned and the [`Outcome`] of the `#[idempotent]` call it
+//! the handler returned and the [`Outcome`](crate::Outcome) of the `#[idempotent]` call it
 //! made.
 //!
 //! ```ignore
@@ -25,6 +25,7 @@
 //! |---|---|
 //! | the handler returned `Ok` (its call executed or replayed, or it dealt with the failure) | ack |
 //! | `Err` carrying `Error::Storage` (the database failed or is down) | nak with delay [`Consumer::storage_delay`] |
+//! | `Err` carrying `Error::StorageRefused` or `Error::NotMigrated` (a database failure that recurs) | a counted retry while the budget allows, then the dead letter |
 //! | `Err` carrying `Error::InProgress`, or outcome `InProgress` | nak with delay [`Consumer::in_progress_delay`] |
 //! | `Err` carrying `KeyReused`, `InvalidKey` or any other `idempotency::Error` but those two, or outcome `KeyReused`/`Rejected`; a payload that does not deserialize (or, for [`Consumer::run_with_id`], no `Nats-Msg-Id`) | a copy to the dead-letter subject, then terminate (`+TERM`) |
 //! | any other `Err` (the body's own), or a panic | nak with delay [`Consumer::retry_delay`], until the message's delivery count reaches [`Consumer::max_deliver`]; then dead-letter and terminate |
@@ -46,15 +47,13 @@
 //! letter is never lost. The dead-letter subject must belong to a stream:
 //! [`declare_with_dead_letter`] declares both.
 //!
-//! The settlement contract and the loop are the consumer core's, shared
-//! with [`amqp`](crate::amqp) and [`redis_streams`](crate::redis_streams);
-//! this module holds what JetStream does differently (a delayed nak, the
+//! The builder, the settlement contract and the loop are the consumer
+//! core's ([`crate::consumer`]), shared with every transport; this module
+//! holds what JetStream does differently (a delayed nak, the
 //! server's delivery count, a dead letter copied by the runner).
 
-use std::fmt::Debug;
-use std::future::{Future, poll_fn};
+use std::future::poll_fn;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::time::Duration;
 
 pub use async_nats;
@@ -63,14 +62,9 @@ use async_nats::jetstream::consumer::pull::MessagesErrorKind;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, AckKind, stream};
 use futures_core::Stream;
-use serde::de::DeserializeOwned;
 
-use super::decode::{message_id_and_payload, payload};
-use super::run::{Hook, Runner, run};
-use super::settle::Policy;
-pub use super::{AsIdemError, Reason};
-use super::{DeadLettered, Deliveries, Retried, Settlement, Transport};
-use crate::outcome::Outcome;
+use super::transport::{DeadLettered, Deliveries, Retried, Settle, Start, Transport};
+pub use super::{Action, AsIdemError, Reason};
 
 /// The header JetStream deduplicates on; the outbox relay sets it to the
 /// event's id.
@@ -123,74 +117,34 @@ pub async fn declare_with_dead_letter(
     Ok(names)
 }
 
-/// How a message was settled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What JetStream tells of a message ([`Settled::delivery`](crate::consumer::Settled::delivery)).
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Action {
-    /// Acked: the handler returned `Ok`.
-    Ack,
-    /// Naked with a delay, to come back: a call in progress elsewhere, or
-    /// the database down.
-    Requeue,
-    /// Naked with [`Consumer::retry_delay`] after a failure; the delivery
-    /// count it had.
-    Retry {
-        /// JetStream's delivery count of the message (1 on the first).
-        delivered: u64,
-    },
-    /// Copied to the dead-letter subject and terminated.
-    DeadLetter(Reason),
-    /// Left for JetStream to deliver again: the dead-letter copy or the
-    /// settlement could not be sent.
-    Returned,
+pub struct Delivered {
+    /// JetStream's delivery count of the message (1 on the first).
+    pub count: u64,
+    /// The subject it came on.
+    pub subject: String,
 }
 
 /// What the runner did with one message; passed to [`Consumer::on_settle`].
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct Settled {
-    /// The outcome of the last `#[idempotent]` call the handler made, if any.
-    pub outcome: Option<Outcome>,
-    /// The settlement.
-    pub action: Action,
-    /// JetStream's delivery count of the message (1 on the first).
-    pub delivered: u64,
-    /// The subject it came on.
-    pub subject: String,
-    /// Its `Nats-Msg-Id`, if set.
-    pub message_id: Option<String>,
-    /// The handler's error or panic, or why the payload was refused.
-    pub error: Option<String>,
-}
+pub type Settled = super::Settled<Delivered>;
 
 /// Consumes a JetStream stream through a durable pull consumer, calling a
 /// handler per message and settling each by its outcome; see the
 /// [module docs](self).
-#[must_use]
-pub struct Consumer {
+pub type Consumer = super::Consumer<Settings>;
+
+/// What a JetStream runner reads from: a durable pull consumer of a
+/// stream, and where its dead letters go.
+#[derive(Debug)]
+pub struct Settings {
     context: jetstream::Context,
     stream: String,
     durable: String,
     filter_subject: Option<String>,
     dead_letter_subject: String,
-    concurrency: usize,
     ack_wait: Duration,
-    policy: Policy,
-    on_settle: Option<Hook<Settled>>,
-}
-
-impl Debug for Consumer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Consumer")
-            .field("stream", &self.stream)
-            .field("durable", &self.durable)
-            .field("filter_subject", &self.filter_subject)
-            .field("dead_letter_subject", &self.dead_letter_subject)
-            .field("concurrency", &self.concurrency)
-            .field("max_deliver", &self.policy.bound)
-            .field("ack_wait", &self.ack_wait)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Consumer {
@@ -198,35 +152,26 @@ impl Consumer {
     /// when absent, with explicit acks), dead-lettering to `dead.<stream>`.
     pub fn new(context: jetstream::Context, stream: impl Into<String>, durable: impl Into<String>) -> Self {
         let stream = stream.into();
-        let second = Duration::from_secs(1);
-        Consumer {
+        let settings = Settings {
             context,
             dead_letter_subject: format!("dead.{stream}"),
             stream,
             durable: durable.into(),
             filter_subject: None,
-            concurrency: 1,
             ack_wait: Duration::from_secs(30),
-            policy: Policy { bound: 4, retry_delay: second, in_progress_delay: second, storage_delay: second },
-            on_settle: None,
-        }
+        };
+        super::Consumer::with(settings, 4)
     }
 
     /// Only the stream's messages on this subject (for a consumer created here).
     pub fn filter_subject(mut self, subject: impl Into<String>) -> Self {
-        self.filter_subject = Some(subject.into());
+        self.transport.filter_subject = Some(subject.into());
         self
     }
 
     /// Where dead letters go. Default `dead.<stream>`.
     pub fn dead_letter_subject(mut self, subject: impl Into<String>) -> Self {
-        self.dead_letter_subject = subject.into();
-        self
-    }
-
-    /// How many messages are handled at once. Default 1: one at a time, in order.
-    pub fn concurrency(mut self, n: usize) -> Self {
-        self.concurrency = n.max(1);
+        self.transport.dead_letter_subject = subject.into();
         self
     }
 
@@ -241,81 +186,22 @@ impl Consumer {
     /// message again (for a consumer created here). Default 30 s; keep it
     /// above the handler's longest run.
     pub fn ack_wait(mut self, wait: Duration) -> Self {
-        self.ack_wait = wait;
+        self.transport.ack_wait = wait;
         self
     }
+}
 
-    /// The nak delay after a failure. Default 1 s.
-    pub fn retry_delay(mut self, delay: Duration) -> Self {
-        self.policy.retry_delay = delay;
-        self
-    }
+impl Transport for Settings {
+    type Error = async_nats::Error;
+    type Delivered = Delivered;
+}
 
-    /// The nak delay when the key is in progress elsewhere. Default 1 s.
-    pub fn in_progress_delay(mut self, delay: Duration) -> Self {
-        self.policy.in_progress_delay = delay;
-        self
-    }
+impl Start for Settings {
+    type Settle = Jet;
+    type Deliveries = JetDeliveries;
 
-    /// The nak delay when the database failed (`Error::Storage`). Default 1 s.
-    pub fn storage_delay(mut self, delay: Duration) -> Self {
-        self.policy.storage_delay = delay;
-        self
-    }
-
-    /// Called after each message is settled (for logs, metrics, tests).
-    pub fn on_settle(mut self, hook: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
-        self.on_settle = Some(Arc::new(hook));
-        self
-    }
-
-    /// Consumes until `shutdown` resolves (or the consumer fails), calling
-    /// `handler` with each payload deserialized from JSON into `T`. On
-    /// shutdown no new message is taken, and the runner waits for the ones
-    /// being handled to be settled.
-    pub async fn run<T, F, Fut, R, E, S>(self, shutdown: S, handler: F) -> Result<(), async_nats::Error>
-    where
-        T: DeserializeOwned + Send + 'static,
-        F: Fn(T) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<R, E>> + Send + 'static,
-        R: Send + 'static,
-        E: AsIdemError + Debug + Send + 'static,
-        S: Future,
-    {
-        self.consume(shutdown, payload::<Jet, T>, handler).await
-    }
-
-    /// Like [`run`](Consumer::run), handing the handler the message's
-    /// `Nats-Msg-Id` too, so it can key its call by the message rather than
-    /// by business fields (`#[idempotent(key = "<message_id>", ...)]`). A
-    /// message without one is poison: dead-lettered unhandled.
-    pub async fn run_with_id<T, F, Fut, R, E, S>(self, shutdown: S, handler: F) -> Result<(), async_nats::Error>
-    where
-        T: DeserializeOwned + Send + 'static,
-        F: Fn(String, T) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<R, E>> + Send + 'static,
-        R: Send + 'static,
-        E: AsIdemError + Debug + Send + 'static,
-        S: Future,
-    {
-        let handler = move |(id, message)| handler(id, message);
-        self.consume(shutdown, message_id_and_payload::<Jet, T>, handler).await
-    }
-
-    async fn consume<I, F, Fut, R, E, S>(
-        self,
-        shutdown: S,
-        decode: fn(&jetstream::Message) -> Result<I, String>,
-        handler: F,
-    ) -> Result<(), async_nats::Error>
-    where
-        I: Send + 'static,
-        F: Fn(I) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<R, E>> + Send + 'static,
-        R: Send + 'static,
-        E: AsIdemError + Debug + Send + 'static,
-        S: Future,
-    {
+    /// Creates (or finds) the durable consumer and starts pulling.
+    async fn start(self, concurrency: usize) -> Result<(Jet, JetDeliveries), async_nats::Error> {
         let stream = self.context.get_stream(&self.stream).await?;
         let config = pull::Config {
             durable_name: Some(self.durable.clone()),
@@ -327,21 +213,11 @@ impl Consumer {
             ..pull::Config::default()
         };
         let consumer: PullConsumer = stream.get_or_create_consumer(&self.durable, config).await?;
-        let batch = self.concurrency.max(1);
-        let messages = consumer.stream().max_messages_per_batch(batch).messages().await?;
+        let messages = consumer.stream().max_messages_per_batch(concurrency.max(1)).messages().await?;
         tracing::info!(stream = %self.stream, durable = %self.durable, "idem nats consumer started");
         let deliveries = JetDeliveries { messages: Some(messages), client: self.context.client() };
-        let runner = Runner {
-            transport: Jet {
-                context: self.context,
-                stream: self.stream,
-                dead_letter_subject: self.dead_letter_subject,
-            },
-            policy: self.policy,
-            concurrency: self.concurrency,
-            on_settle: self.on_settle,
-        };
-        run(runner, deliveries, shutdown, decode, handler).await
+        let jet = Jet { context: self.context, stream: self.stream, dead_letter_subject: self.dead_letter_subject };
+        Ok((jet, deliveries))
     }
 }
 
@@ -352,10 +228,10 @@ pub(crate) struct Jet {
     dead_letter_subject: String,
 }
 
-impl Transport for Jet {
+impl Settle for Jet {
     type Delivery = jetstream::Message;
     type Error = async_nats::Error;
-    type Settled = Settled;
+    type Delivered = Delivered;
 
     const NAME: &'static str = "nats";
     const MESSAGE_ID: &'static str = "Nats-Msg-Id header";
@@ -407,28 +283,8 @@ impl Transport for Jet {
         }
     }
 
-    fn settled(
-        message: &jetstream::Message,
-        outcome: Option<Outcome>,
-        settlement: Settlement,
-        error: Option<String>,
-    ) -> Settled {
-        let delivered = delivered(message);
-        let action = match settlement {
-            Settlement::Ack => Action::Ack,
-            Settlement::Requeue => Action::Requeue,
-            Settlement::Retry { .. } => Action::Retry { delivered },
-            Settlement::DeadLetter(reason) => Action::DeadLetter(reason),
-            Settlement::Returned => Action::Returned,
-        };
-        Settled {
-            outcome,
-            action,
-            delivered,
-            subject: message.subject.to_string(),
-            message_id: Self::message_id(message).map(str::to_owned),
-            error,
-        }
+    fn delivered(message: &jetstream::Message) -> Delivered {
+        Delivered { count: delivered(message), subject: message.subject.to_string() }
     }
 }
 
@@ -465,7 +321,7 @@ fn delivered(message: &jetstream::Message) -> u64 {
 /// The reading side: the pull consumer's message stream, dropped on
 /// shutdown (nothing taken is left unstarted: a slot is free before each
 /// pull); the client, to flush the acks at the end.
-struct JetDeliveries {
+pub(crate) struct JetDeliveries {
     messages: Option<pull::Stream>,
     client: async_nats::Client,
 }

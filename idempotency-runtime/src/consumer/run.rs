@@ -15,46 +15,67 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::{JoinError, JoinSet};
 
 use super::settle::{Budget, Policy, Verdict, verdict};
-use super::{AsIdemError, DeadLettered, Deliveries, Reason, Retried, Settlement, Transport};
+use super::transport::{DeadLettered, Deliveries, Retried, Settle};
+use super::{Action, AsIdemError, Reason, Settled};
 use crate::outcome::{Outcome, observe};
+
+/// A handler as the loop calls it: the user's `Fn(I) -> impl Future<Output
+/// = Result<R, E>>`, its value dropped (the handler dealt with it).
+pub(crate) trait Handler<I>: Send + Sync + 'static {
+    type Error: AsIdemError + Debug + Send + 'static;
+
+    fn call(&self, input: I) -> impl Future<Output = Result<(), Self::Error>> + Send + 'static;
+}
+
+impl<I, F, Fut, R, E> Handler<I> for F
+where
+    F: Fn(I) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<R, E>> + Send + 'static,
+    R: Send + 'static,
+    E: AsIdemError + Debug + Send + 'static,
+{
+    type Error = E;
+
+    fn call(&self, input: I) -> impl Future<Output = Result<(), E>> + Send + 'static {
+        let call = self(input);
+        async move { call.await.map(drop) }
+    }
+}
 
 /// The `on_settle` hook.
 pub(crate) type Hook<S> = Arc<dyn Fn(&S) + Send + Sync>;
 
 /// One runner: its transport, its policy, its hook.
-pub(crate) struct Runner<T: Transport> {
+pub(crate) struct Runner<T: Settle> {
     pub(crate) transport: T,
     pub(crate) policy: Policy,
     /// How many deliveries are handled at once (at least 1).
     pub(crate) concurrency: usize,
-    pub(crate) on_settle: Option<Hook<T::Settled>>,
+    pub(crate) on_settle: Option<Hook<Settled<T::Delivered>>>,
 }
 
 /// What every delivery's task shares.
-struct Shared<T: Transport> {
+struct Shared<T: Settle> {
     transport: T,
     policy: Policy,
-    on_settle: Option<Hook<T::Settled>>,
+    on_settle: Option<Hook<Settled<T::Delivered>>>,
 }
 
 /// Runs until `shutdown` resolves or `deliveries` fails (its error is
 /// returned): each delivery is decoded by `decode` (an `Err` is poison)
 /// and handed to `handler`.
-pub(crate) async fn run<T, D, I, F, Fut, R, E, S>(
+pub(crate) async fn run<T, D, I, H, S>(
     runner: Runner<T>,
     mut deliveries: D,
     shutdown: S,
     decode: fn(&T::Delivery) -> Result<I, String>,
-    handler: F,
+    handler: H,
 ) -> Result<(), T::Error>
 where
-    T: Transport,
+    T: Settle,
     D: Deliveries<Delivery = T::Delivery, Error = T::Error>,
     I: Send + 'static,
-    F: Fn(I) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<R, E>> + Send + 'static,
-    R: Send + 'static,
-    E: AsIdemError + Debug + Send + 'static,
+    H: Handler<I>,
     S: Future,
 {
     let Runner { transport, policy, concurrency, on_settle } = runner;
@@ -79,7 +100,7 @@ where
                 }
                 Some(Ok(delivery)) => {
                     let result = shared.transport.requeue(&delivery, Duration::ZERO).await;
-                    finish(&shared, &delivery, None, Settlement::Returned, result, None);
+                    finish(&shared, &delivery, None, Action::Returned, result, None);
                     continue;
                 }
             }
@@ -138,7 +159,7 @@ async fn until<S: Future, F: Future>(mut shutdown: Pin<&mut S>, future: F) -> Op
     .await
 }
 
-async fn stop<T: Transport, D: Deliveries<Error = T::Error>>(
+async fn stop<T: Settle, D: Deliveries<Error = T::Error>>(
     shared: &Shared<T>,
     deliveries: &mut D,
 ) -> Result<(), T::Error> {
@@ -148,27 +169,20 @@ async fn stop<T: Transport, D: Deliveries<Error = T::Error>>(
 
 /// A delivery's task ended by a panic of ours (a handler's own panic is
 /// caught in its task and settled as a failure): say so rather than drop it.
-fn report_panic<T: Transport>(joined: Result<(), JoinError>) {
+fn report_panic<T: Settle>(joined: Result<(), JoinError>) {
     if let Err(e) = joined {
         tracing::error!(transport = T::NAME, error = %e,
             "idem consumer: a delivery's task panicked; the delivery comes back once the transport redelivers it");
     }
 }
 
-async fn handle<T, I, F, Fut, R, E>(
+async fn handle<T: Settle, I: Send + 'static, H: Handler<I>>(
     shared: &Shared<T>,
     delivery: T::Delivery,
     decode: fn(&T::Delivery) -> Result<I, String>,
-    handler: Arc<F>,
+    handler: Arc<H>,
     permit: OwnedSemaphorePermit,
-) where
-    T: Transport,
-    I: Send + 'static,
-    F: Fn(I) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<R, E>> + Send + 'static,
-    R: Send + 'static,
-    E: AsIdemError + Debug + Send + 'static,
-{
+) {
     let budget = Budget { spent: T::spent(&delivery), bound: shared.policy.bound, exhausted: T::EXHAUSTED };
     let (verdict, outcome, error) = match decode(&delivery) {
         Err(e) => (Verdict::DeadLetter(Reason::Poison), None, Some(e)),
@@ -176,9 +190,9 @@ async fn handle<T, I, F, Fut, R, E>(
             // Its own task, so a panic in the handler (in the call itself or
             // in its future) becomes a failure instead of a delivery that is
             // never settled.
-            let call = tokio::spawn(async move { observe(handler(input)).await });
+            let call = tokio::spawn(async move { observe(handler.call(input)).await });
             match call.await {
-                Ok((Ok(_), outcome)) => (Verdict::Ack, outcome, None),
+                Ok((Ok(()), outcome)) => (Verdict::Ack, outcome, None),
                 Ok((Err(e), outcome)) => {
                     (verdict(Err(e.idem_error()), outcome, budget), outcome, Some(format!("{e:?}")))
                 }
@@ -191,8 +205,8 @@ async fn handle<T, I, F, Fut, R, E>(
 
     let transport = &shared.transport;
     let (settlement, result) = match verdict {
-        Verdict::Ack => (Settlement::Ack, transport.ack(&delivery).await),
-        Verdict::Requeue(wait) => (Settlement::Requeue, transport.requeue(&delivery, shared.policy.delay(wait)).await),
+        Verdict::Ack => (Action::Ack, transport.ack(&delivery).await),
+        Verdict::Requeue(wait) => (Action::Requeue, transport.requeue(&delivery, shared.policy.delay(wait)).await),
         Verdict::Retry => retry(shared, &delivery, budget, error.as_deref()).await,
         Verdict::DeadLetter(reason) => dead_letter(shared, &delivery, reason, error.as_deref()).await,
     };
@@ -202,16 +216,16 @@ async fn handle<T, I, F, Fut, R, E>(
 /// Retries while the budget allows: a retry the transport refuses spends
 /// its share too (given back uncounted, a message the queue cannot take
 /// would go round forever); once spent, the delivery is dead-lettered.
-async fn retry<T: Transport>(
+async fn retry<T: Settle>(
     shared: &Shared<T>,
     delivery: &T::Delivery,
     mut budget: Budget,
     error: Option<&str>,
-) -> (Settlement, Result<(), T::Error>) {
+) -> (Action, Result<(), T::Error>) {
     while !budget.is_spent() {
         let count = budget.spent + 1;
         match shared.transport.retry(delivery, shared.policy.retry_delay, count).await {
-            Retried::Done(result) => return (Settlement::Retry { count }, result),
+            Retried::Done(result) => return (Action::Retry { count }, result),
             Retried::Refused(why) => {
                 tracing::warn!(transport = T::NAME, source = %shared.transport.scope(), retries = count,
                     "{why}; the retry is spent");
@@ -219,7 +233,7 @@ async fn retry<T: Transport>(
             }
             // The connection is gone, and the delivery with it: the
             // transport delivers it again, with the count it had.
-            Retried::Lost(e) => return (Settlement::Returned, Err(e)),
+            Retried::Lost(e) => return (Action::Returned, Err(e)),
         }
     }
     dead_letter(shared, delivery, budget.exhausted, error).await
@@ -227,28 +241,28 @@ async fn retry<T: Transport>(
 
 /// Dead-letters the delivery; if its copy is not stored, gives it back
 /// after the retry delay: a dead letter is never lost.
-async fn dead_letter<T: Transport>(
+async fn dead_letter<T: Settle>(
     shared: &Shared<T>,
     delivery: &T::Delivery,
     reason: Reason,
     error: Option<&str>,
-) -> (Settlement, Result<(), T::Error>) {
+) -> (Action, Result<(), T::Error>) {
     match shared.transport.dead_letter(delivery, reason, error).await {
-        DeadLettered::Done(result) => (Settlement::DeadLetter(reason), result),
+        DeadLettered::Done(result) => (Action::DeadLetter(reason), result),
         DeadLettered::NotStored(e) => {
             tracing::warn!(transport = T::NAME, source = %shared.transport.scope(), error = %e,
                 "idem consumer: dead-letter copy not stored; the delivery comes back");
-            (Settlement::Returned, shared.transport.requeue(delivery, shared.policy.retry_delay).await)
+            (Action::Returned, shared.transport.requeue(delivery, shared.policy.retry_delay).await)
         }
     }
 }
 
 /// Logs the settlement, counts it, and tells the hook.
-fn finish<T: Transport>(
+fn finish<T: Settle>(
     shared: &Shared<T>,
     delivery: &T::Delivery,
     outcome: Option<Outcome>,
-    settlement: Settlement,
+    settlement: Action,
     result: Result<(), T::Error>,
     error: Option<String>,
 ) {
@@ -265,6 +279,12 @@ fn finish<T: Transport>(
     }
     crate::metrics::consumer_settled(T::METRIC, T::METRIC_SCOPE, scope, action);
     if let Some(hook) = &shared.on_settle {
-        hook(&T::settled(delivery, outcome, settlement, error));
+        hook(&Settled {
+            outcome,
+            action: settlement,
+            message_id: T::message_id(delivery).map(str::to_owned),
+            error,
+            delivery: T::delivered(delivery),
+        });
     }
 }

@@ -3,7 +3,7 @@
 //! publish inside its transaction (the publish cannot roll back) nor after
 //! it (a crash in between loses the event): it [`queue`]s the event into
 //! the table `idem_outbox`, in its own transaction, and a [`Relay`] (feature
-//! `amqp` for RabbitMQ, `nats` for NATS JetStream) publishes it later and
+//! `amqp` for RabbitMQ, `nats` for NATS JetStream, `kafka` for Kafka) publishes it later and
 //! marks it sent once the broker confirmed it.
 //!
 //! ```ignore
@@ -64,6 +64,8 @@ use crate::key::{validate_biz, validate_key};
 use crate::store::Backend;
 use crate::store::outbox::{DeadRow, NewEvent};
 
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 #[cfg(feature = "amqp")]

@@ -1,9 +1,9 @@
 //! Redis Streams consumers (feature `redis-streams`, on the [`redis`]
 //! client the claims use): a consumer group read with `XREADGROUP`, your
 //! handler called once per entry, and the entry settled by what the handler
-//! returned and the [`Outcome`] of the `#[idempotent]` call it made: the
-//! same contract as the RabbitMQ ([`amqp`](crate::amqp)) and NATS
-//! ([`nats`](crate::nats)) runners, on the same core.
+//! returned and the [`Outcome`](crate::Outcome) of the `#[idempotent]` call it made: the
+//! same contract as the other runners, on the same core and builder
+//! ([`crate::consumer`]).
 //!
 //! ```ignore
 //! // Entries: XADD orders * message_id <id> payload <json>
@@ -33,6 +33,7 @@
 //! |---|---|
 //! | the handler returned `Ok` (its call executed or replayed, or it dealt with the failure) | `XACK` |
 //! | `Err` carrying `Error::Storage` (the database failed or is down) | left pending, claimable again after [`Consumer::storage_delay`], its delivery count unchanged: not counted |
+//! | `Err` carrying `Error::StorageRefused` or `Error::NotMigrated` (a database failure that recurs) | a counted retry while the budget allows, then the dead letter |
 //! | `Err` carrying `Error::InProgress`, or outcome `InProgress` | left pending, claimable again after [`Consumer::in_progress_delay`], not counted |
 //! | `Err` carrying `KeyReused`, `InvalidKey` or any other `idempotency::Error` but those two, or outcome `KeyReused`/`Rejected`; no `payload` field, or one that does not deserialize (or, for [`Consumer::run_with_id`], no UTF-8 `message_id` field) | a copy to the dead-letter stream and `XACK`, in one `MULTI` |
 //! | any other `Err` (the body's own), or a panic | left pending, claimable again after [`Consumer::retry_delay`], until its delivery count reaches [`Consumer::max_deliver`]; then dead-lettered |
@@ -80,22 +81,17 @@ mod reader;
 pub(crate) mod reply;
 pub(crate) mod settler;
 
-use std::fmt::Debug;
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::ConnectionManagerConfig;
-use serde::de::DeserializeOwned;
+use redis::{RedisError, RedisResult};
 
 use self::reader::{MAX_BLOCK, ReadJob, Reader};
 use self::reply::RawEntry;
 use self::settler::Group;
-use super::decode::{message_id_and_payload, payload};
-use super::run::{Hook, Runner, run};
-use super::settle::Policy;
-pub use super::{AsIdemError, Reason};
-use crate::outcome::Outcome;
+use super::transport::{Start, Transport};
+pub use super::{Action, AsIdemError, Reason};
 
 /// The field an entry's payload is read from, unless [`Consumer::payload_field`] says otherwise.
 pub const PAYLOAD_FIELD: &str = "payload";
@@ -112,45 +108,18 @@ pub const DEAD_DELIVERED_FIELD: &str = "idem_delivered";
 /// On a dead-letter copy: the handler's error, or why the payload was refused.
 pub const DEAD_ERROR_FIELD: &str = "idem_error";
 
-/// How an entry was settled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What Redis tells of an entry ([`Settled::delivery`](crate::consumer::Settled::delivery)).
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Action {
-    /// Acked (`XACK`): the handler returned `Ok`.
-    Ack,
-    /// Left pending to come back after a delay, not counted: a call in
-    /// progress elsewhere, or the database down.
-    Requeue,
-    /// Left pending after a failure, to come back after
-    /// [`Consumer::retry_delay`]; the delivery count it had.
-    Retry {
-        /// Redis's delivery count of the entry (1 on the first).
-        delivered: u64,
-    },
-    /// Copied to the dead-letter stream and acked.
-    DeadLetter(Reason),
-    /// Left pending unsettled by the handler: the runner was stopping, or
-    /// the dead-letter copy could not be stored.
-    Returned,
+pub struct Delivered {
+    /// Redis's delivery count of the entry (1 on the first).
+    pub count: u64,
+    /// The entry's id in the stream.
+    pub entry_id: String,
 }
 
 /// What the runner did with one entry; passed to [`Consumer::on_settle`].
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct Settled {
-    /// The outcome of the last `#[idempotent]` call the handler made, if any.
-    pub outcome: Option<Outcome>,
-    /// The settlement.
-    pub action: Action,
-    /// Redis's delivery count of the entry (1 on the first).
-    pub delivered: u64,
-    /// The entry's id in the stream.
-    pub entry_id: String,
-    /// Its message id field, if set (and UTF-8).
-    pub message_id: Option<String>,
-    /// The handler's error or panic, or why the payload was refused.
-    pub error: Option<String>,
-}
+pub type Settled = super::Settled<Delivered>;
 
 /// The names one runner uses, shared by its reads and its settlements.
 pub(crate) struct Names {
@@ -205,8 +174,12 @@ impl Entry {
 /// Consumes a Redis stream as one consumer of a consumer group, calling a
 /// handler per entry and settling each by its outcome; see the
 /// [module docs](self).
-#[must_use]
-pub struct Consumer {
+pub type Consumer = super::Consumer<Settings>;
+
+/// What a Redis Streams runner reads from: a stream, a group, this
+/// consumer's name in it, the field names, and how entries are taken over.
+#[derive(Debug)]
+pub struct Settings {
     client: redis::Client,
     stream: String,
     group: String,
@@ -214,26 +187,8 @@ pub struct Consumer {
     dead_letter_stream: String,
     payload_field: String,
     message_id_field: String,
-    concurrency: usize,
     claim_idle: Duration,
     claim_interval: Duration,
-    policy: Policy,
-    on_settle: Option<Hook<Settled>>,
-}
-
-impl Debug for Consumer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Consumer")
-            .field("stream", &self.stream)
-            .field("group", &self.group)
-            .field("consumer_name", &self.consumer_name)
-            .field("dead_letter_stream", &self.dead_letter_stream)
-            .field("concurrency", &self.concurrency)
-            .field("max_deliver", &self.policy.bound)
-            .field("claim_idle", &self.claim_idle)
-            .field("claim_interval", &self.claim_interval)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Consumer {
@@ -244,8 +199,7 @@ impl Consumer {
         let stream = stream.into();
         let mut consumer_name = "idem-".to_owned();
         crate::random::push_token(&mut consumer_name);
-        let second = Duration::from_secs(1);
-        Consumer {
+        let settings = Settings {
             client,
             dead_letter_stream: format!("{stream}:dead"),
             stream,
@@ -253,12 +207,10 @@ impl Consumer {
             consumer_name,
             payload_field: PAYLOAD_FIELD.to_owned(),
             message_id_field: MESSAGE_ID_FIELD.to_owned(),
-            concurrency: 1,
             claim_idle: Duration::from_secs(30),
-            claim_interval: second,
-            policy: Policy { bound: 4, retry_delay: second, in_progress_delay: second, storage_delay: second },
-            on_settle: None,
-        }
+            claim_interval: Duration::from_secs(1),
+        };
+        super::Consumer::with(settings, 4)
     }
 
     /// This consumer's name in the group. Give each instance a stable one
@@ -266,33 +218,26 @@ impl Consumer {
     /// its old name in the group's consumer list (its pending entries are
     /// claimed by the others all the same).
     pub fn consumer_name(mut self, name: impl Into<String>) -> Self {
-        self.consumer_name = name.into();
+        self.transport.consumer_name = name.into();
         self
     }
 
     /// Where dead letters go. Default `<stream>:dead`.
     pub fn dead_letter_stream(mut self, stream: impl Into<String>) -> Self {
-        self.dead_letter_stream = stream.into();
+        self.transport.dead_letter_stream = stream.into();
         self
     }
 
     /// The field holding the payload. Default [`PAYLOAD_FIELD`].
     pub fn payload_field(mut self, field: impl Into<String>) -> Self {
-        self.payload_field = field.into();
+        self.transport.payload_field = field.into();
         self
     }
 
     /// The field holding the message id ([`run_with_id`](Self::run_with_id)).
     /// Default [`MESSAGE_ID_FIELD`].
     pub fn message_id_field(mut self, field: impl Into<String>) -> Self {
-        self.message_id_field = field.into();
-        self
-    }
-
-    /// How many entries are handled at once (and at most read at once).
-    /// Default 1: one at a time, in order.
-    pub fn concurrency(mut self, n: usize) -> Self {
-        self.concurrency = n.max(1);
+        self.transport.message_id_field = field.into();
         self
     }
 
@@ -309,90 +254,29 @@ impl Consumer {
     /// handler's longest run, and above the delays (a longer delay waits
     /// this long). At least 1 ms.
     pub fn claim_idle(mut self, idle: Duration) -> Self {
-        self.claim_idle = idle.max(Duration::from_millis(1));
+        self.transport.claim_idle = idle.max(Duration::from_millis(1));
         self
     }
 
     /// How often this consumer looks for entries to take over (and so how
     /// late, at most, a delayed entry comes back). Default 1 s.
     pub fn claim_interval(mut self, interval: Duration) -> Self {
-        self.claim_interval = interval.max(Duration::from_millis(1));
+        self.transport.claim_interval = interval.max(Duration::from_millis(1));
         self
     }
+}
 
-    /// How long a failed entry waits before it comes back. Default 1 s.
-    pub fn retry_delay(mut self, delay: Duration) -> Self {
-        self.policy.retry_delay = delay;
-        self
-    }
+impl Transport for Settings {
+    type Error = RedisError;
+    type Delivered = Delivered;
+}
 
-    /// How long an entry whose key is in progress elsewhere waits. Default 1 s.
-    pub fn in_progress_delay(mut self, delay: Duration) -> Self {
-        self.policy.in_progress_delay = delay;
-        self
-    }
+impl Start for Settings {
+    type Settle = Group;
+    type Deliveries = Reader;
 
-    /// How long an entry whose handler failed with `Error::Storage` (the
-    /// database failed or is down) waits, uncounted. Default 1 s.
-    pub fn storage_delay(mut self, delay: Duration) -> Self {
-        self.policy.storage_delay = delay;
-        self
-    }
-
-    /// Called after each entry is settled (for logs, metrics, tests).
-    pub fn on_settle(mut self, hook: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
-        self.on_settle = Some(Arc::new(hook));
-        self
-    }
-
-    /// Consumes until `shutdown` resolves (or Redis answers an error no wait
-    /// mends), calling `handler` with each payload deserialized from JSON
-    /// into `T`. On shutdown no new entry is taken, the read in flight is
-    /// waited for (at most 1 s) and what it brought given back, and the
-    /// runner waits for the entries being handled to be settled.
-    pub async fn run<T, F, Fut, R, E, S>(self, shutdown: S, handler: F) -> redis::RedisResult<()>
-    where
-        T: DeserializeOwned + Send + 'static,
-        F: Fn(T) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<R, E>> + Send + 'static,
-        R: Send + 'static,
-        E: AsIdemError + Debug + Send + 'static,
-        S: Future,
-    {
-        self.consume(shutdown, payload::<Group, T>, handler).await
-    }
-
-    /// Like [`run`](Consumer::run), handing the handler the entry's message
-    /// id field too, so it can key its call by the message rather than by
-    /// business fields (`#[idempotent(key = "<message_id>", ...)]`). An entry
-    /// without one is poison: dead-lettered unhandled.
-    pub async fn run_with_id<T, F, Fut, R, E, S>(self, shutdown: S, handler: F) -> redis::RedisResult<()>
-    where
-        T: DeserializeOwned + Send + 'static,
-        F: Fn(String, T) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<R, E>> + Send + 'static,
-        R: Send + 'static,
-        E: AsIdemError + Debug + Send + 'static,
-        S: Future,
-    {
-        let handler = move |(id, message)| handler(id, message);
-        self.consume(shutdown, message_id_and_payload::<Group, T>, handler).await
-    }
-
-    async fn consume<I, F, Fut, R, E, S>(
-        self,
-        shutdown: S,
-        decode: fn(&Entry) -> Result<I, String>,
-        handler: F,
-    ) -> redis::RedisResult<()>
-    where
-        I: Send + 'static,
-        F: Fn(I) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<R, E>> + Send + 'static,
-        R: Send + 'static,
-        E: AsIdemError + Debug + Send + 'static,
-        S: Future,
-    {
+    /// Connects (lazily) and starts reading.
+    async fn start(self, _concurrency: usize) -> RedisResult<(Group, Reader)> {
         // Both connect lazily and reconnect by themselves; the reader's
         // answers may take the whole block time.
         let read_config = ConnectionManagerConfig::new().set_response_timeout(Some(MAX_BLOCK + Duration::from_secs(5)));
@@ -413,17 +297,12 @@ impl Consumer {
             claim_idle: self.claim_idle,
             claim_interval: self.claim_interval,
         });
-        let runner = Runner {
-            transport: Group {
-                conn: settlements,
-                names,
-                dead_letter_stream: self.dead_letter_stream,
-                claim_idle: self.claim_idle,
-            },
-            policy: self.policy,
-            concurrency: self.concurrency,
-            on_settle: self.on_settle,
+        let group = Group {
+            conn: settlements,
+            names,
+            dead_letter_stream: self.dead_letter_stream,
+            claim_idle: self.claim_idle,
         };
-        run(runner, reader, shutdown, decode, handler).await
+        Ok((group, reader))
     }
 }

@@ -19,7 +19,7 @@ use tokio::time::Instant;
 
 use super::reply::{RawEntry, delivery_counts_of_pending_reply, entries_of_autoclaim_reply, entries_of_read_reply};
 use super::{Entry, Names};
-use crate::consumer::Deliveries;
+use crate::consumer::transport::Deliveries;
 
 /// The longest `XREADGROUP ... BLOCK`: how long a stop may wait for a read.
 pub(crate) const MAX_BLOCK: Duration = Duration::from_secs(1);

@@ -10,11 +10,11 @@ use redis::aio::ConnectionManager;
 use redis::{RedisError, RedisResult};
 
 use super::{
-    Action, DEAD_DELIVERED_FIELD, DEAD_ENTRY_ID_FIELD, DEAD_ERROR_FIELD, DEAD_REASON_FIELD, DEAD_STREAM_FIELD, Entry,
-    Names, Settled,
+    DEAD_DELIVERED_FIELD, DEAD_ENTRY_ID_FIELD, DEAD_ERROR_FIELD, DEAD_REASON_FIELD, DEAD_STREAM_FIELD, Delivered,
+    Entry, Names,
 };
-use crate::consumer::{DeadLettered, Reason, Retried, Settlement, Transport};
-use crate::outcome::Outcome;
+use crate::consumer::Reason;
+use crate::consumer::transport::{DeadLettered, Retried, Settle};
 
 pub(crate) struct Group {
     pub(crate) conn: ConnectionManager,
@@ -23,10 +23,10 @@ pub(crate) struct Group {
     pub(crate) claim_idle: Duration,
 }
 
-impl Transport for Group {
+impl Settle for Group {
     type Delivery = Entry;
     type Error = RedisError;
-    type Settled = Settled;
+    type Delivered = Delivered;
 
     const NAME: &'static str = "redis_streams";
     const MESSAGE_ID: &'static str = "message id field (UTF-8)";
@@ -92,22 +92,8 @@ impl Transport for Group {
         }
     }
 
-    fn settled(entry: &Entry, outcome: Option<Outcome>, settlement: Settlement, error: Option<String>) -> Settled {
-        let action = match settlement {
-            Settlement::Ack => Action::Ack,
-            Settlement::Requeue => Action::Requeue,
-            Settlement::Retry { .. } => Action::Retry { delivered: entry.delivered },
-            Settlement::DeadLetter(reason) => Action::DeadLetter(reason),
-            Settlement::Returned => Action::Returned,
-        };
-        Settled {
-            outcome,
-            action,
-            delivered: entry.delivered,
-            entry_id: entry.id.clone(),
-            message_id: entry.message_id.clone(),
-            error,
-        }
+    fn delivered(entry: &Entry) -> Delivered {
+        Delivered { count: entry.delivered, entry_id: entry.id.clone() }
     }
 }
 
