@@ -22,7 +22,7 @@ impl<S: Send + Sync> FromRequestParts<S> for UserId {
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Response> {
         let user = parts.headers.get("x-user-id").and_then(|v| v.to_str().ok());
-        let user = user.ok_or_else(|| (StatusCode::UNAUTHORIZED, "send X-User-Id").into_response())?;
+        let user = user.ok_or_else(|| problem(StatusCode::UNAUTHORIZED, "UNAUTHENTICATED", "send X-User-Id".into()))?;
         check_principal(user).map_err(Problem::into_response)?;
         Ok(UserId(user.to_owned()))
     }
@@ -70,9 +70,17 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         match self {
             ApiError::Idem(e) => e.into_response(), // application/problem+json
-            ApiError::NotPayable(id) => (StatusCode::CONFLICT, format!("order {id} is not pending")).into_response(),
+            ApiError::NotPayable(id) => {
+                problem(StatusCode::CONFLICT, "ORDER_NOT_PAYABLE", format!("order {id} is not pending"))
+            }
         }
     }
+}
+
+/// Your own refusals in the engine's shape (`application/problem+json` with a `code`).
+fn problem(status: StatusCode, code: &'static str, detail: String) -> Response {
+    let title = status.canonical_reason().unwrap_or("Error");
+    Problem { status, code, title, detail, retry_after: None }.into_response()
 }
 
 #[idempotent(key = "<user>:<idem_key>", ttl = "24h", biz = "http_pay", biz_no = "<order_id>", engine = app.idem)]

@@ -34,11 +34,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     sqlx::raw_sql("CREATE TABLE IF NOT EXISTS orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL)")
         .execute(idem.pool())
         .await?;
-    sqlx::query("INSERT IGNORE INTO orders VALUES (42, 'PENDING')").execute(idem.pool()).await?;
+    sqlx::query("INSERT IGNORE INTO orders VALUES (7, 'PENDING')").execute(idem.pool()).await?;
 
     // Callers do not pass the transaction:
-    let receipt = pay(&idem, 42, 1999).await?; // runs the body
-    let again = pay(&idem, 42, 1999).await?; // replays the stored Receipt, body not run
+    let receipt = pay(&idem, 7, 1999).await?; // runs the body
+    let again = pay(&idem, 7, 1999).await?; // replays the stored Receipt, body not run
     println!("{receipt:?}\n{again:?}");
     Ok(())
 }
