@@ -24,7 +24,8 @@
 //! and so does `-H 'Idempotency-Key: "5d0c2a6e-pay-42"'` (the quoted form of
 //! the IETF draft: the same key); with `{"amount":5}` it answers 422
 //! `IDEMPOTENCY_KEY_REUSED`, and with `-H 'X-User-Id: alice:x'` 400
-//! `INVALID_PRINCIPAL`. Tokens work as in `examples/http.rs`:
+//! `INVALID_PRINCIPAL`. Records keep their order as `biz_no`, for `idem
+//! reconcile` (see `examples/http.rs`). Tokens work as in `examples/http.rs`:
 //! ```sh
 //! curl -s localhost:3000/orders/43/pay-token -H 'X-User-Id: alice'
 //! curl -i -X POST localhost:3000/orders/43/pay -H 'X-User-Id: alice' \

@@ -17,6 +17,11 @@
 //! With `--features metrics` too, `GET /metrics` answers the engine's metrics
 //! in the Prometheus text format (`curl localhost:3000/metrics`).
 //!
+//! Each record keeps its order as `biz_no` (`examples/shop/mod.rs`), so
+//! `idem reconcile --biz http_pay --table payments --column order_id
+//! --record-field biz_no` lists payments without a record and records
+//! without a payment (docs/http.md, "A whole server").
+//!
 //! ```sh
 //! curl -i -X POST localhost:3000/orders/42/pay -H 'X-User-Id: alice' \
 //!   -H 'Idempotency-Key: 5d0c2a6e-pay-42' -H 'Content-Type: application/json' -d '{"amount":1999}'

@@ -32,6 +32,25 @@
 //! # Ok(()) }
 //! ```
 //!
+//! A service builds its engine once, at start-up, over its own pool
+//! ([`Idem::builder`]; [`Idem::new`] without Redis), and runs
+//! [`Idem::migrate`] before the first call: it creates the engine's tables
+//! when absent (or the operator runs `idem migrate`). Without them every
+//! call fails with [`Error::NotMigrated`], which says so.
+//!
+//! ```no_run
+//! # #[cfg(all(feature = "mysql", feature = "redis"))]
+//! # async fn start() -> Result<(), Box<dyn std::error::Error>> {
+//! use idempotency::Idem;
+//!
+//! let pool = sqlx::MySqlPool::connect("mysql://root@127.0.0.1:3306/test").await?;
+//! let redis = redis::Client::open("redis://127.0.0.1:6379")?; // optional: the fast path
+//! let idem = Idem::builder(pool).redis(redis).build();
+//! idem.migrate().await?; // at every start: creates the engine's tables if absent
+//! // clone `idem` into your handlers, consumers and jobs: clones share the pool and Redis
+//! # Ok(()) }
+//! ```
+//!
 //! How one call goes, and what each layer decides:
 //!
 //! 1. The key is rendered from the template and checked

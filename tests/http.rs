@@ -6,7 +6,6 @@
 mod http_answers;
 mod http_contract;
 // The HTTP examples' business part, as users copy it, and its tests.
-// The token flow's fn (`pay_by_token`) is the example's, unused here.
 #[allow(dead_code)]
 mod example_shop;
 #[path = "../examples/shop/mod.rs"]

@@ -143,8 +143,12 @@ macro_rules! payments {
 
         /// Once per (user, Idempotency-Key). The key template is scoped
         /// to the principal; `app` (the engine's root) is not part of the
-        /// fingerprint, everything else is.
-        #[idempotent(key = "<user>:<idem_key>", ttl = "24h", biz = "http_pay", engine = app.idem)]
+        /// fingerprint, everything else is. The record keeps the order as
+        /// its `biz_no`, which `payments.order_id` holds too: `idem
+        /// reconcile --biz http_pay --table payments --column order_id
+        /// --record-field biz_no` compares them (the keys, made by clients,
+        /// are in no business table).
+        #[idempotent(key = "<user>:<idem_key>", ttl = "24h", biz = "http_pay", biz_no = "<order_id>", engine = app.idem)]
         async fn pay_by_key(
             app: &App,
             tx: &mut Transaction<'_, $db>,
@@ -157,8 +161,9 @@ macro_rules! payments {
         }
 
         /// Once per token: every submit of one token meets this record
-        /// (another `biz`, so a client's key can never name it).
-        #[idempotent(key = "<user>:<token>", ttl = "24h", biz = "http_pay_token", engine = app.idem)]
+        /// (another `biz`, so a client's key can never name it; reconciled
+        /// as `--biz http_pay_token`, the same way).
+        #[idempotent(key = "<user>:<token>", ttl = "24h", biz = "http_pay_token", biz_no = "<order_id>", engine = app.idem)]
         async fn pay_by_token(
             app: &App,
             tx: &mut Transaction<'_, $db>,

@@ -64,3 +64,24 @@ async fn a_body_failure_that_recurs_is_not_answered_retry() {
     assert!(!error.is_retryable(), "{error:?}");
     assert_eq!(idempotency::http::Problem::from(&error).status.as_u16(), 500);
 }
+
+/// The records name the order they paid (`biz_no`), so `idem reconcile
+/// --record-field biz_no` can match them with `payments.order_id`: by key and
+/// by token alike.
+#[tokio::test]
+async fn records_name_their_order_for_reconcile() {
+    let app = app().await;
+    pay_by_key(&app, "alice".into(), "key-alice-1".into(), 1, pay(1999)).await.expect("alice pays by key");
+    pay_by_token(&app, "bob".into(), "token-bob-2".into(), 2, pay(500)).await.expect("bob pays by token");
+    let records: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT biz_type, biz_no FROM idem_record ORDER BY biz_type")
+            .fetch_all(app.idem.pool())
+            .await
+            .unwrap();
+    assert_eq!(records, [("http_pay".into(), Some("1".into())), ("http_pay_token".into(), Some("2".into()))]);
+    let paid: Vec<(String,)> = sqlx::query_as("SELECT CAST(order_id AS TEXT) FROM payments ORDER BY order_id")
+        .fetch_all(app.idem.pool())
+        .await
+        .unwrap();
+    assert_eq!(paid, [("1".into(),), ("2".into(),)], "the column reconcile compares them with");
+}

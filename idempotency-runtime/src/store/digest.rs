@@ -30,7 +30,9 @@ impl<'a> RowKey<'a> {
         RowKey { biz, key, digest: KeyDigest(crate::key::key_digest(biz, key)) }
     }
 
-    /// The digest's bytes (also the call's field in Redis: `gate::redis::layout`).
+    /// The digest's bytes (also the call's field in Redis: `gate::redis::layout`,
+    /// the only reader, hence the feature).
+    #[cfg(feature = "redis")]
     pub(crate) fn digest_bytes(&self) -> [u8; 16] {
         self.digest.0
     }

@@ -10,7 +10,9 @@
 //! bytes as [`crate::key::key_digest`]; SQLite has no hash function, so its
 //! rows are copied into a new table with digests computed here.
 
-/// Rows the MySQL and SQLite backfills write per statement or transaction.
+/// Rows the MySQL and SQLite backfills write per statement or transaction
+/// (PostgreSQL's backfill is one statement).
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
 const BATCH: i64 = 10_000;
 
 #[cfg(feature = "mysql")]
