@@ -35,6 +35,8 @@
 //! |---|---|---|
 //! | first call | the method's own response | |
 //! | duplicate of a finished call | the same message, plus metadata `idempotent-replayed: true` | |
+//! | duplicate while the first runs, with a wait (`wait = "5s"`, `Builder::wait`) | the first call's answer once it ends, marked | |
+//! | an error the method's type declares final (`record_errors`) | its own status, replayed to every retry, marked | |
 //! | duplicate while the first runs | `UNAVAILABLE` (retryable), `retry-after: 1`, `grpc-retry-pushback-ms: 1000` | `IDEMPOTENCY_KEY_IN_PROGRESS` |
 //! | same key, other arguments | `FAILED_PRECONDITION` (not retryable) | `IDEMPOTENCY_KEY_REUSED` |
 //! | no `idempotency-key` metadata | `INVALID_ARGUMENT` | `MISSING_IDEMPOTENCY_KEY` |
