@@ -83,6 +83,5 @@ mod postgres {
     }
 }
 
-mod proxy;
-mod rules;
-mod schedule;
+// The harness's own tests (its proxy, checker and schedule) are
+// idempotency-testkit's: `idempotency-testkit/tests/harness/`.
