@@ -293,6 +293,21 @@ impl PgCluster {
         busy
     }
 
+    /// How many backends of `application_name` wait in a `COMMIT` for the
+    /// synchronous standby to confirm it (`wait_event = 'SyncRep'`).
+    pub async fn commits_waiting_for_standby(&self, application_name: &str) -> i64 {
+        let admin = self.primary.admin().await;
+        let waiting = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event = 'SyncRep'",
+        )
+        .bind(application_name)
+        .fetch_one(&admin)
+        .await
+        .expect("pg_stat_activity");
+        admin.close().await;
+        waiting
+    }
+
     /// SIGKILLs the primary's whole process group.
     pub fn kill_primary(&mut self) {
         self.primary.kill();
