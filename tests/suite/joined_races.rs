@@ -122,11 +122,12 @@ async fn a_caller_holding_past_the_bound_makes_the_duplicate_in_progress() {
     own_write(&mut other, &k).await;
     let started = Instant::now();
     let waited = pay_in(&idem, &mut other, k.clone(), 7, &probe, Mode::Ok);
-    let waited = tokio::time::timeout(Duration::from_secs(10), waited).await.expect("the wait is bounded");
+    let waited = tokio::time::timeout(Duration::from_secs(60), waited).await.expect("the wait is bounded");
     let elapsed = started.elapsed();
     assert!(is_in_progress(&waited), "{waited:?}");
-    // MariaDB counts the bound in whole seconds, at least one.
-    assert!(elapsed >= Duration::from_millis(250) && elapsed < Duration::from_secs(4), "{elapsed:?}");
+    // MariaDB counts the bound in whole seconds, at least one; the upper
+    // bound only tells the bound from the server's default (50 s; none).
+    assert!(elapsed >= Duration::from_millis(250) && elapsed < Duration::from_secs(30), "{elapsed:?}");
     assert_eq!(lock_wait_setting(&mut other).await, setting, "no bound left on the caller's session");
     own_write(&mut other, &k).await;
     other.commit().await.unwrap();
