@@ -184,9 +184,15 @@ async fn plain_duplicate_of_a_caller_holding_30_s(redis: Redis) {
     if !B::LOCK_WAIT_BOUNDED {
         return;
     }
-    let Some(pool) = B::open(&unique("db"), 4).await else { return };
+    // A database of its own: a caller holding the shared tables for up to
+    // 30 s queued every other test's DDL (`CREATE .. IF NOT EXISTS` takes a
+    // table lock on PostgreSQL) behind it, and their writes behind that
+    // (seen: another test's duplicate InProgress, and this one's body
+    // blocked until the caller committed).
+    let name = unique("held30").replace('-', "_");
+    let Some(pool) = B::open_private(&name, 4).await else { return };
     B::prepare(&pool).await;
-    let builder = Idem::builder(pool).lock_wait(Duration::from_secs(1));
+    let builder = Idem::builder(pool.clone()).lock_wait(Duration::from_secs(1));
     let idem = match redis {
         Redis::On => {
             let Some(client) = idempotency_testkit::redis_client().await else { return };
@@ -221,6 +227,8 @@ async fn plain_duplicate_of_a_caller_holding_30_s(redis: Redis) {
     let (again, outcome) = idempotency::observe(pay(&idem, k.clone(), 7, &probe, Mode::Ok)).await;
     assert_eq!((again.unwrap(), outcome), (first, Some(Outcome::Replayed)));
     assert_eq!((ledger_rows(&idem, &k).await, record_rows_for(&idem, "t_pay", &k).await), (1, 1));
+    idem.pool().close().await;
+    B::drop_private(pool, &name).await;
 }
 
 with_and_without_redis!(
