@@ -170,12 +170,13 @@ async fn duplicate_after_the_lease_still_commits_once() {
     assert_eq!(first, second, "both callers got the committed result");
     assert_eq!(probe.runs(), 2, "both bodies ran");
     assert_eq!(ledger_rows(&idem, &k).await, 1, "one committed business write");
-    // The result reaches Redis from a spawned task after the commit: until
-    // it lands, a new call may claim the key and run its body (then replay
-    // the record). Waited for, so the last call replays without a body.
-    redis_cached_response(&client, &redis_location(&idem, "t_lease", &k).await).await;
+    // A later call replays the committed result. Whether its body runs
+    // first depends on whether the result has reached Redis (a spawned
+    // write, which a lost claim race may skip): with no copy there it
+    // claims the key, runs, meets the record and rolls back. So the body
+    // count is not asserted; the committed writes are.
     assert_eq!(pay_short_lease(&idem, k.clone(), &probe, Mode::Ok).await.unwrap(), first);
-    assert_eq!(probe.runs(), 2);
+    assert_eq!(ledger_rows(&idem, &k).await, 1, "the later call committed nothing");
 }
 
 /// Regression: a call that committed but died before its cache write leaves
