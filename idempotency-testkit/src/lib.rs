@@ -55,7 +55,9 @@ pub use cron_clock::ManualClock;
 pub use redis_entries::{
     Location, redis_cached_response, redis_forget, redis_holds, redis_replace_result, redis_result,
 };
-pub use redis_entries::{redis_del, redis_exists, redis_pause, redis_set, redis_value_after};
+pub use redis_entries::{
+    redis_del, redis_exists, redis_pause, redis_pause_writes, redis_set, redis_unpause, redis_value_after,
+};
 pub use services::{mysql_url, pg_url, reach, redis_client, redis_url, services_required, skip};
 
 /// A key nobody else uses: this process, this instant, a counter.

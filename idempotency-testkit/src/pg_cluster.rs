@@ -101,9 +101,38 @@ impl Server {
         }
     }
 
-    async fn wait_ready(&self) {
+    /// Starts it on a free port, and on another one when the port turned
+    /// out to be taken before the server bound it (detected for sure: see
+    /// [`Server::wait_ready`]).
+    async fn launch(&mut self, user: Option<(u32, u32)>, bin: &Path) {
+        let mut collisions = Vec::new();
+        for _ in 0..PORT_TRIES {
+            let port = free_port();
+            self.port = port;
+            self.settings.retain(|s| !s.starts_with("port="));
+            self.settings.push(format!("port={port}"));
+            self.start(user, bin);
+            if self.wait_ready().await {
+                return;
+            }
+            collisions.push(port);
+        }
+        panic!("postgres found no free port in {PORT_TRIES} tries ({collisions:?}): see {}", self.log.display());
+    }
+
+    /// Waits until the server answers: `true` once the one answering on
+    /// its port is this one (its `data_directory`), `false` if our child
+    /// exited first (it could not bind its port).
+    async fn wait_ready(&mut self) -> bool {
         let start = Instant::now();
+        let data = self.data.display().to_string();
         loop {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(_)) = child.try_wait()
+            {
+                self.child = None;
+                return false;
+            }
             let options = PgConnectOptions::from_str(&self.url()).expect("url");
             let answered = PgPoolOptions::new()
                 .max_connections(1)
@@ -111,8 +140,11 @@ impl Server {
                 .connect_with(options)
                 .await;
             if let Ok(pool) = answered {
+                let dir: Option<String> = sqlx::query_scalar("SHOW data_directory").fetch_one(&pool).await.ok();
                 pool.close().await;
-                return;
+                if dir.as_deref() == Some(data.as_str()) {
+                    return true;
+                }
             }
             assert!(
                 start.elapsed() < STEP,
@@ -170,17 +202,15 @@ impl PgCluster {
             child: None,
         };
 
-        let primary_port = free_port();
+        // Ports: `launch` picks each (port 0 until then).
         let synchronous = if mode == Replication::Synchronous { STANDBY } else { "" };
-        let mut primary = server(
-            "primary",
-            common_settings(primary_port).chain([format!("synchronous_standby_names={synchronous}")]).collect(),
-        );
+        let mut primary =
+            server("primary", common_settings(0).chain([format!("synchronous_standby_names={synchronous}")]).collect());
         let mut initdb = Command::new(bin.join("initdb"));
         initdb.arg("-D").arg(&primary.data).args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"]);
         run_blocking(&mut initdb, user, &dir, "initdb").await;
-        primary.start(user, &bin);
-        primary.wait_ready().await;
+        primary.launch(user, &bin).await;
+        let primary_port = primary.port;
         let admin = primary.admin().await;
         sqlx::query("SELECT pg_create_physical_replication_slot($1)")
             .bind(STANDBY)
@@ -195,12 +225,11 @@ impl PgCluster {
         // primary is gone it retries every 100 ms, not the default 5 s: one
         // run's promotion waited out those 5 s.
         let link = Forwarder::start(primary_port).await;
-        let standby_port = free_port();
         let conninfo =
             format!("primary_conninfo=host=127.0.0.1 port={} user=postgres application_name={STANDBY}", link.port());
         let mut standby = server(
             "standby",
-            common_settings(standby_port)
+            common_settings(0)
                 .chain([
                     "synchronous_standby_names=".to_owned(),
                     conninfo,
@@ -215,8 +244,7 @@ impl PgCluster {
             .arg(&standby.data)
             .args(["-R", "-S", STANDBY, "-X", "stream", "--no-sync"]);
         run_blocking(&mut backup, user, &dir, "pg_basebackup").await;
-        standby.start(user, &bin);
-        standby.wait_ready().await;
+        standby.launch(user, &bin).await;
 
         let cluster = PgCluster { dir, mode, primary, standby, link };
         cluster.wait_streaming().await;
@@ -291,6 +319,21 @@ impl PgCluster {
         .expect("pg_stat_activity");
         admin.close().await;
         busy
+    }
+
+    /// How many backends of `application_name` wait in a `COMMIT` for the
+    /// synchronous standby to confirm it (`wait_event = 'SyncRep'`).
+    pub async fn commits_waiting_for_standby(&self, application_name: &str) -> i64 {
+        let admin = self.primary.admin().await;
+        let waiting = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event = 'SyncRep'",
+        )
+        .bind(application_name)
+        .fetch_one(&admin)
+        .await
+        .expect("pg_stat_activity");
+        admin.close().await;
+        waiting
     }
 
     /// SIGKILLs the primary's whole process group.
@@ -403,6 +446,9 @@ async fn run_blocking(cmd: &mut Command, user: Option<(u32, u32)>, dir: &Path, w
 }
 
 /// A loopback port nobody listens on right now.
+/// How many free ports a server is tried on (see [`Server::launch`]).
+const PORT_TRIES: usize = 5;
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }

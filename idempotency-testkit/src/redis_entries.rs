@@ -136,3 +136,19 @@ pub async fn redis_pause(client: &redis::Client, ms: u64) {
     let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
     let _: () = redis::cmd("CLIENT").arg("PAUSE").arg(ms).arg("ALL").query_async(&mut conn).await.expect("PAUSE");
 }
+
+/// Holds every write and every script (claims, cache writes, releases: the
+/// gate's are all scripts) until [`redis_unpause`]; reads and the unpause
+/// itself go on (`CLIENT PAUSE .. WRITE`). For a minute at most: a bound on
+/// a test that hangs, not a duration anything waits for.
+pub async fn redis_pause_writes(client: &redis::Client) {
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let _: () = redis::cmd("CLIENT").arg("PAUSE").arg(60_000).arg("WRITE").query_async(&mut conn).await.expect("PAUSE");
+}
+
+/// Ends a [`redis_pause_writes`]: the held commands run, before any command
+/// sent after this returns.
+pub async fn redis_unpause(client: &redis::Client) {
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let _: () = redis::cmd("CLIENT").arg("UNPAUSE").query_async(&mut conn).await.expect("UNPAUSE");
+}

@@ -65,8 +65,10 @@ fn wait_until(what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) {
     }
 }
 
-fn answers_ping(port: u16) -> bool {
-    query::<String>(port, &redis::cmd("PING")).is_ok_and(|p| p == "PONG")
+/// The process id of the `redis-server` answering on `port`, if one does.
+fn server_pid(port: u16) -> Option<u32> {
+    let info = query::<String>(port, redis::cmd("INFO").arg("server")).ok()?;
+    info.lines().find_map(|l| l.strip_prefix("process_id:")).and_then(|v| v.trim().parse().ok())
 }
 
 /// One `redis-server` child process.
@@ -76,14 +78,38 @@ struct Process {
     child: Option<Child>,
 }
 
+/// How many free ports a server is tried on: a port found free may be taken
+/// by another process before the server binds it (seen as a collision,
+/// never guessed), and then the next is tried.
+const PORT_TRIES: usize = 5;
+
 impl Process {
-    fn spawn(port: u16, extra: Vec<String>) -> Self {
-        let mut p = Self { port, extra, child: None };
-        p.start();
-        p
+    /// Starts a server on a free port, trying another one when the port was
+    /// taken in between (`port` gives the candidates).
+    fn spawn_on_free_port(mut port: impl FnMut() -> u16, extra: impl Fn(u16) -> Vec<String>) -> Self {
+        let mut collisions = Vec::new();
+        for _ in 0..PORT_TRIES {
+            let port = port();
+            let mut p = Self { port, extra: extra(port), child: None };
+            match p.try_start() {
+                Ok(()) => return p,
+                Err(collision) => collisions.push(collision),
+            }
+        }
+        panic!("redis-server found no free port in {PORT_TRIES} tries: {collisions:?}");
     }
 
+    /// Starts it again on its port; a port taken meanwhile fails the test.
     fn start(&mut self) {
+        if let Err(collision) = self.try_start() {
+            panic!("{collision}");
+        }
+    }
+
+    /// Starts it and waits until it answers; `Err` when the port turned out
+    /// to be taken: our child exited (it could not bind), or what answers
+    /// is another process (`INFO server`'s `process_id` is not our child's).
+    fn try_start(&mut self) -> Result<(), String> {
         assert!(self.child.is_none(), "redis-server on {} already running", self.port);
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
@@ -94,9 +120,27 @@ impl Process {
             .stderr(Stdio::null())
             .spawn()
             .expect("spawn redis-server");
+        let pid = child.id();
         self.child = Some(child);
         let port = self.port;
-        wait_until(&format!("redis-server on {port}"), Duration::from_secs(10), || answers_ping(port));
+        let mut ours = false;
+        let mut exited = None;
+        wait_until(&format!("redis-server on {port}"), Duration::from_secs(10), || {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                exited = Some(status);
+                return true;
+            }
+            ours = server_pid(port) == Some(pid);
+            ours
+        });
+        if let Some(status) = exited {
+            self.child = None;
+            return Err(format!("redis-server on port {port} exited at once ({status}): the port was taken"));
+        }
+        debug_assert!(ours);
+        Ok(())
     }
 
     fn kill(&mut self) {
@@ -127,8 +171,8 @@ impl RedisServer {
         if !redis_server_installed() {
             return None;
         }
-        let port = free_port();
-        Some(Self { port, process: Mutex::new(Process::spawn(port, Vec::new())) })
+        let process = Process::spawn_on_free_port(free_port, |_| Vec::new());
+        Some(Self { port: process.port, process: Mutex::new(process) })
     }
 
     pub fn url(&self) -> String {
@@ -194,32 +238,36 @@ impl RedisCluster {
         }
         let dir = std::env::temp_dir().join(crate::unique("idem-cluster"));
         std::fs::create_dir_all(&dir).expect("cluster dir");
-        let mut ports: Vec<u16> = Vec::new();
-        while ports.len() < 3 {
-            let p = free_cluster_port();
+        let mut cluster = Self { ports: Vec::new(), dir: dir.clone(), nodes: Vec::new() };
+        while cluster.nodes.len() < 3 {
+            let taken = cluster.ports.clone();
             // Neither the same port nor one on another node's bus port.
-            if !ports.iter().any(|&q| q == p || q.abs_diff(p) == 10_000) {
-                ports.push(p);
-            }
-        }
-        let mut cluster = Self { ports: ports.clone(), dir: dir.clone(), nodes: Vec::new() };
-        for &port in &ports {
-            let extra = vec![
-                "--cluster-enabled".into(),
-                "yes".into(),
-                "--cluster-config-file".into(),
-                dir.join(format!("nodes-{port}.conf")).display().to_string(),
-                "--cluster-node-timeout".into(),
-                "5000".into(),
-                "--dir".into(),
-                dir.display().to_string(),
-            ];
-            cluster.nodes.push(Mutex::new(Process::spawn(port, extra)));
+            let port = || loop {
+                let p = free_cluster_port();
+                if !taken.iter().any(|&q| q == p || q.abs_diff(p) == 10_000) {
+                    return p;
+                }
+            };
+            let extra = |port: u16| {
+                vec![
+                    "--cluster-enabled".into(),
+                    "yes".into(),
+                    "--cluster-config-file".into(),
+                    dir.join(format!("nodes-{port}.conf")).display().to_string(),
+                    "--cluster-node-timeout".into(),
+                    "5000".into(),
+                    "--dir".into(),
+                    dir.display().to_string(),
+                ]
+            };
+            let node = Process::spawn_on_free_port(port, extra);
+            cluster.ports.push(node.port);
+            cluster.nodes.push(Mutex::new(node));
         }
         let status = Command::new("redis-cli")
             .arg("--cluster")
             .arg("create")
-            .args(ports.iter().map(|p| format!("127.0.0.1:{p}")))
+            .args(cluster.ports.iter().map(|p| format!("127.0.0.1:{p}")))
             .args(["--cluster-replicas", "0", "--cluster-yes"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())

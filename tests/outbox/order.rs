@@ -33,10 +33,14 @@ fn published(recorder: &Recorder, aggregate: &str) -> Vec<String> {
 /// The rows of `idem_outbox` as `(id, aggregate_key, payload)`, in `id` order.
 trait OutboxRows: Backend {
     fn outbox_rows(pool: &Pool<Self>) -> impl Future<Output = Vec<(i64, Option<String>, String)>> + Send;
+    /// Statements of this (test's own) database waiting on a lock, as the
+    /// server shows them; `None` where the test has no such view (SQLite,
+    /// whose writers wait in their busy handler; MariaDB, below).
+    fn lock_waiters(pool: &Pool<Self>) -> impl Future<Output = Option<i64>> + Send;
 }
 
 macro_rules! outbox_rows {
-    ($($db:ty),*) => {$(
+    ($($db:ty: $waiters:expr),*) => {$(
         impl OutboxRows for $db {
             async fn outbox_rows(pool: &Pool<Self>) -> Vec<(i64, Option<String>, String)> {
                 sqlx::query_as("SELECT id, aggregate_key, payload FROM idem_outbox ORDER BY id")
@@ -44,10 +48,24 @@ macro_rules! outbox_rows {
                     .await
                     .unwrap()
             }
+
+            async fn lock_waiters(pool: &Pool<Self>) -> Option<i64> {
+                let sql: Option<&'static str> = $waiters;
+                Some(sqlx::query_scalar(sql?).fetch_one(pool).await.expect("lock waiters"))
+            }
         }
     )*};
 }
-outbox_rows!(Sqlite, MySql, Postgres);
+outbox_rows!(
+    Sqlite: None,
+    // MariaDB's INNODB_TRX did not show all four waiters as LOCK WAIT within
+    // 30 s in one CI run of two (behind the first writer's new aggregate
+    // row): until that is understood, the pause stands in there too.
+    MySql: None,
+    Postgres: Some(
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    )
+);
 
 /// The payloads of `aggregate` in the table, in `id` order.
 async fn queued_in_id_order<DB: OutboxRows>(idem: &Idem<DB>, aggregate: &str) -> Vec<String> {
@@ -96,7 +114,7 @@ async fn one_aggregate_leaves_in_commit_order_under_overlapping_writers<DB: Outb
 /// writer at a time (every writer, and the relays, wait for the held one),
 /// so `one_writer` skips that part. Returns the round's commit order: the
 /// first, then the waiters in the order their `queue` returned.
-async fn overlapping_writers<DB: Backend>(
+async fn overlapping_writers<DB: OutboxRows>(
     idem: &Idem<DB>,
     recorder: &Recorder,
     one_writer: bool,
@@ -137,7 +155,16 @@ async fn overlapping_writers<DB: Backend>(
         })
         .collect();
     tokio::time::timeout(Duration::from_secs(10), begun.wait()).await.expect("the waiters began");
-    tokio::time::sleep(HELD).await;
+    // Every waiter blocked behind the held writer, in the server's view
+    // (PostgreSQL; elsewhere a pause stands in for it).
+    if DB::lock_waiters(idem.pool()).await.is_some() {
+        until("the waiters blocked on order-1", Duration::from_secs(30), || async {
+            DB::lock_waiters(idem.pool()).await >= Some(WAITERS as i64)
+        })
+        .await;
+    } else {
+        tokio::time::sleep(HELD).await;
+    }
     let this_round = |recorder: &Recorder| -> Vec<String> {
         let prefix = format!("r{round}-");
         published(recorder, "order-1").into_iter().filter(|p| p.starts_with(&prefix)).collect()

@@ -90,7 +90,9 @@ async fn pay(
     Ok(Receipt { key: k, order, run, moved: moved == Advanced::Applied, note: "café, 東京 ✓".into() })
 }
 
-#[idempotent(key = "<k>", ttl = "1s", biz = "pgb_short")]
+/// Records the test expires by SQL (`outside_a_call`): a long ttl, so
+/// nothing has to happen within a short one.
+#[idempotent(key = "<k>", ttl = "1h", biz = "pgb_short")]
 async fn short_lived(idem: &Idem<Postgres>, tx: &mut Transaction<'_, Postgres>, k: String) -> Result<i64, TestError> {
     Ok(sqlx::query_scalar("SELECT 7::BIGINT").persistent(false).fetch_one(&mut **tx).await?)
 }
@@ -423,8 +425,13 @@ async fn outside_a_call(redis: bool) {
     assert_eq!(calls.load(SeqCst), N);
     assert_eq!(behind.scalar("SELECT COUNT(*) FROM pgb_ledger").await, N as i64);
 
-    // Purges: the expired records go, the live ones stay.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // Purges: the expired records go, the live ones stay. The short ones
+    // expire now, by SQL.
+    let expired = sqlx::raw_sql("UPDATE idem_record SET expires_at = 1 WHERE biz_type = 'pgb_short'")
+        .execute(&behind.direct)
+        .await
+        .expect("expire");
+    assert_eq!(expired.rows_affected(), N as u64);
     let k = format!("{prefix}-0-short");
     assert_eq!(idem.status("pgb_short", &k).await.expect("status"), Status::Expired);
     assert_eq!(idem.purge_expired(1000).await.expect("purge"), N as u64);
@@ -464,7 +471,8 @@ async fn the_lock_wait_bound_stays_in_its_transaction_behind_pgbouncer() {
     let duplicate = held(&b, &Notify::new(), &Notify::new(), k.clone()).await;
     let waited = start.elapsed();
     assert!(matches!(duplicate, Err(TestError::Idem(idempotency::Error::InProgress { .. }))), "{duplicate:?}");
-    assert!(waited >= WAIT && waited < WAIT * 10, "waited {waited:?}");
+    // At least the bound; the upper one only turns a hang into a failure.
+    assert!(waited >= WAIT && waited < Duration::from_secs(30), "waited {waited:?}");
     release.notify_one();
     assert_eq!(first.await.unwrap().expect("first call"), 1);
 

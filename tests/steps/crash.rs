@@ -1,5 +1,6 @@
 //! The proof by killing processes: the calling side runs in child processes
-//! (this test binary again, running only [`child_process`]), which call a
+//! (this test binary again, running the parent's own test as a child: see
+//! [`child_process`]), which call a
 //! payment provider on loopback ([`Provider`]) through an annotated fn and
 //! can be told to stop at a named point: they print `IDEM-STOP <point>` and
 //! wait, so the parent kills them with SIGKILL exactly there, or pauses them
@@ -36,6 +37,7 @@ use crate::support::{TestDb, epoch_ms, unique, unmigrated_engine};
 pub(crate) const CHILD_ENV: &str = "IDEM_STEPS_CHILD";
 const STEPS_BIZ: &str = "crash_steps";
 const PLAIN_BIZ: &str = "crash_plain";
+const ZOMBIE_BIZ: &str = "crash_zombie";
 /// The lease of both fns below.
 const LEASE_MS: i64 = 1000;
 /// Longest wait for one line from a child.
@@ -59,10 +61,24 @@ pub(crate) struct ChildConfig {
     /// Print `IDEM-READY` once connected, and wait for a line on stdin
     /// before calling: the parent starts the clock, not the process.
     pub(crate) wait_for_go: bool,
-    /// Call the fns of [`crate::skew`] (ttl 5 min, lease 30 s) instead.
-    pub(crate) skew_fns: bool,
+    /// Which fns to call.
+    pub(crate) fns: Fns,
     /// Run under libfaketime with this offset (`+10m`, `-10m`).
     pub(crate) faketime: Option<String>,
+    /// The parent's test, which the child runs again (see [`child_process`]).
+    pub(crate) test: String,
+}
+
+/// The fns a child calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Fns {
+    /// `pay_steps` and `pay_plain`: a 1 s lease, which a kill leaves to run out.
+    Crash,
+    /// `pay_zombie`: an hour's lease, which the parent ends by SQL (and in
+    /// Redis) once the retry has seen it held.
+    Zombie,
+    /// The fns of [`crate::skew`] (ttl 5 min, lease 30 s).
+    Skew,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
@@ -110,6 +126,29 @@ async fn pay_steps<DB: TestDb>(
     idem: &Idem<DB>,
     steps: &mut Steps<DB>,
     #[idem(skip)] provider: &ProviderClient,
+    key: &str,
+    amount: i64,
+) -> Result<Receipt, ChildError> {
+    charge_in_steps(steps, provider, key, amount).await
+}
+
+/// [`pay_steps`] with a lease that never runs out during a test: the
+/// zombie tests end it by SQL once the retry has found it held.
+#[idempotent(key = "<key>", ttl = "1h", biz = "crash_zombie", biz_no = "<key>", lease = "1h", steps)]
+async fn pay_zombie<DB: TestDb>(
+    idem: &Idem<DB>,
+    steps: &mut Steps<DB>,
+    #[idem(skip)] provider: &ProviderClient,
+    key: &str,
+    amount: i64,
+) -> Result<Receipt, ChildError> {
+    charge_in_steps(steps, provider, key, amount).await
+}
+
+/// The body of the two-phase fns, with its stop points.
+async fn charge_in_steps<DB: TestDb>(
+    steps: &mut Steps<DB>,
+    provider: &ProviderClient,
     key: &str,
     amount: i64,
 ) -> Result<Receipt, ChildError> {
@@ -172,10 +211,12 @@ async fn wait_for_line() {
     }
 }
 
-/// The child's entry: does nothing unless the parent set [`CHILD_ENV`].
-#[test]
-fn child_process() {
-    let Ok(config) = std::env::var(CHILD_ENV) else { return };
+/// The child's side, first thing in each parent test: a child is the
+/// parent's own test run again with [`CHILD_ENV`] set, so no entry point of
+/// its own passes as a test. Plays the child and returns `true` there;
+/// returns `false` at once in the parent.
+pub(crate) fn child_process() -> bool {
+    let Ok(config) = std::env::var(CHILD_ENV) else { return false };
     let config: ChildConfig = serde_json::from_str(&config).expect("child config");
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     runtime.block_on(async move {
@@ -184,6 +225,7 @@ fn child_process() {
             DbKind::Postgres => child::<sqlx::Postgres>(config).await,
         }
     });
+    true
 }
 
 async fn child<DB: TestDb>(config: ChildConfig) {
@@ -198,17 +240,26 @@ async fn child<DB: TestDb>(config: ChildConfig) {
         wait_for_line().await;
     }
     let mut attempts = 0;
+    let mut told_busy = false;
     loop {
         attempts += 1;
-        let answer = match (config.mode, config.skew_fns) {
-            (Mode::Steps, false) => pay_steps(&idem, &provider, &config.key, config.amount).await,
-            (Mode::Plain, false) => pay_plain(&idem, &provider, &config.key, config.amount).await,
-            (Mode::Steps, true) => crate::skew::pay_steps(&idem, &provider, &config.key, config.amount).await,
-            (Mode::Plain, true) => crate::skew::pay_plain(&idem, &provider, &config.key, config.amount).await,
+        let (key, amount) = (&config.key, config.amount);
+        let answer = match (config.mode, config.fns) {
+            (Mode::Steps, Fns::Crash) => pay_steps(&idem, &provider, key, amount).await,
+            (Mode::Plain, Fns::Crash) => pay_plain(&idem, &provider, key, amount).await,
+            (Mode::Steps, Fns::Zombie) => pay_zombie(&idem, &provider, key, amount).await,
+            (Mode::Plain, Fns::Zombie) => unreachable!("the zombie fn is two-phase"),
+            (Mode::Steps, Fns::Skew) => crate::skew::pay_steps(&idem, &provider, key, amount).await,
+            (Mode::Plain, Fns::Skew) => crate::skew::pay_plain(&idem, &provider, key, amount).await,
         };
         let at = epoch_ms();
         let final_answer =
             matches!(answer, Ok(_) | Err(ChildError::Idem(Error::Permanent { .. } | Error::KeyReused { .. })));
+        if config.retry && matches!(answer, Err(ChildError::Idem(Error::InProgress { .. }))) && !told_busy {
+            // The parent waits for this before it ends a held lease.
+            println!("IDEM-BUSY");
+            told_busy = true;
+        }
         if config.retry && !final_answer {
             tokio::time::sleep(Duration::from_millis(20)).await;
             continue;
@@ -264,7 +315,7 @@ impl Proc {
             None => Command::new(exe),
         };
         let mut child = command
-            .args(["--exact", "crash::child_process", "--nocapture", "--test-threads=1"])
+            .args(["--exact", &config.test, "--include-ignored", "--nocapture", "--test-threads=1"])
             .env(CHILD_ENV, serde_json::to_string(config).unwrap())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -284,7 +335,7 @@ impl Proc {
     }
 
     /// Waits for the line holding `marker`; returns what follows it. (The
-    /// first may share its line with libtest's `test child_process ... `.)
+    /// first may share its line with libtest's `test crash::crash ... `.)
     pub(crate) fn expect(&mut self, marker: &str) -> String {
         loop {
             match self.lines.recv_timeout(LINE_WAIT) {
@@ -353,6 +404,8 @@ impl Drop for Proc {
 
 /// The parent's side: the provider, and the databases to reconcile.
 pub(crate) struct Bench {
+    /// The parent's test (its children run it again).
+    test: &'static str,
     runtime: tokio::runtime::Runtime,
     pub(crate) provider: Provider,
     mariadb: Option<Pool<sqlx::MySql>>,
@@ -361,7 +414,8 @@ pub(crate) struct Bench {
 }
 
 impl Bench {
-    pub(crate) fn new() -> Bench {
+    /// The bench of the parent test `test` (its path in this binary).
+    pub(crate) fn new(test: &'static str) -> Bench {
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let (provider, mariadb, postgres, redis) = runtime.block_on(async {
             let provider = Provider::start().await;
@@ -370,7 +424,7 @@ impl Bench {
             let redis = crate::support::redis_answers().await;
             (provider, mariadb, postgres, redis)
         });
-        Bench { runtime, provider, mariadb, postgres, redis }
+        Bench { test, runtime, provider, mariadb, postgres, redis }
     }
 
     pub(crate) fn config(&self, db: DbKind, redis: bool, mode: Mode, key: &str) -> ChildConfig {
@@ -384,8 +438,9 @@ impl Bench {
             stop: None,
             retry: false,
             wait_for_go: false,
-            skew_fns: false,
+            fns: Fns::Crash,
             faketime: None,
+            test: self.test.to_owned(),
         }
     }
 
@@ -402,6 +457,17 @@ impl Bench {
             }
         }
         setups
+    }
+
+    /// Ends the lease of the two-phase call `(biz, key)` now, as if it had
+    /// run out: its `idem_call` row's lease, and its claim in Redis.
+    pub(crate) fn end_lease(&self, db: DbKind, redis: bool, biz: &str, key: &str) {
+        self.runtime.block_on(async {
+            match db {
+                DbKind::MariaDb => end_lease(self.mariadb.as_ref().unwrap(), redis, biz, key).await,
+                DbKind::Postgres => end_lease(self.postgres.as_ref().unwrap(), redis, biz, key).await,
+            }
+        });
     }
 
     /// What the key left behind: charges at the provider, payment rows,
@@ -424,6 +490,18 @@ impl Bench {
                 DbKind::Postgres => books(self.postgres.as_ref().unwrap(), mode, biz, key, charges).await,
             }
         })
+    }
+}
+
+async fn end_lease<DB: TestDb>(pool: &Pool<DB>, redis: bool, biz: &str, key: &str) {
+    let row = format!("biz_type = '{biz}' AND idem_key = '{key}'");
+    DB::force(pool, format!("UPDATE idem_call SET lease_until = 0 WHERE {row}")).await;
+    if redis {
+        let idem = unmigrated_engine(pool.clone(), true).await.expect("redis answers");
+        let namespace = idem.redis_namespace().await.unwrap().expect("migrated");
+        let at = idempotency::redis_layout::locate(namespace.as_str(), biz, key).expect("a valid namespace");
+        let client = redis::Client::open(crate::support::redis_url()).expect("redis url");
+        idempotency_testkit::redis_del(&client, &at.claim).await;
     }
 }
 
@@ -502,31 +580,34 @@ fn kill_at(bench: &Bench, db: DbKind, redis: bool, mode: Mode, point: &'static s
     Figure { mode, redis, point, ms: retried.at_ms - killed_at, attempts: retried.attempts }
 }
 
-/// A two-phase child paused with SIGSTOP at `point`, past its lease; another
-/// process takes the key over and finishes it; resumed with SIGCONT, the
-/// paused one commits nothing and answers with the new owner's result.
+/// A two-phase child paused with SIGSTOP at `point`; another process
+/// finds the key held (`InProgress`), the test then ends the zombie's lease
+/// (by SQL and in Redis, as if it had run out), and the other process takes
+/// the key over and finishes it; resumed with SIGCONT, the paused one
+/// commits nothing and answers with the new owner's result.
 fn pause_at(bench: &Bench, db: DbKind, redis: bool, point: &'static str) {
     let key = unique(&format!("zombie-{point}"));
-    let mut zombie =
-        Proc::spawn(&ChildConfig { stop: Some(point.to_owned()), ..bench.config(db, redis, Mode::Steps, &key) });
-    let mut retry =
-        Proc::spawn(&ChildConfig { retry: true, wait_for_go: true, ..bench.config(db, redis, Mode::Steps, &key) });
+    let config = ChildConfig { fns: Fns::Zombie, ..bench.config(db, redis, Mode::Steps, &key) };
+    let mut zombie = Proc::spawn(&ChildConfig { stop: Some(point.to_owned()), ..config.clone() });
+    let mut retry = Proc::spawn(&ChildConfig { retry: true, wait_for_go: true, ..config });
     retry.expect("IDEM-READY");
     zombie.expect(&format!("IDEM-STOP {point}"));
     zombie.stop();
     // Read only once it runs again: it then goes on at once.
     zombie.go();
     retry.go();
+    retry.expect("IDEM-BUSY");
+    bench.end_lease(db, redis, ZOMBIE_BIZ, &key);
     let taken = retry.answered();
     let scene = format!("zombie on {db:?}, redis {redis}, paused at {point}");
     assert!(taken.answer.starts_with("ok {"), "{scene}: {taken:?}");
-    assert!(taken.attempts > 1, "{scene}: in progress while the lease ran: {taken:?}");
-    assert_eq!(bench.books(db, Mode::Steps, &key).record, Some((1, 2)), "{scene}");
+    assert!(taken.attempts > 1, "{scene}: in progress while the lease held: {taken:?}");
+    assert_eq!(bench.books_of(db, Mode::Steps, ZOMBIE_BIZ, &key).record, Some((1, 2)), "{scene}");
 
     zombie.signal(libc::SIGCONT);
     let resumed = zombie.answered();
     assert_eq!(resumed.answer, taken.answer, "{scene}: the zombie answers with the new owner's result");
-    let books = bench.books(db, Mode::Steps, &key);
+    let books = bench.books_of(db, Mode::Steps, ZOMBIE_BIZ, &key);
     assert_eq!(books, Books { charges: 1, payments: 1, record: Some((1, 2)), steps_left: 0 }, "{scene}");
 }
 
@@ -656,10 +737,10 @@ fn print_figures(figures: &[Figure]) {
 /// charge. Reconciled per key (see [`kill_at`]).
 #[test]
 fn crash() {
-    if std::env::var_os(CHILD_ENV).is_some() {
+    if child_process() {
         return;
     }
-    let bench = Bench::new();
+    let bench = Bench::new("crash::crash");
     if bench.setups().is_empty() {
         return;
     }
@@ -685,10 +766,7 @@ fn crash() {
             None
         }));
     }
-    // Two jobs at a time, not four: the leases are 1 s, and with four (the
-    // binary's other tests beside them, on two cores) a zombie's lease now
-    // and then ran out before its retry's first call (asserted to come
-    // before).
+    // Two jobs at a time: each has two or three processes of its own.
     let figures: Vec<Figure> = in_parallel(2, jobs).into_iter().flatten().collect();
     print_figures(&figures);
 }
@@ -697,10 +775,10 @@ fn crash() {
 #[test]
 #[ignore = "a minute or two: run with --ignored --nocapture"]
 fn crash_figures() {
-    if std::env::var_os(CHILD_ENV).is_some() {
+    if child_process() {
         return;
     }
-    let bench = Bench::new();
+    let bench = Bench::new("crash::crash_figures");
     let mut figures = Vec::new();
     for _ in 0..5 {
         figures.extend(in_parallel(1, kill_jobs(&bench)).into_iter().flatten());

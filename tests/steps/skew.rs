@@ -15,7 +15,7 @@ use std::time::Duration;
 use idempotency::{Idem, Steps, idempotent};
 use sqlx::Transaction;
 
-use crate::crash::{Bench, ChildConfig, ChildError, DbKind, Mode, Proc, Receipt, in_parallel, stop_at};
+use crate::crash::{Bench, ChildConfig, ChildError, DbKind, Fns, Mode, Proc, Receipt, in_parallel, stop_at};
 use crate::provider::{ProviderCharge, ProviderClient};
 use crate::support::{TestDb, unique};
 
@@ -76,7 +76,7 @@ fn faketime_installed() -> bool {
 /// (`+0`: the true clock, no faketime).
 fn config(bench: &Bench, db: DbKind, redis: bool, mode: Mode, key: &str, offset: &str) -> ChildConfig {
     let faketime = (offset != "+0").then(|| offset.to_owned());
-    ChildConfig { skew_fns: true, faketime, ..bench.config(db, redis, mode, key) }
+    ChildConfig { fns: Fns::Skew, faketime, ..bench.config(db, redis, mode, key) }
 }
 
 fn biz(mode: Mode) -> &'static str {
@@ -135,10 +135,10 @@ fn live_call_is_not_taken_over(bench: &Bench, db: DbKind, redis: bool, holder: &
 /// Every case, on each database that answers, with and without Redis.
 #[test]
 fn skewed_clocks() {
-    if std::env::var_os(crate::crash::CHILD_ENV).is_some() || !faketime_installed() {
+    if crate::crash::child_process() || !faketime_installed() {
         return;
     }
-    let bench = Bench::new();
+    let bench = Bench::new("skew::skewed_clocks");
     let bench = &bench;
     let mut jobs: Vec<Box<dyn FnOnce() + Send + '_>> = Vec::new();
     for (db, redis) in bench.setups() {

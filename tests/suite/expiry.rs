@@ -7,22 +7,25 @@ use std::time::Duration;
 use idempotency_testkit::{redis_cached_response, redis_pause, unique};
 
 use super::fixture::{
-    Mode, Probe, Redis, engine, engine_on_private_redis, ledger_rows, pay_short_ttl, record_rows_for, redis_location,
-    until_expired, until_held, with_and_without_redis,
+    Mode, Probe, Redis, engine, engine_on_private_redis, expire_now, ledger_rows, pay, pay_short_ttl, record_rows_for,
+    redis_location, until_expired, until_held, with_and_without_redis,
 };
 
+/// A long ttl, the expiry forced (`expire_now`): the replay before it and
+/// the execution after it do not depend on how fast the calls run.
 async fn expired_record_executes_again(redis: Redis) {
     let Some(idem) = engine(&unique("db"), 4, redis).await else { return };
     let probe = Probe::default();
     let k = unique("ttl");
-    let first = pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok).await.unwrap();
-    assert_eq!(pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok).await.unwrap(), first);
-    until_expired(&idem, "t_ttl", &k).await;
-    let second = pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok).await.unwrap();
+    let first = pay(&idem, k.clone(), 1, &probe, Mode::Ok).await.unwrap();
+    assert_eq!(pay(&idem, k.clone(), 1, &probe, Mode::Ok).await.unwrap(), first);
+    expire_now(&idem, "t_pay", &k).await;
+    until_expired(&idem, "t_pay", &k).await;
+    let second = pay(&idem, k.clone(), 1, &probe, Mode::Ok).await.unwrap();
     assert_eq!(second.run, 2, "executed again after expiry");
-    assert_eq!(pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok).await.unwrap(), second);
+    assert_eq!(pay(&idem, k.clone(), 1, &probe, Mode::Ok).await.unwrap(), second);
     assert_eq!(ledger_rows(&idem, &k).await, 2);
-    assert_eq!(record_rows_for(&idem, "t_ttl", &k).await, 1, "the expired row was replaced");
+    assert_eq!(record_rows_for(&idem, "t_pay", &k).await, 1, "the expired row was replaced");
 }
 
 with_and_without_redis!(

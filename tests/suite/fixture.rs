@@ -87,6 +87,19 @@ pub(crate) async fn until_expired(idem: &Idem<Db>, biz: &str, k: &str) {
     }
 }
 
+/// Ends the record of `(biz, k)` now, as if its ttl had passed: its
+/// `expires_at` set in the past, and its cached copy and claim gone from
+/// the shared Redis (a copy never lives past its record). Tests use a long
+/// ttl and this, so no second call has to come within a short one.
+pub(crate) async fn expire_now(idem: &Idem<Db>, biz: &str, k: &str) {
+    let sql = format!("UPDATE idem_record SET expires_at = 1 WHERE biz_type = '{biz}' AND idem_key = '{k}'");
+    let done = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(idem.pool()).await.expect("expire the record");
+    assert_eq!(done.rows_affected(), 1, "no record of {biz} {k}");
+    if let Some(client) = redis_client().await {
+        idempotency_testkit::redis_forget(&client, &redis_location(idem, biz, k).await).await;
+    }
+}
+
 /// Calls until the answer is no longer `InProgress`: a claim left by a
 /// failed or dropped call is released from a spawned task (up to 500 tries,
 /// 20 ms apart: far less than the 30 s lease).

@@ -12,7 +12,7 @@ use idempotency_testkit::{
 
 use super::B;
 use super::fixture::{
-    Mode, Probe, Receipt, Redis, TestError, engine, is_in_progress, ledger_rows, pay, pay_short_lease, pay_short_ttl,
+    Mode, Probe, Receipt, Redis, TestError, engine, expire_now, is_in_progress, ledger_rows, pay, pay_short_lease,
     redis_location, until_expired, until_held, until_started,
 };
 
@@ -61,10 +61,12 @@ async fn timed<T>(call: impl std::future::Future<Output = T>) -> (T, Duration) {
 }
 
 /// An `InProgress` that came from the bound: it took the whole `LOCK_WAIT`,
-/// not an instant refusal, nor a server default far past it.
+/// not an instant refusal, nor a server default far past it (MariaDB's 50 s;
+/// PostgreSQL's none). The upper bound is generous: a loaded machine may
+/// answer seconds late, and only a server default takes 20 s.
 fn assert_waited_the_bound(waited: Duration) {
     assert!(waited >= LOCK_WAIT, "answered after {waited:?}, before the {LOCK_WAIT:?} bound");
-    assert!(waited < LOCK_WAIT * 3, "answered after {waited:?}, far past the {LOCK_WAIT:?} bound");
+    assert!(waited < Duration::from_secs(20), "answered after {waited:?}, far past the {LOCK_WAIT:?} bound");
 }
 
 /// Settles a first call held at its gate and its duplicate on another engine
@@ -106,19 +108,20 @@ async fn duplicate_of_a_call_replacing_an_expired_record_is_bounded_too() {
     idem.migrate().await.expect("migrate");
     let probe = Arc::new(Probe::default());
     let k = unique("lockwait-expired");
-    pay_short_ttl(&idem, k.clone(), &probe, Mode::Ok).await.unwrap();
-    until_expired(&idem, "t_ttl", &k).await;
+    pay(&idem, k.clone(), 4, &probe, Mode::Ok).await.unwrap();
+    expire_now(&idem, "t_pay", &k).await;
+    until_expired(&idem, "t_pay", &k).await;
 
     let first = {
         let (idem, k, probe) = (idem.clone(), k.clone(), probe.clone());
-        tokio::spawn(async move { pay_short_ttl(&idem, k, &probe, Mode::HeldThenOk).await })
+        tokio::spawn(async move { pay(&idem, k, 4, &probe, Mode::HeldThenOk).await })
     };
     until_started(&probe, 2).await;
     let second = {
         let (elsewhere, k, probe) = (elsewhere.clone(), k.clone(), probe.clone());
-        tokio::spawn(timed(async move { pay_short_ttl(&elsewhere, k, &probe, Mode::Ok).await }))
+        tokio::spawn(timed(async move { pay(&elsewhere, k, 4, &probe, Mode::Ok).await }))
     };
-    // (On SQLite the duplicate finds the row live: the 1 s ttl counts from the commit.)
+    // (On SQLite the duplicate waits for the commit and finds the new row live.)
     settle_held_and_elsewhere(&probe, first, second).await;
     assert_eq!(probe.runs(), 2, "the first call and the one after expiry");
     assert_eq!(ledger_rows(&idem, &k).await, 2);
@@ -167,8 +170,13 @@ async fn duplicate_after_the_lease_still_commits_once() {
     assert_eq!(first, second, "both callers got the committed result");
     assert_eq!(probe.runs(), 2, "both bodies ran");
     assert_eq!(ledger_rows(&idem, &k).await, 1, "one committed business write");
+    // A later call replays the committed result. Whether its body runs
+    // first depends on whether the result has reached Redis (a spawned
+    // write, which a lost claim race may skip): with no copy there it
+    // claims the key, runs, meets the record and rolls back. So the body
+    // count is not asserted; the committed writes are.
     assert_eq!(pay_short_lease(&idem, k.clone(), &probe, Mode::Ok).await.unwrap(), first);
-    assert_eq!(probe.runs(), 2);
+    assert_eq!(ledger_rows(&idem, &k).await, 1, "the later call committed nothing");
 }
 
 /// Regression: a call that committed but died before its cache write leaves

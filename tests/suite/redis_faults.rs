@@ -9,8 +9,8 @@ use std::time::Duration;
 use idempotency::{Idem, Outcome, Status};
 use idempotency_testkit::servers::RedisServer;
 use idempotency_testkit::{
-    Location, TestBackend, redis_cached_response, redis_client, redis_forget, redis_pause, redis_result,
-    redis_value_after, unique,
+    Location, TestBackend, redis_cached_response, redis_client, redis_forget, redis_pause, redis_pause_writes,
+    redis_result, redis_unpause, redis_value_after, unique,
 };
 
 use super::fixture::{
@@ -26,14 +26,15 @@ async fn claim_whose_answer_came_too_late_is_released() {
     let Some((server, idem)) = engine_on_private_redis(Duration::from_millis(100)).await else { return };
     let probe = Probe::default();
 
-    // Redis holds commands for 1.5 s: our claim waits in its queue, times
-    // out on our side, then runs.
-    redis_pause(&server.client(), 1_500).await;
+    // Redis holds scripts until the call is over: our claim waits in its
+    // queue, times out on our side, then runs.
+    redis_pause_writes(&server.client()).await;
     let k = unique("late");
     let started = std::time::Instant::now();
     let failed = pay(&idem, k.clone(), 2, &probe, Mode::Fail).await;
     assert!(matches!(failed, Err(TestError::Body)), "{failed:?}");
     assert!(started.elapsed() >= Duration::from_millis(100), "the claim timed out (the pause held it)");
+    redis_unpause(&server.client()).await;
 
     // The release follows within a few Redis timeouts; the lease is 30 s.
     let left =
@@ -50,11 +51,14 @@ async fn claim_of_a_call_dropped_while_redis_is_slow_is_released() {
     let Some((server, idem)) = engine_on_private_redis(Duration::from_secs(2)).await else { return };
     let probe = Probe::default();
 
-    redis_pause(&server.client(), 600).await;
+    // Redis holds scripts until the call was dropped: its claim cannot
+    // have been answered.
+    redis_pause_writes(&server.client()).await;
     let k = unique("dropped");
     let dropped = tokio::time::timeout(Duration::from_millis(100), pay(&idem, k.clone(), 2, &probe, Mode::Ok)).await;
     assert!(dropped.is_err(), "the call was still waiting for Redis: {dropped:?}");
     assert_eq!(probe.runs(), 0, "its body never started");
+    redis_unpause(&server.client()).await;
 
     // After the pause the claim lands; it is gone well before its 30 s lease.
     let left =

@@ -12,7 +12,12 @@
 //! Bounded by entries and by bytes ([quick_cache], a concurrent cache with a
 //! weighted capacity): every entry weighs at least `max_bytes / max_entries`,
 //! so the byte bound also caps the count.
+//!
+//! An entry's age is counted by the engine's clock unless the cache is given
+//! one of its own ([`LocalCache::age_clock`]): a test moves that one by hand,
+//! so `max_age` passes exactly when the test says, however slow the machine.
 
+use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,11 +26,27 @@ use crate::clock::Clock;
 
 /// An optional bounded in-process cache of finished results; see
 /// [`Builder::local_cache`](crate::Builder::local_cache).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct LocalCache {
     max_entries: usize,
     max_bytes: u64,
     max_age: Duration,
+    age_clock: Option<AgeClock>,
+}
+
+/// A clock an entry's age is counted by: time since any fixed point, never
+/// going back.
+type AgeClock = Arc<dyn Fn() -> Duration + Send + Sync>;
+
+impl fmt::Debug for LocalCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalCache")
+            .field("max_entries", &self.max_entries)
+            .field("max_bytes", &self.max_bytes)
+            .field("max_age", &self.max_age)
+            .field("age_clock", &self.age_clock.as_ref().map_or("the engine's", |_| "its own"))
+            .finish()
+    }
 }
 
 impl LocalCache {
@@ -33,7 +54,12 @@ impl LocalCache {
     /// fingerprints and responses, plus a fixed overhead per entry), each
     /// kept at most 10 s (see [`max_age`](LocalCache::max_age)).
     pub fn new(max_entries: usize, max_bytes: u64) -> Self {
-        LocalCache { max_entries: max_entries.max(1), max_bytes: max_bytes.max(1), max_age: Duration::from_secs(10) }
+        LocalCache {
+            max_entries: max_entries.max(1),
+            max_bytes: max_bytes.max(1),
+            max_age: Duration::from_secs(10),
+            age_clock: None,
+        }
     }
 
     /// How long an entry may answer, at most, whatever its record's ttl: the
@@ -43,16 +69,28 @@ impl LocalCache {
         self.max_age = max_age;
         self
     }
+
+    /// Counts an entry's age (for [`max_age`](LocalCache::max_age)) by
+    /// `clock`, the time since any fixed point, which must never go back;
+    /// by default, by the engine's clock. For tests that move time by hand;
+    /// a record's expiry is still judged by the engine's clock.
+    pub fn age_clock(mut self, clock: impl Fn() -> Duration + Send + Sync + 'static) -> Self {
+        self.age_clock = Some(Arc::new(clock));
+        self
+    }
 }
 
 /// Bytes an entry is counted for besides its strings.
 const OVERHEAD: u64 = 96;
 
-/// One cached result: the answer and until when it may answer (epoch ms).
+/// One cached result: the answer, until when its record lives (epoch ms on
+/// the engine's clock), and until when its age allows it to answer (ms on
+/// the age clock).
 #[derive(Clone)]
 struct Cached {
     answer: Arc<Answer>,
     until_ms: u64,
+    young_until_ms: u64,
 }
 
 #[derive(Clone)]
@@ -73,6 +111,8 @@ pub(crate) struct LocalGate {
     max_age_ms: u64,
     /// The database's clock, which a record's expiry is judged by.
     clock: Arc<Clock>,
+    /// What an entry's age is counted by, if not by `clock`.
+    age_clock: Option<AgeClock>,
 }
 
 impl LocalGate {
@@ -96,6 +136,7 @@ impl LocalGate {
             ),
             max_age_ms: u64::try_from(config.max_age.as_millis()).unwrap_or(u64::MAX),
             clock,
+            age_clock: config.age_clock,
         }
     }
 
@@ -103,7 +144,7 @@ impl LocalGate {
     pub(crate) fn get(&self, biz: &str, key: &str) -> Option<Arc<Answer>> {
         let id = id(biz, key);
         let cached = self.cache.get(&id)?;
-        if self.now_ms() < cached.until_ms {
+        if self.now_ms() < cached.until_ms && self.age_ms() < cached.young_until_ms {
             return Some(cached.answer);
         }
         self.cache.remove(&id);
@@ -113,14 +154,22 @@ impl LocalGate {
     /// Keeps a committed result until its record expires, or `max_age`.
     pub(crate) fn remember(&self, biz: &str, key: &str, answer: Arc<Answer>) {
         let now = self.now_ms();
-        let until_ms = u64::try_from(answer.expires_ms).unwrap_or(0).min(now.saturating_add(self.max_age_ms));
-        if until_ms > now {
-            self.cache.insert(id(biz, key), Cached { answer, until_ms });
+        let until_ms = u64::try_from(answer.expires_ms).unwrap_or(0);
+        let young_until_ms = self.age_ms().saturating_add(self.max_age_ms);
+        if until_ms > now && self.max_age_ms > 0 {
+            self.cache.insert(id(biz, key), Cached { answer, until_ms, young_until_ms });
         }
     }
 
     fn now_ms(&self) -> u64 {
         u64::try_from(self.clock.now_ms()).unwrap_or(0)
+    }
+
+    fn age_ms(&self) -> u64 {
+        match &self.age_clock {
+            Some(clock) => u64::try_from(clock().as_millis()).unwrap_or(u64::MAX),
+            None => self.now_ms(),
+        }
     }
 
     #[cfg(test)]
@@ -177,10 +226,16 @@ mod tests {
 
     #[test]
     fn max_age_bounds_an_entry_whatever_the_ttl() {
-        let gate = local(LocalCache::new(100, 1 << 20).max_age(Duration::from_millis(30)));
+        let age = Arc::new(std::sync::atomic::AtomicU64::new(1_000));
+        let clock = {
+            let age = Arc::clone(&age);
+            move || Duration::from_millis(age.load(std::sync::atomic::Ordering::SeqCst))
+        };
+        let gate = local(LocalCache::new(100, 1 << 20).max_age(Duration::from_millis(30)).age_clock(clock));
         gate.remember("pay", "k", answer("1", far()));
-        assert!(gate.get("pay", "k").is_some());
-        std::thread::sleep(Duration::from_millis(40));
+        age.store(1_029, std::sync::atomic::Ordering::SeqCst);
+        assert!(gate.get("pay", "k").is_some(), "29 ms old");
+        age.store(1_030, std::sync::atomic::Ordering::SeqCst);
         assert!(gate.get("pay", "k").is_none(), "past max_age");
         assert_eq!(gate.len(), 0, "the stale entry was dropped");
     }

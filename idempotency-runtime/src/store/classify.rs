@@ -70,7 +70,7 @@ pub fn classify(error: &sqlx::Error) -> ErrorClass {
     }
 }
 
-/// A body's database failure as the caller is told it, by [`classify`]:
+/// A body's database failure as the caller is told it, by `classify`:
 /// transient failures are `Storage` (retry the same call later), lock waits
 /// and conflicts too; everything else is `StorageRefused` (do not retry it
 /// as is). Bodies convert their `sqlx::Error`s with `?` through this.

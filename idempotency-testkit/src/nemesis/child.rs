@@ -77,10 +77,12 @@ async fn pay<B: SoakBackend>(
 /// The lease of `pay`, for the checker.
 pub const LEASE: Duration = Duration::from_secs(1);
 
-/// The child's entry: does nothing unless `CHILD_ENV` is set. Call it
-/// from a `#[test]` the parent names in [`super::run`].
-pub fn child_process() {
-    let Ok(orders) = std::env::var(CHILD_ENV) else { return };
+/// The child's entry, first thing in the test that [`super::run`] names
+/// (the parent test itself, started again): plays one engine process and
+/// returns `true` when this process was started as one (`CHILD_ENV` set);
+/// returns `false` at once otherwise. Call it outside any runtime.
+pub fn child_process() -> bool {
+    let Ok(orders) = std::env::var(CHILD_ENV) else { return false };
     let orders: Orders = serde_json::from_str(&orders).expect("child orders");
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     match orders.backend.as_str() {
@@ -90,6 +92,7 @@ pub fn child_process() {
         "postgres" => runtime.block_on(child::<crate::backend::Postgres>(orders)),
         other => panic!("no nemesis backend `{other}` in this build"),
     }
+    true
 }
 
 async fn child<B: NemesisBackend>(orders: Orders) {

@@ -18,11 +18,11 @@ pub struct EngineProcess {
 }
 
 impl EngineProcess {
-    /// Runs `test` (the `#[test]` that calls `child_process`) of this
-    /// binary, alone, with `orders`.
+    /// Runs `test` (the parent's own test, which calls `child_process`
+    /// first) of this binary, alone, with `orders`; ignored or not.
     pub fn spawn(test: &str, orders: &Orders) -> Self {
         let mut child = Command::new(std::env::current_exe().expect("the test binary"))
-            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .args(["--exact", test, "--include-ignored", "--nocapture", "--test-threads=1"])
             .env(CHILD_ENV, serde_json::to_string(orders).expect("orders json"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

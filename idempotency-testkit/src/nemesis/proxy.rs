@@ -22,6 +22,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -56,12 +57,38 @@ enum Direction {
     Down,
 }
 
+/// Bytes through a proxy so far, over all its connections: what it read
+/// from each side, and what it passed on (the difference is held, or was
+/// dropped by a reset). Its tests wait on these rather than on time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Read from clients.
+    pub requests_in: u64,
+    /// Written to the server.
+    pub requests_out: u64,
+    /// Read from the server.
+    pub replies_in: u64,
+    /// Written to clients.
+    pub replies_out: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters([AtomicU64; 4]);
+
+impl Counters {
+    /// The counter of bytes read (`false`) or written (`true`) in `direction`.
+    fn of(&self, direction: Direction, written: bool) -> &AtomicU64 {
+        &self.0[usize::from(direction == Direction::Down) * 2 + usize::from(written)]
+    }
+}
+
 /// A proxy listening on a free loopback port, forwarding to `upstream`;
 /// it stops (and drops its connections) when its runtime stops or its
 /// handle drops.
 pub struct Proxy {
     port: u16,
     tap: Arc<watch::Sender<Tap>>,
+    counters: Arc<Counters>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -71,8 +98,20 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind a proxy port");
         let port = listener.local_addr().expect("proxy address").port();
         let tap = Arc::new(watch::Sender::new(Tap { mode: Mode::Pass, resets: 0 }));
-        let accept = tokio::spawn(accept_loop(listener, upstream, tap.clone()));
-        Proxy { port, tap, accept }
+        let counters = Arc::new(Counters::default());
+        let accept = tokio::spawn(accept_loop(listener, upstream, tap.clone(), counters.clone()));
+        Proxy { port, tap, counters, accept }
+    }
+
+    /// The bytes through this proxy so far.
+    pub fn counts(&self) -> Counts {
+        let get = |direction, written| self.counters.of(direction, written).load(Ordering::SeqCst);
+        Counts {
+            requests_in: get(Direction::Up, false),
+            requests_out: get(Direction::Up, true),
+            replies_in: get(Direction::Down, false),
+            replies_out: get(Direction::Down, true),
+        }
     }
 
     /// The port clients connect to (on 127.0.0.1).
@@ -100,7 +139,12 @@ impl Drop for Proxy {
     }
 }
 
-async fn accept_loop(listener: TcpListener, upstream: SocketAddr, tap: Arc<watch::Sender<Tap>>) {
+async fn accept_loop(
+    listener: TcpListener,
+    upstream: SocketAddr,
+    tap: Arc<watch::Sender<Tap>>,
+    counters: Arc<Counters>,
+) {
     loop {
         let Ok((client, _)) = listener.accept().await else { continue };
         let now = *tap.borrow();
@@ -109,25 +153,32 @@ async fn accept_loop(listener: TcpListener, upstream: SocketAddr, tap: Arc<watch
             continue;
         }
         let watch = tap.subscribe();
+        let counters = counters.clone();
         tokio::spawn(async move {
             // Loopback: the upstream answers at once, or is gone for good.
             let Ok(server) = TcpStream::connect(upstream).await else {
                 reset(client);
                 return;
             };
-            connection(client, server, watch, now.resets).await;
+            connection(client, server, watch, now.resets, &counters).await;
         });
     }
 }
 
 /// Forwards both ways until both sides close or the connection is reset.
-async fn connection(mut client: TcpStream, mut server: TcpStream, mut watch: watch::Receiver<Tap>, born: u64) {
+async fn connection(
+    mut client: TcpStream,
+    mut server: TcpStream,
+    mut watch: watch::Receiver<Tap>,
+    born: u64,
+    counters: &Counters,
+) {
     let _ = (client.set_nodelay(true), server.set_nodelay(true));
     {
         let (client_read, client_write) = client.split();
         let (server_read, server_write) = server.split();
-        let up = pump(client_read, server_write, watch.clone(), Direction::Up, born);
-        let down = pump(server_read, client_write, watch.clone(), Direction::Down, born);
+        let up = pump(client_read, server_write, watch.clone(), Direction::Up, born, counters);
+        let down = pump(server_read, client_write, watch.clone(), Direction::Down, born, counters);
         let reset_seen = async {
             loop {
                 if watch.borrow_and_update().resets != born || watch.changed().await.is_err() {
@@ -151,8 +202,14 @@ async fn connection(mut client: TcpStream, mut server: TcpStream, mut watch: wat
 /// the mode allows it; shuts the writing side down on end of file. A
 /// reset (a connection born before it) forwards nothing more, not even
 /// what it held: the heal that resets must not deliver a held reply.
-async fn pump<R, W>(mut from: R, mut to: W, mut watch: watch::Receiver<Tap>, direction: Direction, born: u64)
-where
+async fn pump<R, W>(
+    mut from: R,
+    mut to: W,
+    mut watch: watch::Receiver<Tap>,
+    direction: Direction,
+    born: u64,
+    counters: &Counters,
+) where
     R: AsyncReadExt + Unpin,
     W: AsyncWriteExt + Unpin,
 {
@@ -163,6 +220,7 @@ where
             Ok(n) => n,
         };
         let read_at = Instant::now();
+        counters.of(direction, false).fetch_add(n as u64, Ordering::SeqCst);
         loop {
             let tap = *watch.borrow_and_update();
             if tap.resets != born {
@@ -191,6 +249,7 @@ where
         if to.write_all(&buffer[..n]).await.is_err() {
             break;
         }
+        counters.of(direction, true).fetch_add(n as u64, Ordering::SeqCst);
     }
     let _ = to.shutdown().await;
 }

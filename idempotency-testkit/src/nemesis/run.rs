@@ -35,7 +35,7 @@ const BOUNDS: Bounds = Bounds {
 };
 
 /// Runs `cfg` on `B`, the engine processes being this binary's `child_test`
-/// (a `#[test]` calling [`super::child_process`]). `None` when a server is
+/// run again (the calling test, which starts with [`super::child_process`]). `None` when a server is
 /// missing (skipped). Panics on any violation, naming the history lines;
 /// the database and the history files are then kept for a look.
 pub async fn run<B: NemesisBackend>(cfg: &Config, child_test: &str) -> Option<Summary> {

@@ -42,7 +42,7 @@ pub use report::Report;
 pub use run::{Ctx, Running, Storm, body, call, distinct_keys, engines, soak, storm};
 #[cfg(any(feature = "mysql", feature = "postgres"))]
 pub(crate) use schedule::seed_from_env;
-pub use schedule::{Config, Fault, Plan, Rng, schedule};
+pub use schedule::{Config, FIXED_SEEDS, Fault, Plan, Rng, fresh_seed, schedule};
 
 use crate::TestBackend;
 
