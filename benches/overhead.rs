@@ -9,9 +9,12 @@
 //! executions must be 1); with one Redis node also `floor` (the first call's
 //! round trips written by hand), and `get` and `tcp` (one plain Redis `GET`
 //! through redis-rs and on a bare socket, what a replay's round trip costs at
-//! least, measured in turns with `replay` so all three see the same moments).
+//! least, measured in turns with `replay` so all three see the same moments);
+//! without Redis `select` (one indexed read of a replayed record in
+//! autocommit, a replay's floor there, in turns with `replay` too).
 //! Each row also prints the SQL statements and Redis commands per call,
-//! counted in a separate pass.
+//! counted in a separate pass; after the table, one line per performance
+//! target: its ratio, its bound, met or not met.
 //! Results also go to `target/idem-bench.json`.
 
 use std::sync::Arc;
@@ -370,7 +373,7 @@ where
 }
 
 macro_rules! backend {
-    ($module:ident, $db:ident, $name:literal, $begin_logged:literal, $url:expr, $ddl:literal, $seed:literal, $update:literal, $insert_record:literal) => {
+    ($module:ident, $db:ident, $name:literal, $begin_logged:literal, $url:expr, $ddl:literal, $seed:literal, $update:literal, $insert_record:literal, $select_record:literal) => {
         mod $module {
             use super::*;
 
@@ -597,6 +600,36 @@ macro_rules! backend {
                         async move { replay_one(&idem, &tag, i, &e, "replay").await }
                     });
                     let mut turns = vec![("replay", replay)];
+                    // select: the floor of a replay without Redis, one indexed
+                    // read of the record in autocommit (by its unique digest)
+                    if let Claims::None = claims {
+                        let digests: Arc<Vec<String>> = Arc::new(
+                            (0..10)
+                                .map(|n| {
+                                    let key = format!("{tag}_{n}");
+                                    idempotency::key::key_digest("bench_pay", &key)
+                                        .iter()
+                                        .map(|b| format!("{b:02x}"))
+                                        .collect()
+                                })
+                                .collect(),
+                        );
+                        let p = pool.clone();
+                        turns.push((
+                            "select",
+                            call(move |i| {
+                                let (p, digest) = (p.clone(), digests[i % digests.len()].clone());
+                                async move {
+                                    let found: Option<(Option<String>,)> = sqlx::query_as($select_record)
+                                        .bind(digest)
+                                        .fetch_optional(&p)
+                                        .await
+                                        .expect("select");
+                                    assert!(found.is_some_and(|(r,)| r.is_some()), "no record to select");
+                                }
+                            }),
+                        ));
+                    }
                     if let Claims::Single(c) = claims {
                         let mut conn = c.get_multiplexed_async_connection().await.expect("redis");
                         // Each replayed result: its field in the hash of its window.
@@ -637,6 +670,7 @@ macro_rules! backend {
                     let replay_calls = if tasks == 1 { calls * 5 } else { calls };
                     let mut timings = alternating(tasks, replay_calls, turns).await.into_iter();
                     let (_, timing) = timings.next().expect("replay row");
+                    // pushed after replay, as get and tcp
                     let gets: Vec<_> = timings.collect();
                     assert_eq!(executions.load(Ordering::Relaxed), before, "a replay executed the body");
                     let counted =
@@ -671,7 +705,7 @@ macro_rules! backend {
                         push(rows, "replay-local", timing, counted);
                     }
 
-                    // get and tcp: the least a replay's one Redis round trip costs
+                    // get, tcp and select: the least a replay's one round trip costs
                     for (mode, timing) in gets {
                         push(rows, mode, timing, (f64::NAN, f64::NAN));
                     }
@@ -738,7 +772,8 @@ backend!(
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT IGNORE INTO bench_orders (id, status) WITH RECURSIVE n (i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) SELECT i, 'PENDING' FROM n",
     "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = ? AND status = 'PENDING'",
-    "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (UNHEX(?), ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (UNHEX(?), ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    "SELECT response FROM idem_record WHERE key_digest = UNHEX(?)"
 );
 
 backend!(
@@ -750,13 +785,43 @@ backend!(
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT INTO bench_orders (id, status) SELECT i, 'PENDING' FROM generate_series(1, $1) AS i ON CONFLICT DO NOTHING",
     "UPDATE bench_orders SET paid_count = paid_count + 1 WHERE id = $1 AND status = 'PENDING'",
-    "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (CAST($1 AS uuid), $2, $3, $4, $5, $6, $7, $8, $9, $10)"
+    "INSERT INTO idem_record (key_digest, biz_type, idem_key, biz_no, params_hash, status, response, created_at, updated_at, expires_at) VALUES (CAST($1 AS uuid), $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+    "SELECT response FROM idem_record WHERE key_digest = CAST($1 AS uuid)"
 );
 
 fn ratio(rows: &[Row], backend: &str, redis: &str, tasks: usize, mode: &str) -> Option<f64> {
     let find =
         |m: &str| rows.iter().find(|r| r.backend == backend && r.redis == redis && r.tasks == tasks && r.mode == m);
     Some(find(mode)?.p50_ms / find("bare")?.p50_ms)
+}
+
+/// The performance targets, one line each: the ratio of two rows' p50
+/// (same backend, claims and task count), its bound, and met or not met.
+fn targets(rows: &[Row]) {
+    let p50 = |backend: &str, redis: &str, tasks: usize, mode: &str| {
+        rows.iter()
+            .find(|r| r.backend == backend && r.redis == redis && r.tasks == tasks && r.mode == mode)
+            .map(|r| r.p50_ms)
+    };
+    let targets: [(&str, &str, &str, &str, [f64; 2]); 3] = [
+        ("replay without Redis / one indexed SELECT of the record", "none", "replay", "select", [1.3, 1.3]),
+        ("replay with Redis / one HGET of its field", "redis", "replay", "get", [1.15, 1.3]),
+        ("first call / the hand-written claim and record", "redis", "first", "floor", [1.10, 1.10]),
+    ];
+    println!();
+    for (what, redis, mode, floor, bounds) in targets {
+        for backend in ["mariadb", "postgres", "galera"] {
+            for (tasks, bound) in [1, CONCURRENCY].into_iter().zip(bounds) {
+                let (Some(row), Some(floor)) = (p50(backend, redis, tasks, mode), p50(backend, redis, tasks, floor))
+                else {
+                    continue;
+                };
+                let ratio = row / floor;
+                let verdict = if ratio <= bound { "met" } else { "NOT met" };
+                println!("target {what}, {backend}, {tasks} task(s): {ratio:.2}x (<= {bound:.2}x) {verdict}");
+            }
+        }
+    }
 }
 
 fn main() {
@@ -854,6 +919,8 @@ fn main() {
          replay-local: a replay from the engine's local cache (bare/local: how much faster than bare). \
          sql, redis: round trips per call."
     );
+
+    targets(&rows);
 
     let json = serde_json::json!({
         "quick": quick(),

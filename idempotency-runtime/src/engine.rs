@@ -31,6 +31,8 @@ struct Inner<DB: Backend> {
     /// The database's clock, shared with the gate.
     clock: Arc<Clock>,
     gate: Gate,
+    /// Which fns read their record before anything else (no claim held).
+    read_first: crate::call::read_first::ReadFirst,
     lock_wait: Duration,
     wait: Duration,
     max_result_bytes: usize,
@@ -241,6 +243,7 @@ impl<DB: Backend> Builder<DB> {
                 db: Db { pool: self.pool, pooling: self.pooling },
                 clock,
                 gate,
+                read_first: Default::default(),
                 lock_wait: self.lock_wait,
                 wait: self.wait,
                 max_result_bytes: self.max_result_bytes,
@@ -324,6 +327,10 @@ impl<DB: Backend> Idem<DB> {
 
     pub(crate) fn gate(&self) -> &Gate {
         &self.inner.gate
+    }
+
+    pub(crate) fn read_first(&self) -> &crate::call::read_first::ReadFirst {
+        &self.inner.read_first
     }
 
     pub(crate) fn lock_wait(&self) -> Duration {

@@ -31,6 +31,17 @@ pub struct Fingerprint {
     error: Option<Error>,
 }
 
+/// What an argument of an `#[idempotent]` fn must be: serialized into the
+/// call's fingerprint, which tells a retry from a new request.
+#[diagnostic::on_unimplemented(
+    message = "the argument `{Self}` cannot be fingerprinted by #[idempotent]",
+    label = "an argument must implement `serde::Serialize`: the fingerprint tells a retry from another request",
+    note = "derive `serde::Serialize` for `{Self}`, or mark the parameter `#[idem(skip)]` when it does not decide what the call does (a client, a config, a counter)"
+)]
+pub trait Fingerprinted: Serialize {}
+
+impl<T: Serialize + ?Sized> Fingerprinted for T {}
+
 impl Fingerprint {
     /// An empty fingerprint (a fn whose arguments are all skipped).
     pub fn new() -> Self {
@@ -39,7 +50,7 @@ impl Fingerprint {
 
     /// Adds one argument. An argument that does not serialize, or holds a
     /// NaN or infinite float anywhere, makes [`finish`](Self::finish) fail.
-    pub fn arg<T: Serialize + ?Sized>(mut self, name: &'static str, value: &T) -> Self {
+    pub fn arg<T: Fingerprinted + ?Sized>(mut self, name: &'static str, value: &T) -> Self {
         if let Some(v) = self.serialized(name, value) {
             self.args.push((name, v));
         }
@@ -51,7 +62,7 @@ impl Fingerprint {
     /// `false`, `""`, empty), so an argument added to a fn keeps the
     /// fingerprints of the calls made before it existed. Compared as
     /// canonical bytes: what the fingerprint would hash.
-    pub fn arg_unless_default<T: Serialize + Default>(mut self, name: &'static str, value: &T) -> Self {
+    pub fn arg_unless_default<T: Fingerprinted + Default>(mut self, name: &'static str, value: &T) -> Self {
         let Some(v) = self.serialized(name, value) else { return self };
         let is_default = serde_json::to_value(T::default()).is_ok_and(|d| {
             let (mut given, mut default) = (Vec::new(), Vec::new());

@@ -26,6 +26,7 @@ mod joined_races;
 mod keys;
 mod leases;
 mod namespaces;
+mod read_first;
 mod recorded_errors;
 mod redis_faults;
 mod replay;

@@ -1,0 +1,116 @@
+//! Without a claim, a fn whose calls are mostly replays reads its record
+//! first: a finished key is answered by one statement. The read never
+//! decides who runs: an expired key executes again, a reused key is
+//! `KeyReused`, and a fn whose calls turn into first calls stops reading.
+
+use std::cell::Cell;
+use std::sync::Once;
+
+use idempotency_testkit::{TestBackend, unique};
+
+use super::B;
+use super::fixture::{Mode, Probe, Redis, TestError, engine, expire_now, ledger_rows, pay};
+
+thread_local! {
+    /// The statements sqlx logged on this thread (its `sqlx::query` events).
+    static STATEMENTS: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Counts every thread's statements into its own [`STATEMENTS`]: tests on
+/// other threads do not disturb a count. Installed as the global default
+/// once (a scoped one misses events when another thread registered sqlx's
+/// event sites first). SQLite's statements run on its worker thread and are
+/// not seen.
+struct Statements;
+
+impl tracing::Subscriber for Statements {
+    fn register_callsite(&self, meta: &'static tracing::Metadata<'static>) -> tracing::subscriber::Interest {
+        if meta.target() == "sqlx::query" {
+            tracing::subscriber::Interest::always()
+        } else {
+            tracing::subscriber::Interest::never()
+        }
+    }
+    fn enabled(&self, meta: &tracing::Metadata<'_>) -> bool {
+        meta.target() == "sqlx::query"
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, _: &tracing::Event<'_>) {
+        STATEMENTS.with(|n| n.set(n.get() + 1));
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+fn count_statements() {
+    static INSTALLED: Once = Once::new();
+    INSTALLED.call_once(|| {
+        tracing::subscriber::set_global_default(Statements).expect("no other global subscriber in this binary");
+    });
+}
+
+/// The statements one `pay` of `k` sends on this thread (a replay: checked
+/// to be one).
+async fn statements_of_a_replay(idem: &idempotency::Idem<super::Db>, k: &str, probe: &Probe) -> usize {
+    let (runs, before) = (probe.runs(), STATEMENTS.with(Cell::get));
+    let replay = pay(idem, k.to_owned(), 1, probe, Mode::Ok).await.expect("replay");
+    assert_eq!((replay.run, probe.runs()), (1, runs), "a replay executed");
+    STATEMENTS.with(Cell::get) - before
+}
+
+#[tokio::test]
+async fn a_fn_of_replays_is_answered_by_one_read_and_stops_reading_when_calls_are_new() {
+    count_statements();
+    let Some(idem) = engine(&unique("db"), 4, Redis::Off).await else { return };
+    let probe = Probe::default();
+    let k = unique("rf");
+    pay(&idem, k.clone(), 1, &probe, Mode::Ok).await.unwrap();
+    // The fn's first replay goes through the unique index: no reason yet
+    // to expect a duplicate.
+    let through_the_index = statements_of_a_replay(&idem, &k, &probe).await;
+    statements_of_a_replay(&idem, &k, &probe).await;
+    let read_first = statements_of_a_replay(&idem, &k, &probe).await;
+    if B::NAME != "sqlite" {
+        assert!(through_the_index >= 3, "insert, read, rollback: {through_the_index} statements");
+        assert_eq!(read_first, 1, "a replay once replays dominate: one read");
+    }
+
+    // New keys while it reads first: each executes (the read found
+    // nothing), and two of them turn the read off again.
+    for _ in 0..2 {
+        let fresh = unique("rf_new");
+        let receipt = pay(&idem, fresh.clone(), 1, &probe, Mode::Ok).await.unwrap();
+        assert_eq!((receipt.run, ledger_rows(&idem, &fresh).await), (probe.runs(), 1));
+    }
+    let off_again = statements_of_a_replay(&idem, &k, &probe).await;
+    if B::NAME != "sqlite" {
+        assert_eq!(off_again, through_the_index, "after first calls, replays go through the index again");
+    }
+    assert_eq!(ledger_rows(&idem, &k).await, 1);
+}
+
+#[tokio::test]
+async fn the_read_never_decides_who_runs() {
+    let Some(idem) = engine(&unique("db"), 4, Redis::Off).await else { return };
+    let probe = Probe::default();
+    let k = unique("rf");
+    pay(&idem, k.clone(), 1, &probe, Mode::Ok).await.unwrap();
+    for _ in 0..3 {
+        assert_eq!(pay(&idem, k.clone(), 1, &probe, Mode::Ok).await.unwrap().run, 1);
+    }
+
+    // Other arguments under the same key: refused, as through the index.
+    let reused = pay(&idem, k.clone(), 2, &probe, Mode::Ok).await;
+    assert!(matches!(reused, Err(TestError::Idem(idempotency::Error::KeyReused { .. }))), "{reused:?}");
+
+    // The record expired (forced by SQL): the read finds it dead and the
+    // call executes again, its record replaced.
+    expire_now(&idem, "t_pay", &k).await;
+    let again = pay(&idem, k.clone(), 1, &probe, Mode::Ok).await.unwrap();
+    assert_eq!((again.run, probe.runs(), ledger_rows(&idem, &k).await), (2, 2, 2));
+    assert_eq!(pay(&idem, k.clone(), 1, &probe, Mode::Ok).await.unwrap().run, 2, "the new record replays");
+}
