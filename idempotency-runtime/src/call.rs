@@ -118,11 +118,16 @@ async fn call<DB: Backend>(
     let wait = engine.wait_for(spec);
     let deadline = tokio::time::Instant::now() + wait;
     let gate = engine.gate();
-    let mut entry = gate.enter(engine.db(), id.row(), &fingerprint, spec.lease, engine.lock_wait().max(wait)).await;
+    // A fn whose calls are mostly replays reads before it claims: one
+    // `HGET` in Redis, or its record without Redis (`read_first`).
+    let expect_replay = engine.read_first().expected(spec);
+    let mut entry =
+        gate.enter(engine.db(), id.row(), &fingerprint, spec.lease, engine.lock_wait().max(wait), expect_replay).await;
     let pass = loop {
         match entry {
             Entry::GoAhead(pass) => break pass,
             Entry::Replay(answer, source) => {
+                engine.read_first().saw(spec, true);
                 replay(&id, &answer.fingerprint, &answer.response, answer.failed, body)?;
                 return Ok(Done { outcome: Outcome::Replayed, source: Some(source), failed: answer.failed });
             }
@@ -146,11 +151,10 @@ async fn call<DB: Backend>(
         }
     };
 
-    // Without a claim, a fn whose calls are mostly replays asks its record
-    // first: one read answers a finished key (`read_first`).
+    // Without a claim, one read of the record answers a finished key.
     let claimed = pass.holds_claim();
     if !claimed
-        && engine.read_first().expected(spec)
+        && expect_replay
         && let Some(row) = engine.records().read_live(spec.biz, key).await?
     {
         let (outcome, answer) = replay_row(&id, row, body)?.split(fingerprint.clone());
@@ -173,9 +177,7 @@ async fn call<DB: Backend>(
             // The stored result goes on to the duplicates: to Redis in place
             // of our claim, or to those waiting here.
             let (outcome, answer) = recorded.split(fingerprint.clone());
-            if !claimed {
-                engine.read_first().saw(spec, outcome == Outcome::Replayed);
-            }
+            engine.read_first().saw(spec, outcome == Outcome::Replayed);
             pass.finish(&answer);
             engine.gate().remember(spec.biz, key, &answer);
             let source = (outcome == Outcome::Replayed).then_some(Source::Database);

@@ -1,15 +1,19 @@
-//! Without a claim, a fn whose calls are mostly replays reads its record
-//! first: a finished key is answered by one statement. The read never
-//! decides who runs: an expired key executes again, a reused key is
-//! `KeyReused`, and a fn whose calls turn into first calls stops reading.
+//! A fn whose calls are mostly replays reads before it claims: without
+//! Redis its record (a finished key answered by one statement), with Redis
+//! its cached result (one `HGET`, no claim script). The read never decides
+//! who runs: an expired key executes again, a reused key is `KeyReused`,
+//! and a fn whose calls turn into first calls stops reading.
 
 use std::cell::Cell;
 use std::sync::Once;
+use std::time::{Duration, Instant};
 
+use idempotency::Idem;
+use idempotency_testkit::servers::RedisServer;
 use idempotency_testkit::{TestBackend, unique};
 
-use super::B;
 use super::fixture::{Mode, Probe, Redis, TestError, engine, expire_now, ledger_rows, pay};
+use super::{B, Db};
 
 thread_local! {
     /// The statements sqlx logged on this thread (its `sqlx::query` events).
@@ -113,4 +117,80 @@ async fn the_read_never_decides_who_runs() {
     let again = pay(&idem, k.clone(), 1, &probe, Mode::Ok).await.unwrap();
     assert_eq!((again.run, probe.runs(), ledger_rows(&idem, &k).await), (2, 2, 2));
     assert_eq!(pay(&idem, k.clone(), 1, &probe, Mode::Ok).await.unwrap().run, 2, "the new record replays");
+}
+
+/// How many `HGET`s and `EVALSHA`s `server` has run (`INFO commandstats`;
+/// the `HGET`s a script runs count too).
+fn hgets_and_scripts(server: &RedisServer) -> (i64, i64) {
+    let mut conn = server.client().get_connection().expect("redis");
+    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut conn).expect("INFO");
+    let calls = |command: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+            .map_or(0, |rest| rest.split(',').next().unwrap().parse().expect("calls"))
+    };
+    (calls("hget"), calls("evalsha"))
+}
+
+/// Waits until `server` holds `n` cached results: a call's result is
+/// written to Redis off its path, after it answered.
+async fn until_cached(server: &RedisServer, idem: &Idem<Db>, n: i64) {
+    let namespace = idem.redis_namespace().await.expect("namespace").expect("migrated");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.results_held(namespace.as_str()) < n {
+        assert!(Instant::now() < deadline, "the results never landed: {}", server.results_held(namespace.as_str()));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The `HGET`s and scripts one replay of `k` sends to `server`.
+async fn commands_of_a_replay(server: &RedisServer, idem: &Idem<Db>, k: &str, probe: &Probe) -> (i64, i64) {
+    let (runs, (hgets, scripts)) = (probe.runs(), hgets_and_scripts(server));
+    let replay = pay(idem, k.to_owned(), 1, probe, Mode::Ok).await.expect("replay");
+    assert_eq!((replay.run, probe.runs()), (1, runs), "a replay executed");
+    let (hgets_after, scripts_after) = hgets_and_scripts(server);
+    (hgets_after - hgets, scripts_after - scripts)
+}
+
+#[tokio::test]
+async fn with_redis_a_fn_of_replays_is_answered_by_one_hget_and_stops_reading_when_calls_are_new() {
+    let Some(server) = RedisServer::start() else { return };
+    let Some(pool) = B::open(&unique("db"), 4).await else { return };
+    B::prepare(&pool).await;
+    // Windows of a year: a replay never straddles two (the HGET reads the
+    // current window's hash; a result of the window before is the claim's).
+    let idem = Idem::builder(pool).redis(server.client()).redis_hot_window(Duration::from_secs(365 * 86_400)).build();
+    idem.migrate().await.expect("migrate");
+    let probe = Probe::default();
+    let k = unique("rf");
+    pay(&idem, k.clone(), 1, &probe, Mode::Ok).await.unwrap();
+    until_cached(&server, &idem, 1).await;
+
+    // No reason yet to expect a duplicate: the claim script finds the
+    // result (its first HGET, of this window's hash).
+    assert_eq!(commands_of_a_replay(&server, &idem, &k, &probe).await, (1, 1));
+    assert_eq!(commands_of_a_replay(&server, &idem, &k, &probe).await, (1, 1));
+    // Replays dominate: one HGET, no script.
+    assert_eq!(commands_of_a_replay(&server, &idem, &k, &probe).await, (1, 0));
+    assert_eq!(commands_of_a_replay(&server, &idem, &k, &probe).await, (1, 0));
+
+    // Other arguments under the same key: refused, read the same way.
+    let (hgets, scripts) = hgets_and_scripts(&server);
+    let reused = pay(&idem, k.clone(), 2, &probe, Mode::Ok).await;
+    assert!(matches!(reused, Err(TestError::Idem(idempotency::Error::KeyReused { .. }))), "{reused:?}");
+    assert_eq!(hgets_and_scripts(&server), (hgets + 1, scripts));
+
+    // New keys while it reads: each HGET finds nothing, the claim decides
+    // and each executes; two of them turn the read off again.
+    for n in 0..2 {
+        let fresh = unique("rf_new");
+        let (hgets, _) = hgets_and_scripts(&server);
+        let receipt = pay(&idem, fresh.clone(), 1, &probe, Mode::Ok).await.unwrap();
+        assert_eq!((receipt.run, ledger_rows(&idem, &fresh).await), (probe.runs(), 1));
+        // Its own HGET, then the script's two (both windows).
+        assert_eq!(hgets_and_scripts(&server).0, hgets + 3, "looked for first");
+        until_cached(&server, &idem, 2 + n).await;
+    }
+    assert_eq!(commands_of_a_replay(&server, &idem, &k, &probe).await, (1, 1), "claimed again");
+    assert_eq!(ledger_rows(&idem, &k).await, 1);
 }

@@ -1,13 +1,16 @@
-//! Which fns are answered from their record: those read it first.
+//! Which fns read before they claim: those whose calls are mostly replays.
 //!
 //! Without a claim in Redis, a duplicate learns its key is taken only at
 //! the unique index: a transaction opened, its insert refused, the record
 //! read, the transaction rolled back (four round trips on a server). One
-//! autocommit read of the record answers a finished key in one round trip,
-//! but read first on every call, each first call would pay it. So each fn
-//! keeps a two-bit counter of how its recent calls ended (replayed: up,
-//! executed: down) and reads first while replays dominate. A wrong guess
-//! costs one read; the unique index stays the only judge of who runs.
+//! autocommit read of the record answers a finished key in one round trip.
+//! With Redis, a replay found by the claim script costs Redis the script;
+//! one native `HGET` of the result finds it at the floor's cost. Either
+//! read done on every call would cost each first call a round trip, so
+//! each fn keeps a two-bit counter of how its recent calls ended (replayed:
+//! up, executed: down) and reads first while replays dominate. A wrong
+//! guess costs one read; the claim and the unique index stay the only
+//! judges of who runs.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 

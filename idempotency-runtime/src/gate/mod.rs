@@ -123,7 +123,9 @@ impl Gate {
 
     /// Decides for the call `id` (its digest computed once, for the record
     /// and for Redis); `lease` bounds a Redis claim, `wait` the wait in
-    /// memory for a duplicate running here.
+    /// memory for a duplicate running here; `expect_replay`: the fn's calls
+    /// are mostly replays (`call/read_first.rs`), so Redis is read before
+    /// it is asked to claim.
     pub(crate) async fn enter<DB: Backend>(
         &self,
         db: &Db<DB>,
@@ -131,6 +133,7 @@ impl Gate {
         fingerprint: &str,
         lease: Duration,
         wait: Duration,
+        expect_replay: bool,
     ) -> Entry<'_> {
         let (biz, key) = (id.biz, id.key);
         if let Some(local) = &self.local
@@ -140,7 +143,7 @@ impl Gate {
         }
         #[cfg(feature = "redis")]
         if let Some(redis) = &self.redis
-            && let Some(entry) = redis.enter(db, id, fingerprint, lease).await
+            && let Some(entry) = redis.enter(db, id, fingerprint, lease, expect_replay).await
         {
             // Kept here only when it answers these arguments: one stored for
             // others carries just its fingerprint's prefix.
@@ -151,7 +154,7 @@ impl Gate {
             }
             return entry;
         }
-        let _ = (db, fingerprint, lease);
+        let _ = (db, fingerprint, lease, expect_replay);
         self.memory.enter(biz, key, wait).await
     }
 

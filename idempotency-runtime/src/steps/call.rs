@@ -113,7 +113,7 @@ async fn call<DB: Backend>(
     let wait = engine.wait_for(spec);
     let deadline = tokio::time::Instant::now() + wait;
     let gate = engine.gate();
-    let mut entry = gate.enter(engine.db(), row, &fingerprint, spec.lease, engine.lock_wait().max(wait)).await;
+    let mut entry = gate.enter(engine.db(), row, &fingerprint, spec.lease, engine.lock_wait().max(wait), false).await;
     loop {
         match entry {
             Entry::GoAhead(pass) => {
