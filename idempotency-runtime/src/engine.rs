@@ -141,10 +141,11 @@ impl<DB: Backend> Builder<DB> {
     /// How long Redis keeps a finished result for fast replays: between one
     /// and two of these (results are kept in one hash per window of this
     /// length, dropped a window after it ends), and never past its record's
-    /// expiry. Redis then holds about `calls per second × 1.5 × hot window`
-    /// results, whatever the records' ttl. A duplicate arriving later takes
-    /// the claim and is answered from the record: its body runs in a
-    /// transaction that rolls back when the record's insert meets the
+    /// expiry; a result replayed in the window after its own is kept a
+    /// window more. Redis then holds about `calls per second × 1.5 × hot
+    /// window` results, whatever the records' ttl. A duplicate arriving
+    /// later takes the claim and is answered from the record: its body runs
+    /// in a transaction that rolls back when the record's insert meets the
     /// committed row. Default 10 minutes; at least 1 s.
     #[cfg(feature = "redis")]
     pub fn redis_hot_window(mut self, window: Duration) -> Self {

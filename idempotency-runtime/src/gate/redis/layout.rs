@@ -11,7 +11,9 @@
 //!   fingerprint, then the response. A window's hash expires one hot window
 //!   after the window ends, so a result stays between one and two hot
 //!   windows, and Redis holds about `rate × 1.5 × hot window` results at a
-//!   time, whatever the records' ttl.
+//!   time, whatever the records' ttl. A result replayed from the window
+//!   before is copied into the current one (the claim script does it), so a
+//!   key that keeps being replayed stays where one `HGET` finds it.
 //!
 //! A hash per window spends no per-key overhead (a key's own entry, object
 //! and expiry cost Redis about 110 bytes) on each result: a 150-byte

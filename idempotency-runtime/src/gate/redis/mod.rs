@@ -41,7 +41,7 @@ use later::MAX_BACKGROUND;
 use later::Unanswered;
 #[cfg(test)]
 use layout::parse_result;
-use layout::{Place, claim_value, read_result, result_value, window_of};
+use layout::{Place, claim_value, read_result, result_value, results_ttl_ms, window_of};
 use scripts::{Scripts, evalsha};
 
 /// How long a finished result stays in Redis for fast replays unless set
@@ -256,7 +256,8 @@ impl RedisGate {
     /// reply is the floor's. Anything else (no result, an expired or
     /// unreadable one, Redis failing) is `None`, and the claim decides as
     /// if this had not been asked; so is a result of the window before,
-    /// which the claim script reads. A wrong guess costs one round trip.
+    /// which the claim script finds and copies into this window's hash for
+    /// the next read. A wrong guess costs one round trip.
     async fn peek(&self, place: &Place, fingerprint: &str) -> Option<Answer> {
         let now = self.clock.now_ms();
         let mut hget = redis::cmd("HGET");
@@ -319,7 +320,8 @@ impl RedisGate {
         let now = self.clock.now_ms();
         let [current, previous] = held.place.results_at(now, self.hot_window);
         let mut call = evalsha(&self.scripts.claim, &[&held.place.claim, &current, &previous]);
-        call.arg(&held.value).arg(millis(lease)).arg(&held.place.field[..]).arg(now);
+        let ttl = results_ttl_ms(now, self.hot_window);
+        call.arg(&held.value).arg(millis(lease)).arg(&held.place.field[..]).arg(now).arg(ttl);
         if let Some(bytes) = unreadable {
             call.arg(bytes);
         }
@@ -477,12 +479,13 @@ mod tests {
 
     /// Every answer of the claim script: ours, our own value sent again,
     /// someone else's claim, a live result in this window's hash and in the
-    /// one before, a result stored for other arguments, and an expired
-    /// result (no answer: the claim is ours).
+    /// one before (copied into this window's), a result stored for other
+    /// arguments, and an expired result (no answer: the claim is ours).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn claims_and_replays_through_the_script() {
         let Some(mut conn) = test_redis().await else { return };
-        let hot = Duration::from_secs(60);
+        // Windows of a thousand years: the test never straddles two.
+        let hot = Duration::from_secs(1_000 * 365 * 86_400);
         let gate = gate(hot);
         let namespace = Namespace::new("t_unit").unwrap();
         let (biz, key) = ("t_claim", token());
@@ -515,12 +518,18 @@ mod tests {
                 other => panic!("{other:?}"),
             }
             assert_eq!(get(&mut conn).await.as_deref(), Some(held.value.as_str()), "the claim is left alone");
+            // Found in the window before: this window's hash has it now, for one HGET.
+            let copied: Option<Vec<u8>> =
+                redis::cmd("HGET").arg(&current).arg(&place.field[..]).query_async(&mut conn).await.unwrap();
+            assert_eq!(copied, Some(result_value(now + 60_000, FP, "{\"a\":1}", false)), "{hash}");
+            let pttl: i64 = redis::cmd("PTTL").arg(&current).query_async(&mut conn).await.unwrap();
+            assert!(pttl > 0, "{pttl}");
             // Other arguments get the stored fingerprint's prefix: `KeyReused`.
             match gate.claim(Place::of(&namespace, biz, &key), OTHER_FP, lease).await {
                 Found::Finished(answer) => assert_eq!(answer.fingerprint, FP[..32]),
                 other => panic!("{other:?}"),
             }
-            del(&mut conn, &[hash]).await;
+            del(&mut conn, &[&current, &previous]).await;
         }
 
         // Expired by the database's clock, still kept by Redis: no answer.

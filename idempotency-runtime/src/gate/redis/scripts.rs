@@ -11,12 +11,16 @@ use redis::{Cmd, Script};
 // 7, big endian); otherwise what holds the claim key (KEYS[1]); otherwise
 // the claim is ours: set with the lease (ARGV[2], ms) and nil is answered.
 // Our own value counts as ours: a client that resends after a lost reply
-// (the cluster client does) finds it.
+// (the cluster client does) finds it. A result found in the window before
+// is copied into this window's hash (expiring ARGV[5] ms from now when the
+// hash is new): a replayed result stays where one `HGET` of this window
+// finds it (`RedisGate::peek`).
 //
 // Whatever the gate did not write is absent, and dropped: a result shorter
 // than its tag, expiry and fingerprint (23 bytes, `layout`), or tagged
-// neither `d` (a value) nor `f` (a recorded business error), or the value the caller could not read last time (ARGV[5], its
-// response not UTF-8: Lua cannot tell); a result hash of another type
+// neither `d` (a value) nor `f` (a recorded business error), or the value
+// the caller could not read last time (ARGV[6], its response not UTF-8:
+// Lua cannot tell); a result hash of another type
 // (WRONGTYPE: every call of its shard and window would fail); a claim that
 // is not `p:` or has no lease, or a claim key of another type (SET replaces
 // it). So one corrupt entry costs one call its fast path, never an error:
@@ -29,11 +33,17 @@ for i = 2, 3 do
     redis.call('DEL', KEYS[i])
   elseif v then
     local tag = string.byte(v)
-    if #v < 23 or (tag ~= 100 and tag ~= 102) or v == ARGV[5] then
+    if #v < 23 or (tag ~= 100 and tag ~= 102) or v == ARGV[6] then
       redis.call('HDEL', KEYS[i], ARGV[3])
     else
       local a, b, c, d, e, f = string.byte(v, 2, 7)
-      if ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f > now then return v end
+      if ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f > now then
+        if i == 3 then
+          redis.call('HSET', KEYS[2], ARGV[3], v)
+          if redis.call('PTTL', KEYS[2]) < 0 then redis.call('PEXPIRE', KEYS[2], ARGV[5]) end
+        end
+        return v
+      end
     end
   end
 end
