@@ -61,9 +61,9 @@ use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router, middleware};
+use axum::{Json, Router};
 use idempotency::Idem;
-use idempotency::http::{IdempotencyKey, IdempotencyToken, KeyOrToken, Problem, check_principal, replay_header};
+use idempotency::http::{IdempotencyKey, IdempotencyToken, KeyOrToken, Problem, ReplayHeaderLayer, check_principal};
 use shop::{ApiError, PAY_TOKEN_TTL, PAY_TOKENS, PayResponse, PayToken, Store};
 
 impl IntoResponse for PayResponse {
@@ -159,7 +159,7 @@ macro_rules! pay_service {
                 Router::new()
                     .route("/orders/{id}/pay", post(pay))
                     .route("/orders/{id}/pay-token", get(pay_token))
-                    .layer(middleware::from_fn(replay_header))
+                    .layer(ReplayHeaderLayer)
                     .with_state(App { idem })
             }
         }

@@ -19,9 +19,9 @@ use axum::http::request::Parts;
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use axum::{Json, Router, middleware};
+use axum::{Json, Router};
 use http_contract::{ApiError, Framework, Gate, NOT_PAYABLE_BODY, PayReq, PayResponse, UserId};
-use idempotency::http::{IdempotencyKey, check_principal, replay_header};
+use idempotency::http::{IdempotencyKey, ReplayHeaderLayer, check_principal};
 use idempotency::{Idem, idempotent};
 use sqlx::Transaction;
 
@@ -85,7 +85,7 @@ macro_rules! pay_service {
             pub fn router(idem: Idem<$db>, gate: Arc<Gate>) -> Router {
                 Router::new()
                     .route("/orders/{id}/pay", post(pay))
-                    .layer(middleware::from_fn(replay_header))
+                    .layer(ReplayHeaderLayer)
                     .with_state(App { idem, gate })
             }
         }

@@ -1,8 +1,8 @@
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::{StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
-use axum::{Json, Router, middleware, routing::post};
-use idempotency::http::{IdempotencyKey, Problem, check_principal, replay_header};
+use axum::{Json, Router, routing::post};
+use idempotency::http::{IdempotencyKey, Problem, ReplayHeaderLayer, check_principal};
 use idempotency::{Idem, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{MySql, MySqlPool, Transaction};
@@ -127,7 +127,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let app = Router::new()
         .route("/orders/{id}/pay", post(pay))
-        .layer(middleware::from_fn(replay_header)) // `Idempotent-Replayed: true` on replays
+        .layer(ReplayHeaderLayer) // `Idempotent-Replayed: true` on replays
         .with_state(App { idem });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
     axum::serve(listener, app).await?;

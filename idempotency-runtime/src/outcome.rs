@@ -79,6 +79,21 @@ pub async fn observe<F: Future>(future: F) -> (F::Output, Option<Outcome>) {
     .await
 }
 
+/// Polls `future` as [`observe`] runs it, keeping the outcome seen so far
+/// in `last` between polls: for adapters whose future must be a named type.
+pub(crate) fn poll_observed<F: Future>(
+    future: std::pin::Pin<&mut F>,
+    last: &mut Option<Outcome>,
+    cx: &mut std::task::Context<'_>,
+) -> std::task::Poll<F::Output> {
+    let (poll, seen) = LAST.sync_scope(Cell::new(*last), || {
+        let poll = future.poll(cx);
+        (poll, LAST.with(Cell::get))
+    });
+    *last = seen;
+    poll
+}
+
 pub(crate) fn report(outcome: Outcome) {
     // Outside `observe` there is nobody to tell.
     let _ = LAST.try_with(|last| last.set(Some(outcome)));

@@ -162,7 +162,8 @@ impl Error {
 /// Middleware for `axum::middleware::from_fn`: runs the handler inside
 /// [`observe_replay`] and adds `Idempotent-Replayed: true` when its
 /// `#[idempotent]` call replayed a stored result. A call that executed (or
-/// failed) gets no such header.
+/// failed) gets no such header. [`ReplayHeaderLayer`] does the same
+/// without `from_fn`'s boxed future and cloned service per request.
 ///
 /// ```ignore
 /// Router::new().route("/orders/{id}/pay", post(pay)).layer(axum::middleware::from_fn(idempotency::http::replay_header))
@@ -173,6 +174,73 @@ pub async fn replay_header(request: Request, next: Next) -> Response {
         response.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static(super::header::REPLAYED));
     }
     response
+}
+
+/// [`replay_header`] as a tower layer: `Idempotent-Replayed: true` on a
+/// response whose handler's `#[idempotent]` call replayed a stored result,
+/// with nothing allocated per request (`from_fn` boxes a future and clones
+/// the service on each).
+///
+/// ```ignore
+/// Router::new().route("/orders/{id}/pay", post(pay)).layer(idempotency::http::ReplayHeaderLayer)
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReplayHeaderLayer;
+
+impl<S> tower_layer::Layer<S> for ReplayHeaderLayer {
+    type Service = ReplayHeader<S>;
+
+    fn layer(&self, inner: S) -> ReplayHeader<S> {
+        ReplayHeader { inner }
+    }
+}
+
+/// The service of [`ReplayHeaderLayer`].
+#[derive(Debug, Clone)]
+pub struct ReplayHeader<S> {
+    inner: S,
+}
+
+impl<S, B> tower_service::Service<http::Request<B>> for ReplayHeader<S>
+where
+    S: tower_service::Service<http::Request<B>, Response = Response>,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = ReplayHeaderFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        ReplayHeaderFuture { inner: self.inner.call(request), last: None }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`ReplayHeader`]: the handler's, observed.
+    pub struct ReplayHeaderFuture<F> {
+        #[pin]
+        inner: F,
+        last: Option<crate::outcome::Outcome>,
+    }
+}
+
+impl<F, E> std::future::Future for ReplayHeaderFuture<F>
+where
+    F: std::future::Future<Output = Result<Response, E>>,
+{
+    type Output = Result<Response, E>;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let this = self.project();
+        let mut response = std::task::ready!(crate::outcome::poll_observed(this.inner, this.last, cx))?;
+        if *this.last == Some(crate::outcome::Outcome::Replayed) {
+            response.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static(super::header::REPLAYED));
+        }
+        std::task::Poll::Ready(Ok(response))
+    }
 }
 
 #[cfg(test)]

@@ -129,7 +129,8 @@ mod replay;
 
 #[cfg(feature = "axum")]
 pub use self::axum::{
-    IDEMPOTENCY_KEY, IDEMPOTENCY_TOKEN, IDEMPOTENT_REPLAYED, Problem, check_principal, replay_header,
+    IDEMPOTENCY_KEY, IDEMPOTENCY_TOKEN, IDEMPOTENT_REPLAYED, Problem, ReplayHeader, ReplayHeaderFuture,
+    ReplayHeaderLayer, check_principal, replay_header,
 };
 pub use framework::{HttpStatus, RequestHeaders};
 pub use key_header::{IdempotencyKey, IdempotencyToken, KeyOrToken};
