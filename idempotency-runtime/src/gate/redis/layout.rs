@@ -50,6 +50,18 @@ pub(crate) struct Place {
     pub field: [u8; 16],
 }
 
+/// The name of `field`'s result hash in `window`: what [`Place::results`]
+/// names, without the claim's key (a read of the result alone).
+pub(crate) fn results_of(namespace: &Namespace, field: &[u8; 16], window: i64) -> String {
+    let mut name = String::with_capacity(32 + namespace.as_str().len());
+    let _ = write!(name, "idem:{{{}.{}}}:r{window}", namespace.as_str(), shard_of(field));
+    name
+}
+
+fn shard_of(field: &[u8; 16]) -> u16 {
+    u16::from_be_bytes([field[0], field[1]]) % SHARDS
+}
+
 impl Place {
     pub(crate) fn of(namespace: &Namespace, biz: &str, key: &str) -> Place {
         Place::at(namespace, biz, key, crate::key::key_digest(biz, key))
@@ -57,7 +69,7 @@ impl Place {
 
     /// [`Place::of`], given the key's digest ([`crate::key::key_digest`]).
     pub(crate) fn at(namespace: &Namespace, biz: &str, key: &str, field: [u8; 16]) -> Place {
-        let shard = u16::from_be_bytes([field[0], field[1]]) % SHARDS;
+        let shard = shard_of(&field);
         let mut prefix = String::with_capacity(16 + namespace.as_str().len());
         let _ = write!(prefix, "idem:{{{}.{shard}}}:", namespace.as_str());
         let claim = [prefix.as_str(), biz, ":", key].concat();
@@ -219,6 +231,7 @@ mod tests {
         assert!(tag.starts_with("idem:{3f9a0c21d4e5b6a7."), "{tag}");
         assert!(place.claim.ends_with("}:pay:order_1"), "{}", place.claim);
         assert!(place.results(42).starts_with(tag) && place.results(42).ends_with(":r42"));
+        assert_eq!(results_of(&namespace, &place.field, 42), place.results(42));
         assert_ne!(Place::of(&namespace, "pay", "order_2").field, place.field);
         assert_ne!(Place::of(&namespace, "pa", "yorder_1").field, place.field, "biz and key are kept apart");
     }

@@ -41,7 +41,7 @@ use later::MAX_BACKGROUND;
 use later::Unanswered;
 #[cfg(test)]
 use layout::parse_result;
-use layout::{Place, claim_value, read_result, result_value, results_ttl_ms, window_of};
+use layout::{Place, claim_value, read_result, result_value, results_of, results_ttl_ms, window_of};
 use scripts::{Scripts, evalsha};
 
 /// How long a finished result stays in Redis for fast replays unless set
@@ -142,10 +142,11 @@ impl RedisGate {
         // Without a namespace (the database was never migrated) Redis could
         // mix this store's keys with another's: the database alone decides.
         let namespace = self.namespace.get(db).await?;
-        let place = Place::at(&namespace, id.biz, id.key, id.digest_bytes());
-        if expect_replay && let Some(answer) = self.peek(&place, fingerprint).await {
+        let field = id.digest_bytes();
+        if expect_replay && let Some(answer) = self.peek(&namespace, &field, fingerprint).await {
             return Some(Entry::Replay(Arc::new(answer), crate::metrics::Source::Redis));
         }
+        let place = Place::at(&namespace, id.biz, id.key, field);
         match self.claim(place, fingerprint, lease).await {
             Found::Ours(held) => {
                 Some(Entry::GoAhead(Pass::Claim(ClaimGuard { gate: Arc::clone(self), held: Some(held) })))
@@ -258,10 +259,10 @@ impl RedisGate {
     /// if this had not been asked; so is a result of the window before,
     /// which the claim script finds and copies into this window's hash for
     /// the next read. A wrong guess costs one round trip.
-    async fn peek(&self, place: &Place, fingerprint: &str) -> Option<Answer> {
+    async fn peek(&self, namespace: &Namespace, field: &[u8; 16], fingerprint: &str) -> Option<Answer> {
         let now = self.clock.now_ms();
         let mut hget = redis::cmd("HGET");
-        hget.arg(place.results(window_of(now, self.hot_window))).arg(&place.field[..]);
+        hget.arg(results_of(namespace, field, window_of(now, self.hot_window))).arg(&field[..]);
         let value: Option<Vec<u8>> = self.link.query(&hget, Backoff::Respect).await.ok()?;
         match read(value?, fingerprint) {
             Ok(Found::Finished(answer)) if answer.expires_ms > now => Some(answer),
