@@ -53,13 +53,16 @@ pub(crate) struct Place {
 /// The name of `field`'s result hash in `window`: what [`Place::results`]
 /// names, without the claim's key (a read of the result alone).
 pub(crate) fn results_of(namespace: &Namespace, field: &[u8; 16], window: i64) -> String {
-    let mut name = String::with_capacity(32 + namespace.as_str().len());
-    let _ = write!(name, "idem:{{{}.{}}}:r{window}", namespace.as_str(), shard_of(field));
+    let mut name = String::with_capacity(37 + namespace.as_str().len());
+    push_prefix(&mut name, namespace, field);
+    let _ = write!(name, "r{window}");
     name
 }
 
-fn shard_of(field: &[u8; 16]) -> u16 {
-    u16::from_be_bytes([field[0], field[1]]) % SHARDS
+/// Writes `idem:{<ns>.<shard>}:`, the start of every key of `field`'s call.
+fn push_prefix(out: &mut String, namespace: &Namespace, field: &[u8; 16]) {
+    let shard = u16::from_be_bytes([field[0], field[1]]) % SHARDS;
+    let _ = write!(out, "idem:{{{}.{shard}}}:", namespace.as_str());
 }
 
 impl Place {
@@ -69,9 +72,8 @@ impl Place {
 
     /// [`Place::of`], given the key's digest ([`crate::key::key_digest`]).
     pub(crate) fn at(namespace: &Namespace, biz: &str, key: &str, field: [u8; 16]) -> Place {
-        let shard = shard_of(&field);
         let mut prefix = String::with_capacity(16 + namespace.as_str().len());
-        let _ = write!(prefix, "idem:{{{}.{shard}}}:", namespace.as_str());
+        push_prefix(&mut prefix, namespace, &field);
         let claim = [prefix.as_str(), biz, ":", key].concat();
         Place { prefix, claim, field }
     }
