@@ -26,6 +26,61 @@ fn sql(texts: [&'static str; 3]) -> &'static str {
     }
 }
 
+/// The server's id of the session `conn` is on; `None` on SQLite, whose
+/// writers wait in their busy handler, out of sight.
+async fn session_id(conn: &mut sqlx::pool::PoolConnection<Db>) -> Option<i64> {
+    let read = sql(["", "SELECT CAST(CONNECTION_ID() AS SIGNED)", "SELECT CAST(pg_backend_pid() AS BIGINT)"]);
+    if read.is_empty() {
+        return None;
+    }
+    Some(sqlx::query_scalar(read).fetch_one(&mut **conn).await.expect("the session's id"))
+}
+
+/// The ids of the sessions of `idem`'s pool other than those in use now:
+/// it takes every connection the pool may still hand out, then gives them
+/// back (so a call started next runs on one of them).
+async fn free_sessions(idem: &Idem<Db>) -> Vec<i64> {
+    let pool = idem.pool();
+    let in_use = pool.size() - pool.num_idle() as u32;
+    let mut held = Vec::new();
+    for _ in in_use..pool.options().get_max_connections() {
+        held.push(pool.acquire().await.expect("a connection"));
+    }
+    let mut ids = Vec::new();
+    for conn in &mut held {
+        ids.extend(session_id(conn).await);
+    }
+    ids
+}
+
+/// Waits until one of `sessions` waits for a lock inside a statement on
+/// `idem_record`, as the server shows it (MariaDB's lock-wait views leave
+/// out some waiters; its process list shows the statement a session is
+/// still inside, which here cannot end before the first caller does).
+/// Returns at once on SQLite, which shows no waiters: there the outcome
+/// after the first caller ends is the proof.
+async fn until_one_waits_on_the_record(idem: &Idem<Db>, sessions: &[i64]) {
+    if B::NAME == "sqlite" {
+        return;
+    }
+    let probe = sql([
+        "",
+        "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = ? AND INFO LIKE '%INSERT INTO idem_record%'",
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'",
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        for &id in sessions {
+            let waiting: i64 = sqlx::query_scalar(probe).bind(id).fetch_one(idem.pool()).await.expect("probe");
+            if waiting > 0 {
+                return;
+            }
+        }
+        assert!(Instant::now() < deadline, "no session of {sessions:?} waited on the record within 30 s");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Callers behind a barrier, each in its own transaction, one key: one
 /// execution; every other caller waits on the unique index for the first
 /// commit and replays it.
@@ -74,6 +129,7 @@ async fn a_waiting_caller_executes_when_the_first_rolls_back() {
 
     let mut first = idem.pool().begin().await.unwrap();
     pay_in(&idem, &mut first, k.clone(), 7, &probe, Mode::Ok).await.unwrap();
+    let sessions = free_sessions(&idem).await;
     let second = {
         let (idem, probe, k) = (idem.clone(), probe.clone(), k.clone());
         tokio::spawn(async move {
@@ -83,7 +139,7 @@ async fn a_waiting_caller_executes_when_the_first_rolls_back() {
             (result.unwrap(), outcome)
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    until_one_waits_on_the_record(&idem, &sessions).await;
     assert!(!second.is_finished(), "the second caller waits on the first one's record");
     first.rollback().await.unwrap();
     let (receipt, outcome) = second.await.unwrap();
@@ -153,11 +209,12 @@ async fn plain_duplicate_waits_for_the_callers_commit(redis: Redis) {
 
     let mut caller = idem.pool().begin().await.unwrap();
     let first = pay_in(&idem, &mut caller, k.clone(), 7, &probe, Mode::Ok).await.unwrap();
+    let sessions = free_sessions(&idem).await;
     let plain = {
         let (idem, probe, k) = (idem.clone(), probe.clone(), k.clone());
         tokio::spawn(async move { idempotency::observe(pay(&idem, k, 7, &probe, Mode::Ok)).await })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    until_one_waits_on_the_record(&idem, &sessions).await;
     assert!(!plain.is_finished(), "the plain call waits for the caller");
     caller.commit().await.unwrap();
     let (plain, outcome) = plain.await.unwrap();
