@@ -56,7 +56,8 @@ async fn free_sessions(idem: &Idem<Db>) -> Vec<i64> {
 /// Waits until one of `sessions` waits for a lock inside a statement on
 /// `idem_record`, as the server shows it (MariaDB's lock-wait views leave
 /// out some waiters; its process list shows the statement a session is
-/// still inside, which here cannot end before the first caller does).
+/// still inside, which here cannot end before the first caller does, after
+/// the bound's `SET STATEMENT` prefix; the probe's own text is left out).
 /// Returns at once on SQLite, which shows no waiters: there the outcome
 /// after the first caller ends is the proof.
 async fn until_one_waits_on_the_record(idem: &Idem<Db>, sessions: &[i64]) {
@@ -65,7 +66,8 @@ async fn until_one_waits_on_the_record(idem: &Idem<Db>, sessions: &[i64]) {
     }
     let probe = sql([
         "",
-        "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = ? AND INFO LIKE '%INSERT INTO idem_record%'",
+        "SELECT COUNT(*) FROM information_schema.PROCESSLIST
+         WHERE ID = ? AND INFO LIKE '%INSERT INTO idem_record %' AND INFO NOT LIKE 'SELECT %'",
         "SELECT COUNT(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'",
     ]);
     let deadline = Instant::now() + Duration::from_secs(30);
