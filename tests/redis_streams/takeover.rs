@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use idempotency::Outcome;
 use idempotency::redis_streams::{Action, Consumer};
-use redis::{RedisResult, Value};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
@@ -179,22 +178,31 @@ async fn a_consumer_killed_after_its_commit_and_before_xack_is_taken_over_and_re
 /// at delivery 1 still and executes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_mid_read_gives_back_what_the_read_brought_uncounted() {
-    let Some(w) = world(100).await else { return };
+    // A private server: its only reads are this runner's.
+    let Some(server) = idempotency_testkit::servers::RedisServer::start() else { return };
+    let Some(idem) = mysql_engine(Some(&server.client())).await else { return };
+    let w = world_on(idem, server.client(), 100).await;
     // Claims far apart: the reads block for the longest time (1 s).
     let mut running = w.run(w.consumer("stopping").claim_interval(Duration::from_secs(30)), false);
-    // The group exists once the first read ran; wait for it, and into the next block.
-    within("the group", async {
+    // Into a read that has just begun, so that most of its second of
+    // blocking is left for the stop and the entry: the first read that
+    // blocked has ended (Redis counts a read once it ends) and the next
+    // one blocks.
+    within("the runner blocked in a fresh read", async {
+        let mut ended_before = None;
         loop {
-            let groups: RedisResult<Value> =
-                redis::cmd("XINFO").arg("GROUPS").arg(&w.stream).query_async(&mut w.conn()).await;
-            if groups.is_ok() {
-                break;
+            let ended = reads_ended(&w).await;
+            if blocked_in_a_read(&w).await {
+                match ended_before {
+                    Some(before) if ended > before => break,
+                    None => ended_before = Some(ended),
+                    Some(_) => {}
+                }
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
     let stop = running.stop.take().unwrap();
     let _ = stop.send(());
     let entry = w.add_event(order_id(), 1, "mid-read").await;
@@ -216,4 +224,21 @@ async fn a_stop_mid_read_gives_back_what_the_read_brought_uncounted() {
     assert_eq!(w.pending().await, vec![]);
     assert_eq!(w.moves().await, 1);
     w.remove().await;
+}
+
+/// Whether a client of the (private) server is blocked in `XREADGROUP`.
+async fn blocked_in_a_read(w: &World) -> bool {
+    let clients: String = redis::cmd("CLIENT").arg("LIST").query_async(&mut w.conn()).await.expect("CLIENT LIST");
+    clients.lines().any(|c| {
+        let mut fields = c.split(' ');
+        fields.clone().any(|f| f == "cmd=xreadgroup") && fields.any(|f| f.starts_with("flags=") && f.contains('b'))
+    })
+}
+
+/// How many `XREADGROUP`s the (private) server has answered.
+async fn reads_ended(w: &World) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut w.conn()).await.expect("INFO");
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_xreadgroup:calls="))
+        .map_or(0, |rest| rest.split(',').next().unwrap().parse().expect("calls"))
 }
