@@ -36,18 +36,19 @@ async fn session_id(conn: &mut sqlx::pool::PoolConnection<Db>) -> Option<i64> {
     Some(sqlx::query_scalar(read).fetch_one(&mut **conn).await.expect("the session's id"))
 }
 
-/// The ids of the sessions of `idem`'s pool other than those in use now:
-/// it takes every connection the pool may still hand out, then gives them
-/// back (so a call started next runs on one of them).
-async fn free_sessions(idem: &Idem<Db>) -> Vec<i64> {
+/// The ids of the sessions of `idem`'s pool other than the `held` ones the
+/// test holds: it takes every other connection the pool may hand out, then
+/// gives them back (so a call started next runs on one of them). Counted
+/// by the test, not read from the pool, whose count of idle connections
+/// lags behind a connection just given back.
+async fn free_sessions(idem: &Idem<Db>, held: u32) -> Vec<i64> {
     let pool = idem.pool();
-    let in_use = pool.size() - pool.num_idle() as u32;
-    let mut held = Vec::new();
-    for _ in in_use..pool.options().get_max_connections() {
-        held.push(pool.acquire().await.expect("a connection"));
+    let mut taken = Vec::new();
+    for _ in held..pool.options().get_max_connections() {
+        taken.push(pool.acquire().await.expect("a connection"));
     }
     let mut ids = Vec::new();
-    for conn in &mut held {
+    for conn in &mut taken {
         ids.extend(session_id(conn).await);
     }
     ids
@@ -131,7 +132,7 @@ async fn a_waiting_caller_executes_when_the_first_rolls_back() {
 
     let mut first = idem.pool().begin().await.unwrap();
     pay_in(&idem, &mut first, k.clone(), 7, &probe, Mode::Ok).await.unwrap();
-    let sessions = free_sessions(&idem).await;
+    let sessions = free_sessions(&idem, 1).await;
     let second = {
         let (idem, probe, k) = (idem.clone(), probe.clone(), k.clone());
         tokio::spawn(async move {
@@ -211,7 +212,7 @@ async fn plain_duplicate_waits_for_the_callers_commit(redis: Redis) {
 
     let mut caller = idem.pool().begin().await.unwrap();
     let first = pay_in(&idem, &mut caller, k.clone(), 7, &probe, Mode::Ok).await.unwrap();
-    let sessions = free_sessions(&idem).await;
+    let sessions = free_sessions(&idem, 1).await;
     let plain = {
         let (idem, probe, k) = (idem.clone(), probe.clone(), k.clone());
         tokio::spawn(async move { idempotency::observe(pay(&idem, k, 7, &probe, Mode::Ok)).await })
