@@ -203,6 +203,17 @@ impl RedisServer {
             .expect("used_memory")
     }
 
+    /// How many times it has run each command, by lowercase name, from one
+    /// `INFO commandstats` (a blocking command counts once it has ended).
+    pub fn calls(&self) -> std::collections::HashMap<String, i64> {
+        let mut conn = self.client().get_connection().expect("redis");
+        let info: String = redis::cmd("INFO").arg("commandstats").query(&mut conn).expect("INFO");
+        info.lines()
+            .filter_map(|l| l.strip_prefix("cmdstat_")?.split_once(":calls="))
+            .map(|(command, rest)| (command.to_owned(), rest.split(',').next().unwrap().parse().expect("calls")))
+            .collect()
+    }
+
     /// How many results it holds for `namespace`: the fields of its result hashes.
     pub fn results_held(&self, namespace: &str) -> i64 {
         let mut conn = self.client().get_connection().expect("redis");

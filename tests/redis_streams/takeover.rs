@@ -191,7 +191,7 @@ async fn a_stop_mid_read_gives_back_what_the_read_brought_uncounted() {
     within("the runner blocked in a fresh read", async {
         let mut ended_before = None;
         loop {
-            let ended = reads_ended(&w).await;
+            let ended = server.calls().get("xreadgroup").copied().unwrap_or(0);
             if blocked_in_a_read(&w).await {
                 match ended_before {
                     Some(before) if ended > before => break,
@@ -233,12 +233,4 @@ async fn blocked_in_a_read(w: &World) -> bool {
         let mut fields = c.split(' ');
         fields.clone().any(|f| f == "cmd=xreadgroup") && fields.any(|f| f.starts_with("flags=") && f.contains('b'))
     })
-}
-
-/// How many `XREADGROUP`s the (private) server has answered.
-async fn reads_ended(w: &World) -> u64 {
-    let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut w.conn()).await.expect("INFO");
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_xreadgroup:calls="))
-        .map_or(0, |rest| rest.split(',').next().unwrap().parse().expect("calls"))
 }

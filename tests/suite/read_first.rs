@@ -122,14 +122,9 @@ async fn the_read_never_decides_who_runs() {
 /// How many `HGET`s and `EVALSHA`s `server` has run (`INFO commandstats`;
 /// the `HGET`s a script runs count too).
 fn hgets_and_scripts(server: &RedisServer) -> (i64, i64) {
-    let mut conn = server.client().get_connection().expect("redis");
-    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut conn).expect("INFO");
-    let calls = |command: &str| {
-        info.lines()
-            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-            .map_or(0, |rest| rest.split(',').next().unwrap().parse().expect("calls"))
-    };
-    (calls("hget"), calls("evalsha"))
+    let calls = server.calls();
+    let of = |command: &str| calls.get(command).copied().unwrap_or(0);
+    (of("hget"), of("evalsha"))
 }
 
 /// Waits until `server` holds `n` cached results: a call's result is
