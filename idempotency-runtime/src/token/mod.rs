@@ -280,9 +280,9 @@ impl<'e, DB: Backend> Tokens<'e, DB> {
         let now = self.now_ms().await;
         #[cfg(feature = "redis")]
         if let Some(gate) = self.idem.gate().redis_gate() {
-            return redis::give_back(gate, self.idem.db(), &spent, now).await;
+            return Box::pin(redis::give_back(gate, self.idem.db(), &spent, now)).await;
         }
-        database::give_back(self.idem.db(), &spent, now).await
+        Box::pin(database::give_back(self.idem.db(), &spent, now)).await
     }
 
     /// Runs `call` under `token`: consumes it (or finds it already used by
@@ -330,13 +330,15 @@ impl<'e, DB: Backend> Tokens<'e, DB> {
         u64::try_from(self.idem.now_ms().await).unwrap_or(0)
     }
 
-    /// Stores a token just drawn where this engine keeps tokens.
+    /// Stores a token just drawn where this engine keeps tokens. The stores'
+    /// futures are boxed (here, in `take` and in `give_back`): inline, they
+    /// would put kilobytes into `redeem`'s future, which a handler holds.
     async fn insert(&self, id: TokenId<'_>, now: u64, expires_at_ms: u64) -> Result<bool, TokenError> {
         #[cfg(feature = "redis")]
         if let Some(gate) = self.idem.gate().redis_gate() {
-            return redis::issue(gate, self.idem.db(), id, now, expires_at_ms).await;
+            return Box::pin(redis::issue(gate, self.idem.db(), id, now, expires_at_ms)).await;
         }
-        database::issue(self.idem.db(), id, now, expires_at_ms).await
+        Box::pin(database::issue(self.idem.db(), id, now, expires_at_ms)).await
     }
 
     /// Consumes a well-formed token where this engine keeps tokens.
@@ -344,9 +346,9 @@ impl<'e, DB: Backend> Tokens<'e, DB> {
         let settings = self.idem.token_settings();
         #[cfg(feature = "redis")]
         if let Some(gate) = self.idem.gate().redis_gate() {
-            return redis::consume(gate, self.idem.db(), settings, id, now).await;
+            return Box::pin(redis::consume(gate, self.idem.db(), settings, id, now)).await;
         }
-        database::consume(self.idem.db(), id, now, settings.used_for).await
+        Box::pin(database::consume(self.idem.db(), id, now, settings.used_for)).await
     }
 }
 

@@ -202,29 +202,30 @@ impl Link {
     }
 
     async fn connection(&self) -> redis::RedisResult<Connection> {
-        let conn = self
-            .connection
-            .get_or_try_init(|| async {
-                match &self.target {
-                    Target::Single(client) => {
-                        // Lazy: connects on first use and reconnects by itself.
-                        // No response timeout of its own: `guarded` bounds each
-                        // operation already, and a second timer per operation
-                        // is not free (registering one wakes tokio's driver
-                        // through a syscall). Its timeout would not reconnect
-                        // either: redis-rs reconnects on a dropped connection,
-                        // not on a slow answer.
-                        let config = ConnectionManagerConfig::new()
-                            .set_connection_timeout(Some(self.timeout))
-                            .set_response_timeout(None)
-                            .set_number_of_retries(1);
-                        ConnectionManager::new_lazy_with_config(client.clone(), config).map(Connection::Single)
-                    }
-                    Target::Cluster(client) => client.get_async_connection().await.map(Connection::Cluster),
-                }
-            })
-            .await?;
+        // Boxed: made once, its future would otherwise sit in every
+        // operation's future, and so in every call's.
+        let conn = self.connection.get_or_try_init(|| Box::pin(self.connect())).await?;
         Ok(conn.clone())
+    }
+
+    async fn connect(&self) -> redis::RedisResult<Connection> {
+        match &self.target {
+            Target::Single(client) => {
+                // Lazy: connects on first use and reconnects by itself.
+                // No response timeout of its own: `guarded` bounds each
+                // operation already, and a second timer per operation
+                // is not free (registering one wakes tokio's driver
+                // through a syscall). Its timeout would not reconnect
+                // either: redis-rs reconnects on a dropped connection,
+                // not on a slow answer.
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(self.timeout))
+                    .set_response_timeout(None)
+                    .set_number_of_retries(1);
+                ConnectionManager::new_lazy_with_config(client.clone(), config).map(Connection::Single)
+            }
+            Target::Cluster(client) => client.get_async_connection().await.map(Connection::Cluster),
+        }
     }
 
     /// Sends `cmd` for the engine's other Redis users (issued tokens). Tried

@@ -415,7 +415,9 @@ impl NamespaceSlot {
         if clock::monotonic_ms() < self.unreadable_until_ms.load(Ordering::Relaxed) {
             return None;
         }
-        let why = match DB::namespace(db).await {
+        // Boxed: read once per engine, this query's future would otherwise
+        // sit in every call's future (and be copied with it on each call).
+        let why = match Box::pin(DB::namespace(db)).await {
             Ok(Some(text)) => match Namespace::new(&text) {
                 Ok(namespace) => {
                     *self.read.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(namespace.clone());
