@@ -321,9 +321,9 @@ mod tests {
     use crate::call::typed::Body;
     use crate::store::Backend;
 
-    /// What one call moves on each poll of its caller's future and copies
-    /// when it is built: the flow's future, and the futures an HTTP handler
-    /// holds inline. The backend's rare queries (a namespace read once per
+    /// What every call copies as its futures are built and boxed: the
+    /// flow's future, and the futures an HTTP handler holds inline (a call
+    /// copies its whole size, used or not). The backend's rare queries (a namespace read once per
     /// engine, a record read while busy, a connection made once) are boxed,
     /// or each would put kilobytes into every call. Unboxed, these were
     /// 2.7-4.1 KB and 2.1-3.4 KB here, 8.6 and 8.1 KB in the release build
