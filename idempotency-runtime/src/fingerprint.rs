@@ -2,9 +2,9 @@
 //! document, so that "same key, other arguments" is detected.
 //!
 //! Canonical means object keys sorted at every depth, written by this module
-//! rather than by `serde_json::to_string`: the order of a `HashMap`, and
-//! whether some crate in the build enabled serde_json's `preserve_order`,
-//! must not change the hash.
+//! ([`canonical`]) rather than by `serde_json::to_string`: the order of a
+//! `HashMap`, and whether some crate in the build enabled serde_json's
+//! `preserve_order`, must not change the hash.
 //!
 //! `-0.0` is written `0.0`: the two are equal as values, and equal values
 //! fingerprint alike.
@@ -12,22 +12,23 @@
 //! A float that is NaN or infinite is refused ([`Error::NonFiniteFloat`]):
 //! serde_json writes all three as `null`, so `Some(f64::NAN)`,
 //! `Some(f64::INFINITY)` and `None` would share a fingerprint and replay each
-//! other's results. The check rides along the one serialization (a wrapper
-//! around serde_json's own value serializer), at any depth.
-
-use std::cell::Cell;
+//! other's results. The writer checks every float it writes, at any depth.
 
 use serde::Serialize;
-use serde::ser::{self, Serializer};
-use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::error::Error;
 
-/// Collects the fingerprinted arguments of one call, by parameter name.
+mod canonical;
+
+use canonical::{Object, Writer};
+
+/// Collects the fingerprinted arguments of one call, by parameter name:
+/// the canonical document `{name: value, ...}`, written as they come.
 #[derive(Debug, Default)]
 pub struct Fingerprint {
-    args: Vec<(&'static str, Value)>,
+    /// The document's object, open until [`finish`](Self::finish).
+    doc: Writer,
     error: Option<Error>,
 }
 
@@ -51,9 +52,7 @@ impl Fingerprint {
     /// Adds one argument. An argument that does not serialize, or holds a
     /// NaN or infinite float anywhere, makes [`finish`](Self::finish) fail.
     pub fn arg<T: Fingerprinted + ?Sized>(mut self, name: &'static str, value: &T) -> Self {
-        if let Some(v) = self.serialized(name, value) {
-            self.args.push((name, v));
-        }
+        self.add(name, value);
         self
     }
 
@@ -63,113 +62,68 @@ impl Fingerprint {
     /// fingerprints of the calls made before it existed. Compared as
     /// canonical bytes: what the fingerprint would hash.
     pub fn arg_unless_default<T: Fingerprinted + Default>(mut self, name: &'static str, value: &T) -> Self {
-        let Some(v) = self.serialized(name, value) else { return self };
-        let is_default = serde_json::to_value(T::default()).is_ok_and(|d| {
-            let (mut given, mut default) = (Vec::new(), Vec::new());
-            write_canonical(&v, &mut given);
-            write_canonical(&d, &mut default);
-            given == default
-        });
-        if !is_default {
-            self.args.push((name, v));
+        if !self.add(name, value) {
+            return self;
+        }
+        let mut default = Writer::default();
+        let is_default =
+            T::default().serialize(&mut default).is_ok() && !default.non_finite && default.out == self.doc.last_value();
+        if is_default {
+            self.doc.drop_last(ROOT);
         }
         self
     }
 
-    /// `value` as a JSON value, or `None` with the first error noted.
-    fn serialized<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T) -> Option<Value> {
+    /// Writes `name: value` into the document; false (the first error
+    /// noted) when it cannot.
+    fn add<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T) -> bool {
         if self.error.is_some() {
-            return None;
+            return false;
         }
-        let non_finite = Cell::new(false);
-        let serialized = Checked { value, non_finite: &non_finite }.serialize(serde_json::value::Serializer);
+        if self.doc.out.is_empty() {
+            self.doc.reserve();
+            self.doc.begin_object();
+        }
+        let written = self.doc.field(ROOT, name, value);
         // Checked even on `Ok`: a `Serialize` impl that swallowed our
         // refusal must not get the `null` through.
-        match serialized {
-            _ if non_finite.get() => self.error = Some(Error::NonFiniteFloat { arg: name }),
-            Ok(v) => return Some(v),
+        match written {
+            _ if self.doc.non_finite => self.error = Some(Error::NonFiniteFloat { arg: name }),
+            Ok(()) => return true,
             Err(e) => self.error = Some(Error::Serialize(e)),
         }
-        None
+        false
     }
 
-    /// The lowercase hex SHA-256 of the canonical JSON object `{name: value, ...}`.
+    /// The lowercase hex SHA-256 of the canonical JSON object `{name: value, ...}`
+    /// (the last of equal names counting).
     pub fn finish(self) -> Result<String, Error> {
+        self.document().map(|doc| sha256_hex(&doc))
+    }
+
+    /// The canonical document itself.
+    fn document(self) -> Result<Vec<u8>, Error> {
         if let Some(e) = self.error {
             return Err(e);
         }
-        // Written straight from the arguments: no object is built on every
-        // call just to be walked once. Stable sort, then the last of equal
-        // names, as an object built from them would keep.
-        let mut args = self.args;
-        args.sort_by(|a, b| a.0.cmp(b.0));
-        let mut out = Vec::with_capacity(128);
-        out.push(b'{');
-        let mut first = true;
-        for (i, (name, value)) in args.iter().enumerate() {
-            if args.get(i + 1).is_some_and(|next| next.0 == *name) {
-                continue;
-            }
-            if !first {
-                out.push(b',');
-            }
-            first = false;
-            write_json(&mut out, name);
-            out.push(b':');
-            write_canonical(value, &mut out);
+        let mut doc = self.doc;
+        if doc.out.is_empty() {
+            doc.begin_object();
         }
-        out.push(b'}');
-        Ok(sha256_hex(&out))
+        doc.end_object(ROOT);
+        Ok(doc.out)
     }
 }
+
+/// The document's own object: first in the buffer, its entries the arguments.
+const ROOT: Object = Object::ROOT;
 
 /// JSON with object keys sorted (by bytes) at every depth and no whitespace.
 #[cfg(any(test, fuzzing))]
-pub(crate) fn canonical_json(value: &Value) -> String {
-    let mut out = Vec::new();
-    write_canonical(value, &mut out);
-    String::from_utf8(out).expect("serde_json writes UTF-8")
-}
-
-fn write_canonical(value: &Value, out: &mut Vec<u8>) {
-    match value {
-        Value::Object(map) => {
-            let mut entries: Vec<_> = map.iter().collect();
-            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
-            out.push(b'{');
-            for (i, (k, v)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_json(out, k);
-                out.push(b':');
-                write_canonical(v, out);
-            }
-            out.push(b'}');
-        }
-        Value::Array(items) => {
-            out.push(b'[');
-            for (i, v) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_canonical(v, out);
-            }
-            out.push(b']');
-        }
-        // Equal as values, so one spelling: written as they come, equal
-        // arguments would fingerprint apart.
-        Value::Number(n) if n.as_f64().is_some_and(|x| x == 0.0 && x.is_sign_negative()) => {
-            out.extend_from_slice(b"0.0")
-        }
-        scalar => write_json(out, scalar),
-    }
-}
-
-/// A string or scalar as serde_json writes it (what `Value`'s `Display`
-/// writes too). Neither a `Vec` nor these values can fail to write.
-fn write_json<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) {
-    let _ = serde_json::to_writer(out, value);
+pub(crate) fn canonical_json(value: &serde_json::Value) -> String {
+    let mut doc = Writer::default();
+    value.serialize(&mut doc).expect("a JSON value writes");
+    String::from_utf8(doc.out).expect("serde_json writes UTF-8")
 }
 
 pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
@@ -181,253 +135,76 @@ pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
 /// Appends `bytes` as lowercase hex, two digits each: written into a
 /// stack buffer, not a `char` at a time (this runs on every call, twice).
 pub(crate) fn push_lower_hex(out: &mut String, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     out.reserve(bytes.len() * 2);
     for chunk in bytes.chunks(32) {
         let mut buf = [0u8; 64];
-        for (pair, b) in buf.chunks_exact_mut(2).zip(chunk) {
-            pair[0] = DIGITS[usize::from(b >> 4)];
-            pair[1] = DIGITS[usize::from(b & 0xf)];
-        }
-        out.push_str(std::str::from_utf8(&buf[..chunk.len() * 2]).expect("hex digits are ASCII"));
+        let hex = &mut buf[..chunk.len() * 2];
+        write_lower_hex(hex, chunk);
+        out.push_str(std::str::from_utf8(hex).expect("hex digits are ASCII"));
     }
 }
 
-/// A value serialized through [`Finite`].
-struct Checked<'a, T: ?Sized> {
-    value: &'a T,
-    non_finite: &'a Cell<bool>,
-}
-
-impl<T: Serialize + ?Sized> Serialize for Checked<'_, T> {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        self.value.serialize(Finite { inner: serializer, non_finite: self.non_finite })
+/// Writes `bytes` as lowercase hex into `out` (twice their length; digits
+/// past the shorter of the two are left as they are).
+pub(crate) fn write_lower_hex(out: &mut [u8], bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for (pair, b) in out.chunks_exact_mut(2).zip(bytes) {
+        pair[0] = DIGITS[usize::from(b >> 4)];
+        pair[1] = DIGITS[usize::from(b & 0xf)];
     }
 }
-
-/// Passes everything to `inner` except a NaN or infinite float, which it
-/// refuses and notes in `non_finite` (so the caller tells it apart from
-/// serde_json's own errors without reading a message). Every nested value
-/// goes through a [`Checked`] again.
-struct Finite<'a, S> {
-    inner: S,
-    non_finite: &'a Cell<bool>,
-}
-
-impl<S> Finite<'_, S> {
-    fn refuse<E: ser::Error>(&self) -> E {
-        self.non_finite.set(true);
-        E::custom("a float that is NaN or infinite has no JSON form")
-    }
-}
-
-macro_rules! pass {
-    ($($method:ident($ty:ty)),* $(,)?) => {
-        $(fn $method(self, v: $ty) -> Result<S::Ok, S::Error> {
-            self.inner.$method(v)
-        })*
-    };
-}
-
-impl<'a, S: Serializer> Serializer for Finite<'a, S> {
-    type Ok = S::Ok;
-    type Error = S::Error;
-    type SerializeSeq = Finite<'a, S::SerializeSeq>;
-    type SerializeTuple = Finite<'a, S::SerializeTuple>;
-    type SerializeTupleStruct = Finite<'a, S::SerializeTupleStruct>;
-    type SerializeTupleVariant = Finite<'a, S::SerializeTupleVariant>;
-    type SerializeMap = Finite<'a, S::SerializeMap>;
-    type SerializeStruct = Finite<'a, S::SerializeStruct>;
-    type SerializeStructVariant = Finite<'a, S::SerializeStructVariant>;
-
-    pass!(
-        serialize_bool(bool),
-        serialize_i8(i8),
-        serialize_i16(i16),
-        serialize_i32(i32),
-        serialize_i64(i64),
-        serialize_i128(i128),
-        serialize_u8(u8),
-        serialize_u16(u16),
-        serialize_u32(u32),
-        serialize_u64(u64),
-        serialize_u128(u128),
-        serialize_char(char),
-        serialize_str(&str),
-        serialize_bytes(&[u8]),
-        serialize_unit_struct(&'static str),
-    );
-
-    fn serialize_f32(self, v: f32) -> Result<S::Ok, S::Error> {
-        if v.is_finite() { self.inner.serialize_f32(v) } else { Err(self.refuse()) }
-    }
-
-    fn serialize_f64(self, v: f64) -> Result<S::Ok, S::Error> {
-        if v.is_finite() { self.inner.serialize_f64(v) } else { Err(self.refuse()) }
-    }
-
-    fn serialize_none(self) -> Result<S::Ok, S::Error> {
-        self.inner.serialize_none()
-    }
-
-    fn serialize_some<T: Serialize + ?Sized>(self, value: &T) -> Result<S::Ok, S::Error> {
-        self.inner.serialize_some(&Checked { value, non_finite: self.non_finite })
-    }
-
-    fn serialize_unit(self) -> Result<S::Ok, S::Error> {
-        self.inner.serialize_unit()
-    }
-
-    fn serialize_unit_variant(self, name: &'static str, index: u32, variant: &'static str) -> Result<S::Ok, S::Error> {
-        self.inner.serialize_unit_variant(name, index, variant)
-    }
-
-    fn serialize_newtype_struct<T: Serialize + ?Sized>(self, name: &'static str, value: &T) -> Result<S::Ok, S::Error> {
-        self.inner.serialize_newtype_struct(name, &Checked { value, non_finite: self.non_finite })
-    }
-
-    fn serialize_newtype_variant<T: Serialize + ?Sized>(
-        self,
-        name: &'static str,
-        index: u32,
-        variant: &'static str,
-        value: &T,
-    ) -> Result<S::Ok, S::Error> {
-        self.inner.serialize_newtype_variant(name, index, variant, &Checked { value, non_finite: self.non_finite })
-    }
-
-    fn serialize_seq(self, len: Option<usize>) -> Result<Self::SerializeSeq, S::Error> {
-        Ok(Finite { inner: self.inner.serialize_seq(len)?, non_finite: self.non_finite })
-    }
-
-    fn serialize_tuple(self, len: usize) -> Result<Self::SerializeTuple, S::Error> {
-        Ok(Finite { inner: self.inner.serialize_tuple(len)?, non_finite: self.non_finite })
-    }
-
-    fn serialize_tuple_struct(self, name: &'static str, len: usize) -> Result<Self::SerializeTupleStruct, S::Error> {
-        Ok(Finite { inner: self.inner.serialize_tuple_struct(name, len)?, non_finite: self.non_finite })
-    }
-
-    fn serialize_tuple_variant(
-        self,
-        name: &'static str,
-        index: u32,
-        variant: &'static str,
-        len: usize,
-    ) -> Result<Self::SerializeTupleVariant, S::Error> {
-        let inner = self.inner.serialize_tuple_variant(name, index, variant, len)?;
-        Ok(Finite { inner, non_finite: self.non_finite })
-    }
-
-    fn serialize_map(self, len: Option<usize>) -> Result<Self::SerializeMap, S::Error> {
-        Ok(Finite { inner: self.inner.serialize_map(len)?, non_finite: self.non_finite })
-    }
-
-    fn serialize_struct(self, name: &'static str, len: usize) -> Result<Self::SerializeStruct, S::Error> {
-        Ok(Finite { inner: self.inner.serialize_struct(name, len)?, non_finite: self.non_finite })
-    }
-
-    fn serialize_struct_variant(
-        self,
-        name: &'static str,
-        index: u32,
-        variant: &'static str,
-        len: usize,
-    ) -> Result<Self::SerializeStructVariant, S::Error> {
-        let inner = self.inner.serialize_struct_variant(name, index, variant, len)?;
-        Ok(Finite { inner, non_finite: self.non_finite })
-    }
-
-    fn collect_str<T: std::fmt::Display + ?Sized>(self, value: &T) -> Result<S::Ok, S::Error> {
-        self.inner.collect_str(value)
-    }
-
-    fn is_human_readable(&self) -> bool {
-        self.inner.is_human_readable()
-    }
-}
-
-/// The compound serializers: each element, key and field goes through a
-/// [`Checked`].
-macro_rules! compound {
-    ($($trait:ident::$method:ident),* $(,)?) => {
-        $(impl<S: ser::$trait> ser::$trait for Finite<'_, S> {
-            type Ok = S::Ok;
-            type Error = S::Error;
-
-            fn $method<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), S::Error> {
-                let checked = Checked { value, non_finite: self.non_finite };
-                self.inner.$method(&checked)
-            }
-
-            fn end(self) -> Result<S::Ok, S::Error> {
-                self.inner.end()
-            }
-        })*
-    };
-}
-
-compound!(
-    SerializeSeq::serialize_element,
-    SerializeTuple::serialize_element,
-    SerializeTupleStruct::serialize_field,
-    SerializeTupleVariant::serialize_field,
-);
-
-impl<S: ser::SerializeMap> ser::SerializeMap for Finite<'_, S> {
-    type Ok = S::Ok;
-    type Error = S::Error;
-
-    fn serialize_key<T: Serialize + ?Sized>(&mut self, key: &T) -> Result<(), S::Error> {
-        self.inner.serialize_key(&Checked { value: key, non_finite: self.non_finite })
-    }
-
-    fn serialize_value<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), S::Error> {
-        self.inner.serialize_value(&Checked { value, non_finite: self.non_finite })
-    }
-
-    fn serialize_entry<K: Serialize + ?Sized, V: Serialize + ?Sized>(
-        &mut self,
-        key: &K,
-        value: &V,
-    ) -> Result<(), S::Error> {
-        let non_finite = self.non_finite;
-        self.inner.serialize_entry(&Checked { value: key, non_finite }, &Checked { value, non_finite })
-    }
-
-    fn end(self) -> Result<S::Ok, S::Error> {
-        self.inner.end()
-    }
-}
-
-/// Structs and struct variants: named fields.
-macro_rules! fields {
-    ($($trait:ident),* $(,)?) => {
-        $(impl<S: ser::$trait> ser::$trait for Finite<'_, S> {
-            type Ok = S::Ok;
-            type Error = S::Error;
-
-            fn serialize_field<T: Serialize + ?Sized>(&mut self, key: &'static str, value: &T) -> Result<(), S::Error> {
-                self.inner.serialize_field(key, &Checked { value, non_finite: self.non_finite })
-            }
-
-            fn skip_field(&mut self, key: &'static str) -> Result<(), S::Error> {
-                self.inner.skip_field(key)
-            }
-
-            fn end(self) -> Result<S::Ok, S::Error> {
-                self.inner.end()
-            }
-        })*
-    };
-}
-
-fields!(SerializeStruct, SerializeStructVariant);
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
     use std::collections::{BTreeMap, HashMap};
+
+    /// The document as it was written before the writer (a JSON value
+    /// built, then walked with its keys sorted): what stored fingerprints
+    /// hashed, and what the writer must write byte for byte.
+    fn walked(value: &Value, out: &mut Vec<u8>) {
+        match value {
+            Value::Object(map) => {
+                let mut entries: Vec<_> = map.iter().collect();
+                entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+                out.push(b'{');
+                for (i, (k, v)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    serde_json::to_writer(&mut *out, k).unwrap();
+                    out.push(b':');
+                    walked(v, out);
+                }
+                out.push(b'}');
+            }
+            Value::Array(items) => {
+                out.push(b'[');
+                for (i, v) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    walked(v, out);
+                }
+                out.push(b']');
+            }
+            Value::Number(n) if n.as_f64().is_some_and(|x| x == 0.0 && x.is_sign_negative()) => {
+                out.extend_from_slice(b"0.0")
+            }
+            scalar => serde_json::to_writer(&mut *out, scalar).unwrap(),
+        }
+    }
+
+    /// Asserts that the writer writes `value` (an argument named `v`) as
+    /// the walk of its JSON value wrote it.
+    #[track_caller]
+    fn writes_as_walked<T: Serialize + ?Sized>(value: &T) {
+        let mut expected = Vec::new();
+        walked(&serde_json::json!({ "v": serde_json::to_value(value).unwrap() }), &mut expected);
+        let written = Fingerprint::new().arg("v", value).document().unwrap();
+        assert_eq!(String::from_utf8(written).unwrap(), String::from_utf8(expected).unwrap());
+    }
 
     #[test]
     fn sorts_keys_at_every_depth() {
@@ -662,7 +439,7 @@ mod tests {
         };
         let expected = serde_json::to_value(&all).unwrap();
         let got = Fingerprint::new().arg("all", &all);
-        assert_eq!(got.args, vec![("all", expected.clone())]);
+        writes_as_walked(&all);
         let direct = sha256_hex(canonical_json(&serde_json::json!({ "all": expected })).as_bytes());
         assert_eq!(got.finish().unwrap(), direct);
         for x in [0.0, -0.0, 1e-310, f64::MAX] {
@@ -675,5 +452,132 @@ mod tests {
         let mut m = HashMap::new();
         m.insert(vec![1u8], 1); // non-string map keys have no JSON form
         assert!(matches!(Fingerprint::new().arg("m", &m).finish(), Err(Error::Serialize(_))));
+    }
+    /// A tree whose maps are serialized in the order given, repeated keys
+    /// and all: the writer's reordering against a JSON value's sorted map.
+    enum Tree {
+        Map(Vec<(String, Tree)>),
+        List(Vec<Tree>),
+        Leaf(Value),
+    }
+
+    impl Serialize for Tree {
+        fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            match self {
+                Tree::Map(entries) => serializer.collect_map(entries.iter().map(|(k, v)| (k, v))),
+                Tree::List(items) => serializer.collect_seq(items),
+                Tree::Leaf(value) => value.serialize(serializer),
+            }
+        }
+    }
+
+    /// xorshift64: the same trees on every run.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0 % n
+        }
+
+        /// Keys from characters whose escaped and raw orders differ.
+        fn key(&mut self) -> String {
+            const CHARS: [char; 9] = ['"', '\\', 'A', 'a', '\u{e9}', '\u{1}', '\u{7f}', '~', '\u{1f600}'];
+            (0..self.below(3)).map(|_| CHARS[self.below(CHARS.len() as u64) as usize]).collect()
+        }
+
+        fn tree(&mut self, depth: u32) -> Tree {
+            let kind = if depth >= 4 { self.below(2) + 2 } else { self.below(4) };
+            match kind {
+                0 => Tree::Map((0..self.below(6)).map(|_| (self.key(), self.tree(depth + 1))).collect()),
+                1 => Tree::List((0..self.below(4)).map(|_| self.tree(depth + 1)).collect()),
+                2 => Tree::Leaf(Value::from(self.below(u64::MAX) as i64)),
+                _ => Tree::Leaf(match self.below(5) {
+                    0 => Value::Null,
+                    1 => Value::from(-0.0),
+                    2 => Value::from(f64::from_bits(self.below(0x7fe0_0000_0000_0000))),
+                    3 => Value::from(self.key()),
+                    _ => Value::from(self.below(2) == 0),
+                }),
+            }
+        }
+    }
+
+    #[test]
+    fn writes_what_the_walk_of_a_json_value_wrote() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for _ in 0..3000 {
+            writes_as_walked(&rng.tree(0));
+        }
+    }
+
+    /// Keys compare raw: `"` is before `A`, though its escape `\"` is after.
+    #[test]
+    fn keys_sort_by_their_unescaped_bytes() {
+        let tree = Tree::Map(vec![
+            ("A".into(), Tree::Leaf(1.into())),
+            ("\"".into(), Tree::Leaf(2.into())),
+            ("\u{1}".into(), Tree::Leaf(3.into())),
+            ("A".into(), Tree::Leaf(4.into())),
+        ]);
+        let written = Fingerprint::new().arg("v", &tree).document().unwrap();
+        assert_eq!(String::from_utf8(written).unwrap(), r#"{"v":{"\u0001":3,"\"":2,"A":4}}"#);
+        writes_as_walked(&tree);
+    }
+
+    #[derive(Serialize, PartialEq, Eq, PartialOrd, Ord)]
+    enum Side {
+        Buy,
+        Sell,
+    }
+
+    #[derive(Serialize, PartialEq, Eq, PartialOrd, Ord)]
+    struct Sku(u32);
+
+    /// Floats as keys, in a map serialized from pairs.
+    struct FloatKeys(Vec<(f32, f64)>);
+
+    impl Serialize for FloatKeys {
+        fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            serializer.collect_map(self.0.iter().map(|(k, v)| (k, v)))
+        }
+    }
+
+    #[test]
+    fn map_keys_are_written_as_a_json_value_keys_them() {
+        writes_as_walked(&BTreeMap::from([(-3i64, 1), (20, 2), (100, 3)]));
+        writes_as_walked(&BTreeMap::from([(u128::MAX, 1), (0, 2)]));
+        writes_as_walked(&BTreeMap::from([(true, 1), (false, 2)]));
+        writes_as_walked(&BTreeMap::from([('"', 1), ('z', 2)]));
+        writes_as_walked(&BTreeMap::from([(Side::Sell, 1), (Side::Buy, 2)]));
+        writes_as_walked(&BTreeMap::from([(Sku(10), 1), (Sku(9), 2)]));
+        writes_as_walked(&FloatKeys(vec![(0.1, 0.1), (-0.0, -0.0), (1e30, 2.5)]));
+        assert_eq!(refused(Fingerprint::new().arg("m", &FloatKeys(vec![(f32::NAN, 1.0)]))), "m");
+        let unit_key = Fingerprint::new().arg("m", &BTreeMap::from([((), 1)]));
+        assert!(matches!(unit_key.finish(), Err(Error::Serialize(_))));
+    }
+
+    /// A map whose `Serialize` gives a key and no value.
+    struct Dangling;
+
+    impl Serialize for Dangling {
+        fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            use serde::ser::SerializeMap;
+            let mut map = serializer.serialize_map(None)?;
+            map.serialize_entry("b", &1)?;
+            map.serialize_key("lost")?;
+            map.serialize_entry("a", &2)?;
+            map.serialize_key("z")?;
+            map.end()
+        }
+    }
+
+    #[test]
+    fn a_key_given_no_value_is_dropped_as_a_json_value_drops_it() {
+        writes_as_walked(&Dangling);
+        let written = Fingerprint::new().arg("v", &Dangling).document().unwrap();
+        assert_eq!(written, br#"{"v":{"a":2,"b":1}}"#);
     }
 }

@@ -25,7 +25,7 @@
 use std::fmt::Write;
 use std::time::Duration;
 
-use crate::fingerprint::push_lower_hex;
+use crate::fingerprint::{push_lower_hex, write_lower_hex};
 use crate::namespace::Namespace;
 use crate::random::push_token;
 
@@ -156,15 +156,25 @@ pub(crate) struct StoredResult {
     pub expires_ms: i64,
     /// A recorded business error rather than a value.
     pub failed: bool,
-    /// The stored fingerprint's first 16 bytes, in hex.
-    pub fingerprint_prefix: String,
+    /// The stored fingerprint's first 16 bytes.
+    prefix: [u8; FINGERPRINT_BYTES],
     pub response: String,
 }
 
 impl StoredResult {
-    /// Whether it was stored for `fingerprint` (compared on its prefix).
+    /// Whether it was stored for `fingerprint` (compared on its prefix, in
+    /// hex on the stack: a replay allocates nothing for it).
     pub(crate) fn is_for(&self, fingerprint: &str) -> bool {
-        fingerprint.len() >= self.fingerprint_prefix.len() && fingerprint.starts_with(&self.fingerprint_prefix)
+        let mut hex = [0; 2 * FINGERPRINT_BYTES];
+        write_lower_hex(&mut hex, &self.prefix);
+        fingerprint.as_bytes().starts_with(&hex)
+    }
+
+    /// The stored fingerprint's first 16 bytes, in hex.
+    pub(crate) fn fingerprint_prefix(&self) -> String {
+        let mut hex = String::with_capacity(2 * FINGERPRINT_BYTES);
+        push_lower_hex(&mut hex, &self.prefix);
+        hex
     }
 }
 
@@ -188,10 +198,10 @@ pub(crate) fn read_result(mut value: Vec<u8>) -> Result<StoredResult, Vec<u8>> {
     let response = String::from_utf8(value).map_err(|e| [&head[..], e.as_bytes()].concat())?;
     let mut expires = [0; 8];
     expires[2..].copy_from_slice(&head[1..EXPIRY_END]);
-    let mut fingerprint_prefix = String::with_capacity(2 * FINGERPRINT_BYTES);
-    push_lower_hex(&mut fingerprint_prefix, &head[EXPIRY_END..]);
+    let mut prefix = [0; FINGERPRINT_BYTES];
+    prefix.copy_from_slice(&head[EXPIRY_END..]);
     // Six bytes: always a positive i64.
-    Ok(StoredResult { expires_ms: i64::from_be_bytes(expires), failed, fingerprint_prefix, response })
+    Ok(StoredResult { expires_ms: i64::from_be_bytes(expires), failed, prefix, response })
 }
 
 #[cfg(test)]
@@ -208,6 +218,7 @@ mod tests {
         assert!(stored.is_for(FP));
         assert!(!stored.is_for(&FP.replace('0', "1")));
         assert!(!stored.is_for("0123"), "a shorter fingerprint never matches");
+        assert_eq!(stored.fingerprint_prefix(), FP[..32]);
         assert_eq!(result_value(5, FP, "", false).len(), FINGERPRINT_END, "1 + 6 + 16 bytes besides the response");
         assert_eq!(parse_result(result_value(5, FP, "", false)).unwrap().response, "");
     }
