@@ -34,13 +34,15 @@ pub(super) struct Writer {
     pub non_finite: bool,
 }
 
-/// One entry of an open object: its key's JSON at `key_start..key_end`,
-/// then `:` and its value up to `value_end`.
+/// One entry of an open object: its key's JSON at `key_start..key_end`
+/// (`escaped` if it holds an escape), then `:` and its value up to
+/// `value_end`.
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     key_start: usize,
     key_end: usize,
     value_end: usize,
+    escaped: bool,
 }
 
 /// An object being written: its `{` at `start`, its entries from `base`.
@@ -86,8 +88,10 @@ impl Writer {
         let key_start = self.out.len();
         key(self)?;
         let key_end = self.out.len();
+        // Looked at once here, not at every comparison of the sort.
+        let escaped = self.out[key_start..key_end].contains(&b'\\');
         self.out.push(b':');
-        self.entries.push(Entry { key_start, key_end, value_end: key_end + 1 });
+        self.entries.push(Entry { key_start, key_end, value_end: key_end + 1, escaped });
         Ok(())
     }
 
@@ -185,7 +189,7 @@ impl Writer {
 fn raw_key<'a>(out: &'a [u8], entry: &Entry) -> Cow<'a, [u8]> {
     let json = &out[entry.key_start..entry.key_end];
     let inner = &json[1..json.len() - 1];
-    if !inner.contains(&b'\\') {
+    if !entry.escaped {
         return Cow::Borrowed(inner);
     }
     match serde_json::from_slice::<String>(json) {

@@ -22,7 +22,6 @@
 //! touching the claim and the result hashes stays in one Redis Cluster
 //! slot; 64 shards spread the results over the cluster.
 
-use std::fmt::Write;
 use std::time::Duration;
 
 use crate::fingerprint::{push_lower_hex, write_lower_hex};
@@ -55,14 +54,39 @@ pub(crate) struct Place {
 pub(crate) fn results_of(namespace: &Namespace, field: &[u8; 16], window: i64) -> String {
     let mut name = String::with_capacity(37 + namespace.as_str().len());
     push_prefix(&mut name, namespace, field);
-    let _ = write!(name, "r{window}");
+    name.push('r');
+    push_decimal(&mut name, window);
     name
 }
 
 /// Writes `idem:{<ns>.<shard>}:`, the start of every key of `field`'s call.
 fn push_prefix(out: &mut String, namespace: &Namespace, field: &[u8; 16]) {
     let shard = u16::from_be_bytes([field[0], field[1]]) % SHARDS;
-    let _ = write!(out, "idem:{{{}.{shard}}}:", namespace.as_str());
+    out.push_str("idem:{");
+    out.push_str(namespace.as_str());
+    out.push('.');
+    push_decimal(out, i64::from(shard));
+    out.push_str("}:");
+}
+
+/// Appends `n` in decimal, as `write!` would, without the formatting
+/// machinery (a replay names a result hash on every read).
+fn push_decimal(out: &mut String, n: i64) {
+    let mut buf = [0u8; 20];
+    let mut at = buf.len();
+    let mut rest = n.unsigned_abs();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    if n < 0 {
+        out.push('-');
+    }
+    out.push_str(std::str::from_utf8(&buf[at..]).expect("decimal digits are ASCII"));
 }
 
 impl Place {
@@ -82,7 +106,9 @@ impl Place {
     pub(crate) fn results(&self, window: i64) -> String {
         // Sized up front: `format!` guesses short and grows, twice per claim.
         let mut name = String::with_capacity(self.prefix.len() + 21);
-        let _ = write!(name, "{}r{window}", self.prefix);
+        name.push_str(&self.prefix);
+        name.push('r');
+        push_decimal(&mut name, window);
         name
     }
 
@@ -234,6 +260,21 @@ mod tests {
         // Handed back whole: the claim script drops the value equal to them.
         assert_eq!(read_result(bad_utf8.clone()), Err(bad_utf8));
         assert_eq!(read_result(b"dshort".to_vec()), Err(b"dshort".to_vec()));
+    }
+
+    #[test]
+    fn names_are_written_as_format_writes_them() {
+        for n in [0, 7, 10, 99, 1_796_212_228, -1, -10, i64::MAX, i64::MIN] {
+            let mut s = String::from("x");
+            push_decimal(&mut s, n);
+            assert_eq!(s, format!("x{n}"));
+        }
+        let namespace = Namespace::new("3f9a0c21d4e5b6a7").unwrap();
+        let field = [0x01, 0x02, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        let shard = 0x0102 % SHARDS;
+        assert_eq!(results_of(&namespace, &field, 2_993_687), format!("idem:{{3f9a0c21d4e5b6a7.{shard}}}:r2993687"));
+        let place = Place::at(&namespace, "pay", "k", field);
+        assert_eq!(place.results(-3), format!("idem:{{3f9a0c21d4e5b6a7.{shard}}}:r-3"));
     }
 
     #[test]
