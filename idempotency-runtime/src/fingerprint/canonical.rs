@@ -18,12 +18,15 @@
 
 use std::borrow::Cow;
 use std::fmt::Display;
-use std::io::Write as _;
 
 use serde::Serialize;
-use serde::ser::{self, Error as _, Impossible, Serializer};
+use serde::ser::{self, Error as _, Serializer};
 
 pub(super) type Error = serde_json::Error;
+
+mod map_key;
+
+use map_key::KeyWriter;
 
 /// A document being written, and the object entries still open in it.
 #[derive(Debug, Default)]
@@ -202,8 +205,13 @@ fn out_of_range() -> Error {
     Error::custom("number out of range")
 }
 
-fn key_must_be_a_string() -> Error {
-    Error::custom("key must be a string")
+/// Scalars serde_json writes as a JSON value holds them.
+macro_rules! as_serde_json {
+    ($($method:ident($ty:ty)),* $(,)?) => {
+        $(fn $method(self, v: $ty) -> Result<(), Error> {
+            self.json().$method(v)
+        })*
+    };
 }
 
 impl<'a> Serializer for &'a mut Writer {
@@ -217,39 +225,26 @@ impl<'a> Serializer for &'a mut Writer {
     type SerializeStruct = Map<'a>;
     type SerializeStructVariant = Map<'a>;
 
-    fn serialize_bool(self, v: bool) -> Result<(), Error> {
-        self.json().serialize_bool(v)
-    }
-    fn serialize_i8(self, v: i8) -> Result<(), Error> {
-        self.json().serialize_i8(v)
-    }
-    fn serialize_i16(self, v: i16) -> Result<(), Error> {
-        self.json().serialize_i16(v)
-    }
-    fn serialize_i32(self, v: i32) -> Result<(), Error> {
-        self.json().serialize_i32(v)
-    }
-    fn serialize_i64(self, v: i64) -> Result<(), Error> {
-        self.json().serialize_i64(v)
-    }
+    as_serde_json!(
+        serialize_bool(bool),
+        serialize_i8(i8),
+        serialize_i16(i16),
+        serialize_i32(i32),
+        serialize_i64(i64),
+        serialize_u8(u8),
+        serialize_u16(u16),
+        serialize_u32(u32),
+        serialize_u64(u64),
+        serialize_char(char),
+        serialize_str(&str),
+    );
+
     fn serialize_i128(self, v: i128) -> Result<(), Error> {
         match (u64::try_from(v), i64::try_from(v)) {
             (Ok(u), _) => self.serialize_u64(u),
             (_, Ok(i)) => self.serialize_i64(i),
             _ => Err(out_of_range()),
         }
-    }
-    fn serialize_u8(self, v: u8) -> Result<(), Error> {
-        self.json().serialize_u8(v)
-    }
-    fn serialize_u16(self, v: u16) -> Result<(), Error> {
-        self.json().serialize_u16(v)
-    }
-    fn serialize_u32(self, v: u32) -> Result<(), Error> {
-        self.json().serialize_u32(v)
-    }
-    fn serialize_u64(self, v: u64) -> Result<(), Error> {
-        self.json().serialize_u64(v)
     }
     fn serialize_u128(self, v: u128) -> Result<(), Error> {
         u64::try_from(v).map_err(|_| out_of_range()).and_then(|u| self.serialize_u64(u))
@@ -260,12 +255,6 @@ impl<'a> Serializer for &'a mut Writer {
     }
     fn serialize_f64(self, v: f64) -> Result<(), Error> {
         self.float(v)
-    }
-    fn serialize_char(self, v: char) -> Result<(), Error> {
-        self.json().serialize_char(v)
-    }
-    fn serialize_str(self, v: &str) -> Result<(), Error> {
-        self.json().serialize_str(v)
     }
     fn serialize_bytes(self, v: &[u8]) -> Result<(), Error> {
         v.serialize(self) // an array of numbers, as a JSON value holds them
@@ -461,121 +450,3 @@ macro_rules! fields {
 }
 
 fields!(SerializeStruct, SerializeStructVariant);
-
-/// A map's key, written as the JSON string serde_json's value serializer
-/// makes of it: strings and chars as they are, integers, bools and finite
-/// floats in their text form, a unit variant by its name, a newtype by its
-/// inner value; anything else is not a key.
-struct KeyWriter<'a> {
-    w: &'a mut Writer,
-}
-
-impl KeyWriter<'_> {
-    fn quoted(self, text: impl Display) -> Result<(), Error> {
-        // Integers, bools and floats: nothing in their text needs escaping.
-        write!(self.w.out, "\"{text}\"").map_err(|e| Error::custom(e.to_string()))
-    }
-}
-
-macro_rules! keys_as_text {
-    ($($method:ident($ty:ty)),* $(,)?) => {
-        $(fn $method(self, v: $ty) -> Result<(), Error> {
-            self.quoted(v)
-        })*
-    };
-}
-
-macro_rules! not_keys {
-    ($($method:ident($($arg:ty),*) -> $ret:ty),* $(,)?) => {
-        $(fn $method(self, $(_: $arg),*) -> Result<$ret, Error> {
-            Err(key_must_be_a_string())
-        })*
-    };
-}
-
-impl Serializer for KeyWriter<'_> {
-    type Ok = ();
-    type Error = Error;
-    type SerializeSeq = Impossible<(), Error>;
-    type SerializeTuple = Impossible<(), Error>;
-    type SerializeTupleStruct = Impossible<(), Error>;
-    type SerializeTupleVariant = Impossible<(), Error>;
-    type SerializeMap = Impossible<(), Error>;
-    type SerializeStruct = Impossible<(), Error>;
-    type SerializeStructVariant = Impossible<(), Error>;
-
-    keys_as_text!(
-        serialize_bool(bool),
-        serialize_i8(i8),
-        serialize_i16(i16),
-        serialize_i32(i32),
-        serialize_i64(i64),
-        serialize_i128(i128),
-        serialize_u8(u8),
-        serialize_u16(u16),
-        serialize_u32(u32),
-        serialize_u64(u64),
-        serialize_u128(u128),
-    );
-
-    /// In its own shortest form (not widened, unlike a value).
-    fn serialize_f32(self, v: f32) -> Result<(), Error> {
-        if !v.is_finite() {
-            return Err(self.w.refuse());
-        }
-        self.w.out.push(b'"');
-        self.w.json().serialize_f32(v)?;
-        self.w.out.push(b'"');
-        Ok(())
-    }
-    fn serialize_f64(self, v: f64) -> Result<(), Error> {
-        if !v.is_finite() {
-            return Err(self.w.refuse());
-        }
-        self.w.out.push(b'"');
-        self.w.json().serialize_f64(v)?;
-        self.w.out.push(b'"');
-        Ok(())
-    }
-    fn serialize_char(self, v: char) -> Result<(), Error> {
-        self.w.json().serialize_char(v)
-    }
-    fn serialize_str(self, v: &str) -> Result<(), Error> {
-        self.w.json().serialize_str(v)
-    }
-    fn serialize_unit_variant(self, _name: &'static str, _index: u32, variant: &'static str) -> Result<(), Error> {
-        self.serialize_str(variant)
-    }
-    fn serialize_newtype_struct<T: Serialize + ?Sized>(self, _name: &'static str, value: &T) -> Result<(), Error> {
-        value.serialize(self)
-    }
-    fn collect_str<T: Display + ?Sized>(self, value: &T) -> Result<(), Error> {
-        self.w.json().collect_str(value)
-    }
-    fn serialize_some<T: Serialize + ?Sized>(self, _value: &T) -> Result<(), Error> {
-        Err(key_must_be_a_string())
-    }
-    fn serialize_newtype_variant<T: Serialize + ?Sized>(
-        self,
-        _name: &'static str,
-        _index: u32,
-        _variant: &'static str,
-        _value: &T,
-    ) -> Result<(), Error> {
-        Err(key_must_be_a_string())
-    }
-
-    not_keys!(
-        serialize_bytes(&[u8]) -> (),
-        serialize_none() -> (),
-        serialize_unit() -> (),
-        serialize_unit_struct(&'static str) -> (),
-        serialize_seq(Option<usize>) -> Impossible<(), Error>,
-        serialize_tuple(usize) -> Impossible<(), Error>,
-        serialize_tuple_struct(&'static str, usize) -> Impossible<(), Error>,
-        serialize_tuple_variant(&'static str, u32, &'static str, usize) -> Impossible<(), Error>,
-        serialize_map(Option<usize>) -> Impossible<(), Error>,
-        serialize_struct(&'static str, usize) -> Impossible<(), Error>,
-        serialize_struct_variant(&'static str, u32, &'static str, usize) -> Impossible<(), Error>,
-    );
-}
