@@ -22,6 +22,21 @@ pub(super) struct KeyWriter<'a> {
 }
 
 impl KeyWriter<'_> {
+    /// A float key, quoted; refused (and noted) unless `finite`.
+    fn float(
+        self,
+        finite: bool,
+        write: impl FnOnce(&mut serde_json::Serializer<&mut Vec<u8>>) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        if !finite {
+            return Err(self.w.refuse());
+        }
+        self.w.out.push(b'"');
+        write(&mut self.w.json())?;
+        self.w.out.push(b'"');
+        Ok(())
+    }
+
     fn quoted(self, text: impl Display) -> Result<(), Error> {
         // Integers, bools and floats: nothing in their text needs escaping.
         write!(self.w.out, "\"{text}\"").map_err(|e| Error::custom(e.to_string()))
@@ -71,22 +86,10 @@ impl Serializer for KeyWriter<'_> {
 
     /// In its own shortest form (not widened, unlike a value).
     fn serialize_f32(self, v: f32) -> Result<(), Error> {
-        if !v.is_finite() {
-            return Err(self.w.refuse());
-        }
-        self.w.out.push(b'"');
-        self.w.json().serialize_f32(v)?;
-        self.w.out.push(b'"');
-        Ok(())
+        self.float(v.is_finite(), |json| json.serialize_f32(v))
     }
     fn serialize_f64(self, v: f64) -> Result<(), Error> {
-        if !v.is_finite() {
-            return Err(self.w.refuse());
-        }
-        self.w.out.push(b'"');
-        self.w.json().serialize_f64(v)?;
-        self.w.out.push(b'"');
-        Ok(())
+        self.float(v.is_finite(), |json| json.serialize_f64(v))
     }
     fn serialize_char(self, v: char) -> Result<(), Error> {
         self.w.json().serialize_char(v)

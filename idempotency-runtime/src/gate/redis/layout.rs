@@ -197,7 +197,7 @@ impl StoredResult {
     }
 
     /// The stored fingerprint's first 16 bytes, in hex.
-    pub(crate) fn fingerprint_prefix(&self) -> String {
+    pub(crate) fn fingerprint_prefix_hex(&self) -> String {
         let mut hex = String::with_capacity(2 * FINGERPRINT_BYTES);
         push_lower_hex(&mut hex, &self.prefix);
         hex
@@ -244,7 +244,7 @@ mod tests {
         assert!(stored.is_for(FP));
         assert!(!stored.is_for(&FP.replace('0', "1")));
         assert!(!stored.is_for("0123"), "a shorter fingerprint never matches");
-        assert_eq!(stored.fingerprint_prefix(), FP[..32]);
+        assert_eq!(stored.fingerprint_prefix_hex(), FP[..32]);
         assert_eq!(result_value(5, FP, "", false).len(), FINGERPRINT_END, "1 + 6 + 16 bytes besides the response");
         assert_eq!(parse_result(result_value(5, FP, "", false)).unwrap().response, "");
     }

@@ -340,7 +340,7 @@ fn read(value: Vec<u8>, fingerprint: &str) -> Result<Found, Vec<u8>> {
         return Ok(Found::Running);
     }
     let stored = read_result(value)?;
-    let fingerprint = if stored.is_for(fingerprint) { fingerprint.to_owned() } else { stored.fingerprint_prefix() };
+    let fingerprint = if stored.is_for(fingerprint) { fingerprint.to_owned() } else { stored.fingerprint_prefix_hex() };
     let (response, failed, expires_ms) = (stored.response, stored.failed, stored.expires_ms);
     Ok(Found::Finished(Answer { fingerprint, response, failed, expires_ms }))
 }
