@@ -40,19 +40,11 @@ use std::future::{Ready, ready};
 use actix_web::dev::Payload;
 use actix_web::http::StatusCode;
 use actix_web::middleware::from_fn;
-use actix_web::{App, FromRequest, HttpRequest, HttpResponse, HttpServer, Responder, ResponseError, web};
+use actix_web::{App, FromRequest, HttpRequest, HttpResponse, HttpServer, ResponseError, web};
 use idempotency::Idem;
 use idempotency::http::actix::{Path, Problem, check_principal, replay_header};
 use idempotency::http::{IdempotencyKey, IdempotencyToken, KeyOrToken};
-use shop::{ApiError, PAY_TOKEN_TTL, PAY_TOKENS, PayResponse, PayToken, Refusal, Store};
-
-impl Responder for PayResponse {
-    type Body = actix_web::body::BoxBody;
-
-    fn respond_to(self, _: &HttpRequest) -> HttpResponse {
-        HttpResponse::Ok().json(self)
-    }
-}
+use shop::{ApiError, PAY_TOKEN_TTL, PAY_TOKENS, PayToken, Refusal, Store};
 
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
@@ -140,7 +132,7 @@ macro_rules! pay_service {
                 proof: KeyOrToken,
                 Path(order_id): Path<i64>,
                 web::Json(req): web::Json<PayReq>,
-            ) -> Result<PayResponse, ApiError> {
+            ) -> Result<StoredJson<PayResponse>, ApiError> {
                 match proof {
                     KeyOrToken::Key(IdempotencyKey(idem_key)) => pay_by_key(&app, user, idem_key, order_id, req).await,
                     KeyOrToken::Token(IdempotencyToken(token)) => {

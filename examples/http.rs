@@ -57,20 +57,14 @@
 mod shop;
 
 use axum::extract::{FromRequestParts, Path, State};
-use axum::http::StatusCode;
 use axum::http::request::Parts;
+use axum::http::{HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use idempotency::Idem;
 use idempotency::http::{IdempotencyKey, IdempotencyToken, KeyOrToken, Problem, ReplayHeaderLayer, check_principal};
-use shop::{ApiError, PAY_TOKEN_TTL, PAY_TOKENS, PayResponse, PayToken, Store};
-
-impl IntoResponse for PayResponse {
-    fn into_response(self) -> Response {
-        (StatusCode::OK, Json(self)).into_response()
-    }
-}
+use shop::{ApiError, PAY_TOKEN_TTL, PAY_TOKENS, PayToken, Store};
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
@@ -99,11 +93,14 @@ fn problem(status: StatusCode, code: &'static str, detail: String) -> Response {
 /// can never render the same.
 struct UserId(String);
 
+/// Made once: a header looked up by a `&str` name is parsed on every request.
+const X_USER_ID: HeaderName = HeaderName::from_static("x-user-id");
+
 impl<S: Send + Sync> FromRequestParts<S> for UserId {
     type Rejection = Response;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Response> {
-        let Some(value) = parts.headers.get("x-user-id") else {
+        let Some(value) = parts.headers.get(X_USER_ID) else {
             let detail = "send X-User-Id: 1 to 64 characters from A-Z a-z 0-9 _ . -".to_owned();
             return Err(problem(StatusCode::UNAUTHORIZED, "UNAUTHENTICATED", detail));
         };
@@ -145,7 +142,7 @@ macro_rules! pay_service {
                 proof: KeyOrToken,
                 Path(order_id): Path<i64>,
                 Json(req): Json<PayReq>,
-            ) -> Result<PayResponse, ApiError> {
+            ) -> Result<StoredJson<PayResponse>, ApiError> {
                 match proof {
                     KeyOrToken::Key(IdempotencyKey(idem_key)) => pay_by_key(&app, user, idem_key, order_id, req).await,
                     KeyOrToken::Token(IdempotencyToken(token)) => {

@@ -112,7 +112,7 @@ pub use idempotency_runtime::outbox;
 pub use idempotency_runtime::redis_streams;
 pub use idempotency_runtime::{
     Backend, Builder, BusinessError, DEFAULT_MAX_RESULT_BYTES, Error, Idem, InvalidNamespace, KeyError, LocalCache,
-    Namespace, Outcome, Status, col, observe, state, transition,
+    Namespace, Outcome, Status, StoredJson, col, observe, state, transition,
 };
 
 /// Key rules, shared with entry points that take keys from outside

@@ -136,18 +136,21 @@ impl From<sqlx::Error> for ApiError {
 /// placeholders); only the type and the new row's id differ.
 macro_rules! payments {
     ($db:ty, $payment_id:path) => {
-        use idempotency::idempotent;
         use idempotency::state::{Advanced, advance};
+        use idempotency::{StoredJson, idempotent};
         use sqlx::Transaction;
         use $crate::shop::{ApiError, OrderStatus, PayReq, PayResponse, Refusal};
 
         /// Once per (user, Idempotency-Key). The key template is scoped
         /// to the principal; `app` (the engine's root) is not part of the
-        /// fingerprint, everything else is. The record keeps the order as
-        /// its `biz_no`, which `payments.order_id` holds too: `idem
-        /// reconcile --biz http_pay --table payments --column order_id
-        /// --record-field biz_no` compares them (the keys, made by clients,
-        /// are in no business table).
+        /// fingerprint, everything else is. The answer is the payment as
+        /// its record stores it (`StoredJson`): a replay sends those bytes
+        /// on, not decoded into a `PayResponse` and encoded again. The
+        /// record keeps the order as its `biz_no`, which
+        /// `payments.order_id` holds too: `idem reconcile --biz http_pay
+        /// --table payments --column order_id --record-field biz_no`
+        /// compares them (the keys, made by clients, are in no business
+        /// table).
         #[idempotent(key = "<user>:<idem_key>", ttl = "24h", biz = "http_pay", biz_no = "<order_id>", engine = app.idem)]
         async fn pay_by_key(
             app: &App,
@@ -156,8 +159,8 @@ macro_rules! payments {
             idem_key: String,
             order_id: i64,
             req: PayReq,
-        ) -> Result<PayResponse, ApiError> {
-            charge(tx, &user, order_id, &req).await
+        ) -> Result<StoredJson<PayResponse>, ApiError> {
+            charge(tx, &user, order_id, &req).await.map(StoredJson::new)
         }
 
         /// Once per token: every submit of one token meets this record
@@ -171,8 +174,8 @@ macro_rules! payments {
             token: String,
             order_id: i64,
             req: PayReq,
-        ) -> Result<PayResponse, ApiError> {
-            charge(tx, &user, order_id, &req).await
+        ) -> Result<StoredJson<PayResponse>, ApiError> {
+            charge(tx, &user, order_id, &req).await.map(StoredJson::new)
         }
 
         /// The payment itself, in the call's transaction.

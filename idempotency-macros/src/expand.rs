@@ -16,7 +16,7 @@
 //!     const __IDEM_SPEC: ::idempotency::__private::Spec = ::idempotency::__private::Spec {
 //!         biz: "pay", ttl: .., lease: .., wait: None, record_errors: false,
 //!     };
-//!     let __idem_key = ::std::format!("order_{}_pay", order_id);
+//!     let __idem_key = ::idempotency::__private::render(::core::format_args!("order_{}_pay", order_id));
 //!     let __idem_biz_no = ::core::option::Option::None;
 //!     let __idem_fingerprint = ::idempotency::__private::Fingerprint::new().arg("order_id", &order_id);
 //!     let __idem_engine = ::core::clone::Clone::clone(&(idem));
@@ -153,14 +153,18 @@ fn rewrite(func: &mut ItemFn, args: &Args, checked: Checked) {
     let biz = &args.biz;
     let ttl = args.ttl_ms;
     let lease = args.lease_ms;
-    let key = render(&args.key.1);
+    let key = render(krate, &args.key.1);
     let biz_no = match &args.biz_no {
         Some((_, template)) => {
-            let rendered = render(template);
+            let rendered = render(krate, template);
             quote!(::core::option::Option::Some(#rendered))
         }
         None => quote!(::core::option::Option::None),
     };
+    // In the document's key order (names are unique), so the canonical
+    // writer finds its entries sorted and moves none of them.
+    let mut fingerprinted: Vec<&Fingerprinted> = fingerprinted.iter().collect();
+    fingerprinted.sort_by_cached_key(|arg| arg.name.to_string());
     let fingerprint_args = fingerprinted.iter().map(|Fingerprinted { name, span, unless_default }| {
         let label = name.to_string();
         // At the type's span too, so a missing trait is "required by" the parameter.
@@ -245,8 +249,9 @@ fn respan(tokens: TokenStream, span: Span) -> TokenStream {
         .collect()
 }
 
-/// `::std::format!("order_{}_pay", order_id)` for `order_<order_id>_pay`.
-fn render(template: &Template) -> TokenStream {
+/// `::idempotency::__private::render(::core::format_args!("order_{}_pay", &order_id))`
+/// for `order_<order_id>_pay`.
+fn render(krate: &impl ToTokens, template: &Template) -> TokenStream {
     let mut format = String::new();
     let mut values = Vec::new();
     for piece in &template.pieces {
@@ -270,7 +275,7 @@ fn render(template: &Template) -> TokenStream {
             }
         }
     }
-    quote!(::std::format!(#format #(, #values)*))
+    quote!(#krate::__private::render(::core::format_args!(#format #(, #values)*)))
 }
 
 #[cfg(test)]

@@ -10,6 +10,17 @@ pub use idempotency_rules::{MAX_BIZ_LEN, MAX_BIZ_NO_LEN, MAX_KEY_LEN, MIN_HEADER
 
 use crate::error::Error;
 
+/// A key (or `biz_no`) rendered from its template, as `format!` would,
+/// into room for a typical key: `format!` starts from the template's
+/// literal text alone and grows the string as each value lands (three
+/// allocations for `<user>:<idem_key>`, on every call).
+pub fn render(pieces: std::fmt::Arguments<'_>) -> String {
+    let mut out = String::with_capacity(64);
+    // As `format!`: only a `Display` impl that breaks its contract fails.
+    std::fmt::Write::write_fmt(&mut out, pieces).expect("a Display implementation returned an error unexpectedly");
+    out
+}
+
 /// Checks a rendered key: `[A-Za-z0-9_.:-]{1,255}`.
 pub fn validate_key(key: &str) -> Result<(), Error> {
     idempotency_rules::check_key(key, 1, MAX_KEY_LEN).map_err(Error::InvalidKey)

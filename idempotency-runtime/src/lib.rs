@@ -46,6 +46,7 @@ pub mod state;
 mod status;
 pub mod steps;
 mod store;
+mod stored_json;
 pub mod token;
 
 pub use business_error::BusinessError;
@@ -68,6 +69,7 @@ pub use outcome::{Outcome, observe};
 pub use status::Status;
 pub use steps::{Failure, StepKey, Steps, StuckCall};
 pub use store::Backend;
+pub use stored_json::StoredJson;
 pub use token::{Consumption, IssuedToken, SpentToken, TokenError, Tokens};
 
 /// Not a stable API: where Redis keeps claims and cached results, for the
@@ -122,6 +124,7 @@ pub mod __private {
     pub use crate::call::run;
     pub use crate::call::typed::{Body, Replayable};
     pub use crate::fingerprint::Fingerprint;
+    pub use crate::key::render;
     pub use crate::spec::Spec;
     pub use crate::steps::run_steps;
 }

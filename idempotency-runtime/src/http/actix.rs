@@ -51,6 +51,7 @@ use super::{IdempotencyKey, IdempotencyToken, KeyOrToken, PROBLEM_JSON, ProblemD
 use crate::engine::Idem;
 use crate::error::Error;
 use crate::store::Backend;
+use crate::stored_json::StoredJson;
 use crate::token::TokenError;
 
 /// The request header carrying the caller's key.
@@ -79,13 +80,23 @@ impl HttpStatus for StatusCode {
     }
 }
 
+/// Our header names, made once: looked up by a `&str`, a name is parsed
+/// (lower-cased, checked) on every request.
+fn known(name: &'static str) -> HeaderName {
+    match name {
+        super::header::IDEMPOTENCY_KEY => IDEMPOTENCY_KEY,
+        super::header::IDEMPOTENCY_TOKEN => IDEMPOTENCY_TOKEN,
+        other => HeaderName::from_static(other),
+    }
+}
+
 impl sealed::Sealed for HeaderMap {}
 
 impl RequestHeaders for HeaderMap {
     type Status = StatusCode;
 
     fn header_values(&self, name: &'static str) -> impl Iterator<Item = &[u8]> {
-        self.get_all(name).map(HeaderValue::as_bytes)
+        self.get_all(known(name)).map(HeaderValue::as_bytes)
     }
 }
 
@@ -210,6 +221,20 @@ impl ResponseError for Error {
 
 /// The response for a [`TokenError`]: 403 `IDEMPOTENCY_TOKEN_INVALID` for
 /// a refused token, 503 when its store is unavailable.
+/// `200 OK`, `application/json`, the stored bytes as they are. A value no
+/// call stored yet is written as JSON (one that has no JSON form: the
+/// engine's 500 problem, as its call would have answered).
+impl<T: Serialize> Responder for StoredJson<T> {
+    type Body = BoxBody;
+
+    fn respond_to(self, _: &HttpRequest) -> HttpResponse {
+        match self.into_body() {
+            Ok(body) => HttpResponse::Ok().content_type("application/json").body(body),
+            Err(e) => Error::Serialize(e).error_response(),
+        }
+    }
+}
+
 impl ResponseError for TokenError {
     fn status_code(&self) -> StatusCode {
         Problem::from(self).status

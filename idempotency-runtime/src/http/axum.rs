@@ -32,7 +32,10 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use super::framework::{HttpStatus, RequestHeaders, sealed};
 use super::{IdempotencyKey, IdempotencyToken, KeyOrToken, PROBLEM_JSON, ProblemDetails, observe_replay};
 use crate::error::Error;
+use crate::stored_json::StoredJson;
 use crate::token::TokenError;
+
+const JSON: &str = "application/json";
 
 /// The request header carrying the caller's key.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(super::header::IDEMPOTENCY_KEY);
@@ -60,13 +63,23 @@ impl HttpStatus for StatusCode {
     }
 }
 
+/// Our header names, made once: looked up by a `&str`, a name is parsed
+/// (lower-cased, checked) on every request.
+fn known(name: &'static str) -> HeaderName {
+    match name {
+        super::header::IDEMPOTENCY_KEY => IDEMPOTENCY_KEY,
+        super::header::IDEMPOTENCY_TOKEN => IDEMPOTENCY_TOKEN,
+        other => HeaderName::from_static(other),
+    }
+}
+
 impl sealed::Sealed for HeaderMap {}
 
 impl RequestHeaders for HeaderMap {
     type Status = StatusCode;
 
     fn header_values(&self, name: &'static str) -> impl Iterator<Item = &[u8]> {
-        self.get_all(name).iter().map(HeaderValue::as_bytes)
+        self.get_all(known(name)).iter().map(HeaderValue::as_bytes)
     }
 }
 
@@ -146,6 +159,18 @@ impl IntoResponse for Error {
 /// The response for a [`TokenError`]: 403 `IDEMPOTENCY_TOKEN_INVALID` for
 /// a refused token, 503 when its store is unavailable (see the table in
 /// the [module docs](super)).
+/// `200 OK`, `application/json`, the stored bytes as they are. A value no
+/// call stored yet is written as JSON (one that has no JSON form: the
+/// engine's 500 problem, as its call would have answered).
+impl<T: serde::Serialize> IntoResponse for StoredJson<T> {
+    fn into_response(self) -> Response {
+        match self.into_body() {
+            Ok(body) => ([(header::CONTENT_TYPE, HeaderValue::from_static(JSON))], body).into_response(),
+            Err(e) => Error::Serialize(e).into_response(),
+        }
+    }
+}
+
 impl IntoResponse for TokenError {
     fn into_response(self) -> Response {
         ProblemDetails::answering_token(&self).convert::<StatusCode>().into_response()
