@@ -12,9 +12,21 @@ pub const MAX_KEY_LEN: usize = 255;
 pub const MIN_HEADER_KEY_LEN: usize = 8;
 
 /// The characters a key may hold; safe in Redis keys, SQL, logs and headers.
-pub fn is_key_char(c: char) -> bool {
+pub const fn is_key_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-')
 }
+
+/// [`is_key_char`] for each byte: the alphabet is ASCII, so a key is
+/// checked a byte at a time (every call checks one, often two).
+const KEY_BYTES: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 128 {
+        table[b] = is_key_char(b as u8 as char);
+        b += 1;
+    }
+    table
+};
 
 /// Checks `key` against the alphabet and a length of `min..=max` bytes.
 ///
@@ -28,7 +40,9 @@ pub fn check_key(key: &str, min: usize, max: usize) -> Result<(), KeyError> {
     if key.len() > max {
         return Err(KeyError::TooLong { len: key.len(), max });
     }
-    if let Some((at, ch)) = key.char_indices().find(|&(_, c)| !is_key_char(c)) {
+    if !key.bytes().all(|b| KEY_BYTES[usize::from(b)])
+        && let Some((at, ch)) = key.char_indices().find(|&(_, c)| !is_key_char(c))
+    {
         return Err(KeyError::BadChar { ch, at });
     }
     if key.len() < min {
@@ -96,6 +110,17 @@ mod tests {
     fn accepts_the_whole_alphabet_up_to_255() {
         for key in ["order_42_pay", "u-7:A.b_c", &"k".repeat(255), "x"] {
             assert_eq!(check_key(key, 1, MAX_KEY_LEN), Ok(()), "{key:?}");
+        }
+    }
+
+    #[test]
+    fn the_byte_table_is_the_alphabet() {
+        // Every ASCII character and a few beyond, alone and after a good one.
+        for c in (0..=0x7fu8).map(char::from).chain(['é', 'ä', '€', '\u{80}', '\u{10ffff}']) {
+            for key in [c.to_string(), format!("k{c}")] {
+                let bad = (!is_key_char(c)).then(|| KeyError::BadChar { ch: c, at: key.len() - c.len_utf8() });
+                assert_eq!(check_key(&key, 1, MAX_KEY_LEN).err(), bad, "{key:?}");
+            }
         }
     }
 

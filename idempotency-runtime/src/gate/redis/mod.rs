@@ -261,8 +261,10 @@ impl RedisGate {
     /// the next read. A wrong guess costs one round trip.
     async fn peek(&self, namespace: &Namespace, field: &[u8; 16], fingerprint: &str) -> Option<Answer> {
         let now = self.clock.now_ms();
-        let mut hget = redis::cmd("HGET");
-        hget.arg(results_of(namespace, field, window_of(now, self.hot_window))).arg(&field[..]);
+        let name = results_of(namespace, field, window_of(now, self.hot_window));
+        // Sized once: grown an argument at a time, the command reallocated thrice.
+        let mut hget = redis::Cmd::with_capacity(3, 4 + name.len() + field.len());
+        hget.arg("HGET").arg(name).arg(&field[..]);
         let value: Option<Vec<u8>> = self.link.query(&hget, Backoff::Respect).await.ok()?;
         match read(value?, fingerprint) {
             Ok(Found::Finished(answer)) if answer.expires_ms > now => Some(answer),
