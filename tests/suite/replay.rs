@@ -4,7 +4,7 @@
 
 use std::sync::atomic::Ordering::SeqCst;
 
-use idempotency::{Idem, Status, idempotent};
+use idempotency::{Idem, Status, StoredJson, idempotent};
 use idempotency_testkit::{
     TestBackend, redis_cached_response, redis_client, redis_exists, redis_replace_result, redis_result, unique,
 };
@@ -65,6 +65,64 @@ async fn echo(
     body(tx, &k, 1, probe, Mode::Ok).await?;
     Ok(note)
 }
+
+/// A value handed on as its stored JSON (`StoredJson`), not decoded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Receipt {
+    amount: i64,
+    note: String,
+}
+
+#[idempotent(key = "<k>", ttl = "1h", biz = "t_stored_json")]
+async fn receipt_json(
+    idem: &Idem<Db>,
+    tx: &mut Transaction<'_, Db>,
+    k: String,
+    amount: i64,
+    #[idem(skip)] probe: &Probe,
+) -> Result<StoredJson<Receipt>, TestError> {
+    body(tx, &k, amount, probe, Mode::Ok).await?;
+    Ok(StoredJson::new(Receipt { amount, note: "caf\u{e9} \"paid\"".into() }))
+}
+
+/// The first caller and every replay (from Redis, from the record) get the
+/// stored bytes themselves; the body ran once; bytes in the record that are
+/// not JSON answer `Error::Replay`, as for a decoded value.
+async fn stored_json_hands_on_the_stored_bytes(redis: Redis) {
+    let Some(idem) = engine(&unique("db"), 4, redis).await else { return };
+    let Some(plain) = engine(&unique("db"), 4, Redis::Off).await else { return };
+    let probe = Probe::default();
+    let k = unique("stored-json");
+    let expected = r#"{"amount":7,"note":"café \"paid\""}"#;
+    let first = receipt_json(&idem, k.clone(), 7, &probe).await.unwrap();
+    assert_eq!(first.json(), Some(expected), "the first caller gets the stored form too");
+    for _ in 0..2 {
+        let again = receipt_json(&idem, k.clone(), 7, &probe).await.unwrap();
+        assert_eq!(again.json(), Some(expected));
+    }
+    let Status::Completed { response } = idem.status("t_stored_json", &k).await.unwrap() else { panic!("not stored") };
+    assert_eq!(response, expected);
+    assert_eq!(receipt_json(&idem, k.clone(), 7, &probe).await.unwrap().into_value().unwrap().amount, 7);
+    assert!(matches!(
+        receipt_json(&idem, k.clone(), 8, &probe).await,
+        Err(TestError::Idem(idempotency::Error::KeyReused { .. }))
+    ));
+    assert_eq!((probe.runs(), ledger_rows(&idem, &k).await), (1, 1));
+
+    // From the record alone, and a record whose bytes are not JSON.
+    let k = unique("stored-json-plain");
+    receipt_json(&plain, k.clone(), 3, &probe).await.unwrap();
+    sqlx::query(B::CORRUPT).bind("{\"amount\": 3").bind("t_stored_json").bind(&k).execute(plain.pool()).await.unwrap();
+    let r = receipt_json(&plain, k.clone(), 3, &probe).await;
+    assert!(matches!(r, Err(TestError::Idem(idempotency::Error::Replay { .. }))), "{r:?}");
+    assert_eq!((probe.runs(), ledger_rows(&plain, &k).await), (2, 1));
+}
+
+with_and_without_redis!(
+    #[tokio::test]
+    stored_json_hands_on_the_stored_bytes_without_redis,
+    stored_json_hands_on_the_stored_bytes_with_redis => stored_json_hands_on_the_stored_bytes
+);
 
 #[tokio::test]
 async fn hostile_arguments_are_stored_and_replayed_byte_for_byte() {

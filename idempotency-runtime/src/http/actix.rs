@@ -276,6 +276,21 @@ mod tests {
         (response.status().as_u16(), header(header::CONTENT_TYPE), header(header::RETRY_AFTER))
     }
 
+    #[tokio::test]
+    async fn stored_json_answers_its_stored_bytes() {
+        let request = TestRequest::default().to_http_request();
+        let stored = r#"{ "id": 7, "note": "caf\u00e9" }"#;
+        let read: StoredJson<serde_json::Value> = serde_json::from_str(stored).unwrap();
+        let response = read.respond_to(&request);
+        assert_eq!(headers_of(&response), (200, Some("application/json".into()), None));
+        assert_eq!(actix_web::body::to_bytes(response.into_body()).await.unwrap(), stored.as_bytes());
+        let response = StoredJson::new(vec![1, 2]).respond_to(&request);
+        assert_eq!(actix_web::body::to_bytes(response.into_body()).await.unwrap(), "[1,2]".as_bytes());
+        let keyed_by_bytes = std::collections::BTreeMap::from([(vec![1u8], 1)]);
+        let response = StoredJson::new(keyed_by_bytes).respond_to(&request);
+        assert_eq!(headers_of(&response), (500, Some(PROBLEM_JSON.into()), None));
+    }
+
     #[test]
     fn errors_answer_as_the_core_says() {
         let json_error = || serde_json::from_str::<u8>("x").unwrap_err();

@@ -287,6 +287,24 @@ mod tests {
         (response.status(), body, response.headers().clone())
     }
 
+    #[tokio::test]
+    async fn stored_json_answers_its_stored_bytes() {
+        let body = |response: Response| axum::body::to_bytes(response.into_body(), usize::MAX);
+        // As stored by another writer: spacing and escapes stay.
+        let stored = r#"{ "id": 7, "note": "caf\u00e9" }"#;
+        let read: StoredJson<serde_json::Value> = serde_json::from_str(stored).unwrap();
+        let response = read.into_response();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(response.headers()[header::CONTENT_TYPE], "application/json");
+        assert_eq!(body(response).await.unwrap(), stored.as_bytes());
+        // Not stored yet: written as JSON; without a JSON form: the engine's 500.
+        assert_eq!(body(StoredJson::new(vec![1, 2]).into_response()).await.unwrap(), "[1,2]".as_bytes());
+        let keyed_by_bytes = std::collections::BTreeMap::from([(vec![1u8], 1)]);
+        let response = StoredJson::new(keyed_by_bytes).into_response();
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(response.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
+    }
+
     #[test]
     fn errors_answer_with_their_status_and_code() {
         let json_error = || serde_json::from_str::<u8>("x").unwrap_err();
