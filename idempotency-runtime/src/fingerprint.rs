@@ -206,6 +206,33 @@ mod tests {
         assert_eq!(String::from_utf8(written).unwrap(), String::from_utf8(expected).unwrap());
     }
 
+    /// Field names written as they are (identifiers) or escaped (the
+    /// rest) sort and read as the walk's.
+    #[test]
+    fn renamed_fields_are_escaped_and_sorted_as_before() {
+        #[derive(Serialize)]
+        struct Renamed {
+            plain_1: u8,
+            #[serde(rename = "a-b")]
+            dashed: u8,
+            #[serde(rename = "q\"uote")]
+            quoted: u8,
+            #[serde(rename = "caf\u{e9}")]
+            accented: u8,
+            #[serde(rename = "tab\t")]
+            tab: u8,
+            #[serde(rename = "")]
+            empty: u8,
+            #[serde(rename = "Z")]
+            upper: u8,
+        }
+        let value = Renamed { plain_1: 1, dashed: 2, quoted: 3, accented: 4, tab: 5, empty: 6, upper: 7 };
+        writes_as_walked(&value);
+        let doc = Fingerprint::new().arg("v", &value).document().unwrap();
+        let expected = r#"{"v":{"":6,"Z":7,"a-b":2,"café":4,"plain_1":1,"q\"uote":3,"tab\t":5}}"#;
+        assert_eq!(String::from_utf8(doc).unwrap(), expected);
+    }
+
     #[test]
     fn sorts_keys_at_every_depth() {
         let v: Value = serde_json::from_str(r#"{"b":1,"a":{"z":[{"y":1,"x":2}],"c":null}}"#).unwrap();

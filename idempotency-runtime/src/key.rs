@@ -13,7 +13,9 @@ use crate::error::Error;
 /// A key (or `biz_no`) rendered from its template, as `format!` would,
 /// into room for a typical key: `format!` starts from the template's
 /// literal text alone and grows the string as each value lands (three
-/// allocations for `<user>:<idem_key>`, on every call).
+/// allocations for `<user>:<idem_key>`, on every call). What the code the
+/// attribute writes calls; not a stable API.
+#[doc(hidden)]
 pub fn render(pieces: std::fmt::Arguments<'_>) -> String {
     let mut out = String::with_capacity(64);
     // As `format!`: only a `Display` impl that breaks its contract fails.
