@@ -206,8 +206,8 @@ mod tests {
         assert_eq!(String::from_utf8(written).unwrap(), String::from_utf8(expected).unwrap());
     }
 
-    /// Field names written as they are (identifiers) or escaped (the
-    /// rest) sort and read as the walk's.
+    /// Field names renamed to what needs escaping sort by their characters
+    /// and are written as the walk wrote them.
     #[test]
     fn renamed_fields_are_escaped_and_sorted_as_before() {
         #[derive(Serialize)]

@@ -109,17 +109,7 @@ impl Writer {
 
     /// An entry keyed by a name (a struct's field, an argument).
     pub fn field<T: Serialize + ?Sized>(&mut self, object: Object, name: &str, value: &T) -> Result<(), Error> {
-        self.key(object, |w| {
-            // An identifier (every argument, most fields) is its own JSON
-            // string: written as it is, not through the escaper.
-            if name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
-                w.out.push(b'"');
-                w.out.extend_from_slice(name.as_bytes());
-                w.out.push(b'"');
-                return Ok(());
-            }
-            w.json().serialize_str(name)
-        })?;
+        self.key(object, |w| w.json().serialize_str(name))?;
         self.value(value)
     }
 
