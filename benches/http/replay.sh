@@ -71,7 +71,7 @@ for round in $(seq 1 "$rounds"); do
   done
   read -r replay_rate floor_rate ratio verdict < <(python3 -c "
 t = $slices * $slice; r = $replay / $floor
-print(f'{$replay / t:.0f} {$floor / t:.0f} {r:.2f}', 'met' if r >= 0.9 else 'NOT_met')")
+print(f'{$replay / t:.0f} {$floor / t:.0f} {r:.3f}', 'met' if r >= 0.9 else 'NOT_met')")
   printf '%-6s %14s %14s %7sx  target >= 0.90x: %s\n' "$round" "$replay_rate" "$floor_rate" "$ratio" "${verdict/_/ }"
 done
 rm -f "$request"
