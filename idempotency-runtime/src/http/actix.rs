@@ -219,8 +219,6 @@ impl ResponseError for Error {
     }
 }
 
-/// The response for a [`TokenError`]: 403 `IDEMPOTENCY_TOKEN_INVALID` for
-/// a refused token, 503 when its store is unavailable.
 /// `200 OK`, `application/json`, the stored bytes as they are. A value no
 /// call stored yet is written as JSON (one that has no JSON form: the
 /// engine's 500 problem, as its call would have answered).
@@ -235,6 +233,8 @@ impl<T: Serialize> Responder for StoredJson<T> {
     }
 }
 
+/// The response for a [`TokenError`]: 403 `IDEMPOTENCY_TOKEN_INVALID` for
+/// a refused token, 503 when its store is unavailable.
 impl ResponseError for TokenError {
     fn status_code(&self) -> StatusCode {
         Problem::from(self).status

@@ -156,9 +156,6 @@ impl IntoResponse for Error {
     }
 }
 
-/// The response for a [`TokenError`]: 403 `IDEMPOTENCY_TOKEN_INVALID` for
-/// a refused token, 503 when its store is unavailable (see the table in
-/// the [module docs](super)).
 /// `200 OK`, `application/json`, the stored bytes as they are. A value no
 /// call stored yet is written as JSON (one that has no JSON form: the
 /// engine's 500 problem, as its call would have answered).
@@ -171,6 +168,9 @@ impl<T: serde::Serialize> IntoResponse for StoredJson<T> {
     }
 }
 
+/// The response for a [`TokenError`]: 403 `IDEMPOTENCY_TOKEN_INVALID` for
+/// a refused token, 503 when its store is unavailable (see the table in
+/// the [module docs](super)).
 impl IntoResponse for TokenError {
     fn into_response(self) -> Response {
         ProblemDetails::answering_token(&self).convert::<StatusCode>().into_response()
