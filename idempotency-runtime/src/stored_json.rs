@@ -31,10 +31,12 @@ use serde_json::value::RawValue;
 /// What it does not do: check that the stored JSON still reads as a `T`.
 /// [`into_value`](StoredJson::into_value) decodes it when the value itself
 /// is needed, and fails there if `T` changed since the record was written.
+#[derive(Clone)]
 pub struct StoredJson<T> {
     held: Held<T>,
 }
 
+#[derive(Clone)]
 enum Held<T> {
     /// Made by the fn's body; written as `T` when stored.
     Value(T),
@@ -103,16 +105,6 @@ impl<T: Serialize> Serialize for StoredJson<T> {
 impl<'de, T> Deserialize<'de> for StoredJson<T> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         Box::<RawValue>::deserialize(deserializer).map(|json| StoredJson { held: Held::Json(json) })
-    }
-}
-
-impl<T: Clone> Clone for StoredJson<T> {
-    fn clone(&self) -> Self {
-        let held = match &self.held {
-            Held::Value(value) => Held::Value(value.clone()),
-            Held::Json(json) => Held::Json(json.clone()),
-        };
-        StoredJson { held }
     }
 }
 

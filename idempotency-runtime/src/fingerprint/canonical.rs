@@ -71,8 +71,8 @@ impl Writer {
         Error::custom("a float that is NaN or infinite has no JSON form")
     }
 
-    /// Room for a typical call's arguments, written and then sorted in
-    /// place (which copies them once past the end).
+    /// Room for a typical call's arguments, and for the copy past the end
+    /// that sorting an object which came out of order takes.
     pub fn reserve(&mut self) {
         self.out.reserve(512);
         self.entries.reserve(8);

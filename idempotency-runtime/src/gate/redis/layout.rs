@@ -72,21 +72,7 @@ fn push_prefix(out: &mut String, namespace: &Namespace, field: &[u8; 16]) {
 /// Appends `n` in decimal, as `write!` would, without the formatting
 /// machinery (a replay names a result hash on every read).
 fn push_decimal(out: &mut String, n: i64) {
-    let mut buf = [0u8; 20];
-    let mut at = buf.len();
-    let mut rest = n.unsigned_abs();
-    loop {
-        at -= 1;
-        buf[at] = b'0' + (rest % 10) as u8;
-        rest /= 10;
-        if rest == 0 {
-            break;
-        }
-    }
-    if n < 0 {
-        out.push('-');
-    }
-    out.push_str(std::str::from_utf8(&buf[at..]).expect("decimal digits are ASCII"));
+    out.push_str(itoa::Buffer::new().format(n));
 }
 
 impl Place {
