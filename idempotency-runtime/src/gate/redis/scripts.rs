@@ -1,7 +1,9 @@
 //! The gate's Lua scripts. Each touches the keys of one call only (one hash
 //! tag: one Redis Cluster slot), so it runs atomically wherever the call's
 //! keys live. `EVALSHA` ([`evalsha`]), loading the script first when the
-//! server has not yet (`Link::eval`).
+//! server has not yet (`Link::eval`). A first call's two are in files of
+//! their own (`claim.lua`, `finish.lua`): the overhead bench's `floor-gate`
+//! row sends them too.
 
 use redis::{Cmd, Script};
 
@@ -25,35 +27,7 @@ use redis::{Cmd, Script};
 // is not `p:` or has no lease, or a claim key of another type (SET replaces
 // it). So one corrupt entry costs one call its fast path, never an error:
 // the record decides.
-const CLAIM: &str = r"
-local now = tonumber(ARGV[4])
-for i = 2, 3 do
-  local v = redis.pcall('HGET', KEYS[i], ARGV[3])
-  if type(v) == 'table' then
-    redis.call('DEL', KEYS[i])
-  elseif v then
-    local tag = string.byte(v)
-    if #v < 23 or (tag ~= 100 and tag ~= 102) or v == ARGV[6] then
-      redis.call('HDEL', KEYS[i], ARGV[3])
-    else
-      local a, b, c, d, e, f = string.byte(v, 2, 7)
-      if ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f > now then
-        if i == 3 then
-          redis.call('HSET', KEYS[2], ARGV[3], v)
-          if redis.call('PTTL', KEYS[2]) < 0 then redis.call('PEXPIRE', KEYS[2], ARGV[5]) end
-        end
-        return v
-      end
-    end
-  end
-end
-local held = redis.pcall('GET', KEYS[1])
-if held == ARGV[1] then return false end
-if type(held) == 'string' and string.sub(held, 1, 2) == 'p:' and redis.call('PTTL', KEYS[1]) >= 0 then
-  return held
-end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return false";
+const CLAIM: &str = include_str!("claim.lua");
 
 // Compare-and-delete: only the owner of the claim may drop it (a key of
 // another type is no one's claim). ARGV[2] '1': duplicates may be waiting
@@ -72,16 +46,7 @@ return 0";
 // ms from now; set once, when the hash is new). A key of another type where
 // the hash goes is not the gate's (the claim script drops it too): replaced.
 // ARGV[5] '1': duplicates may be waiting (`waiters.rs`), told as by RELEASE.
-const FINISH: &str = r"
-if redis.pcall('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
-if type(redis.pcall('HSET', KEYS[2], ARGV[2], ARGV[3])) == 'table' then
-  redis.call('DEL', KEYS[2])
-  redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-end
-if redis.call('PTTL', KEYS[2]) < 0 then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
-if ARGV[5] == '1' then redis.call('PUBLISH', KEYS[1], '') end
-return 1";
+const FINISH: &str = include_str!("finish.lua");
 
 /// The three scripts, hashed once per engine.
 pub(crate) struct Scripts {
