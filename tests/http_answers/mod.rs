@@ -15,7 +15,7 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use axum::{Json, Router, middleware};
 use idempotency::http::{IdempotencyKey, replay_header};
 use idempotency::{BusinessError, Idem, idempotent};
@@ -24,8 +24,6 @@ use serde::{Deserialize, Serialize};
 use sqlx::{MySql, Transaction};
 
 const SERVER_ROLE: &str = "IDEM_HTTP_ANSWERS_SERVER";
-/// The body's own time: long enough that duplicates meet it running.
-const BODY_TIME: Duration = Duration::from_millis(300);
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Paid {
@@ -90,6 +88,11 @@ impl IntoResponse for ApiError {
 #[derive(Clone)]
 struct App {
     idem: Idem<MySql>,
+    /// Requests to `/pay` that reached this server.
+    entered: Arc<AtomicUsize>,
+    /// `pay`'s body holds until this turns true (`POST /release`): every
+    /// duplicate meets it running.
+    release: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 fn nonce() -> String {
@@ -103,7 +106,7 @@ async fn pay(
     IdempotencyKey(idem_key): IdempotencyKey,
 ) -> Result<Paid, ApiError> {
     sqlx::query("INSERT INTO idem_test_ledger (k, amount) VALUES (?, 1)").bind(&idem_key).execute(&mut **tx).await?;
-    tokio::time::sleep(BODY_TIME).await;
+    let _ = app.release.subscribe().wait_for(|released| *released).await;
     Ok(Paid { key: idem_key, nonce: nonce() })
 }
 
@@ -139,11 +142,26 @@ async fn engine(redis: bool) -> Option<Idem<MySql>> {
 }
 
 async fn serve(idem: Idem<MySql>) -> String {
+    let app = App { idem, entered: Arc::default(), release: Arc::new(tokio::sync::watch::Sender::new(false)) };
+    let entered = app.entered.clone();
     let router = Router::new()
-        .route("/pay", post(pay))
+        .route(
+            "/pay",
+            post(pay).layer(middleware::from_fn(move |request: axum::extract::Request, next: middleware::Next| {
+                entered.fetch_add(1, SeqCst);
+                next.run(request)
+            })),
+        )
         .route("/charge", post(charge))
+        .route("/entered", get(|State(app): State<App>| async move { app.entered.load(SeqCst).to_string() }))
+        .route(
+            "/release",
+            post(|State(app): State<App>| async move {
+                app.release.send_replace(true);
+            }),
+        )
         .layer(middleware::from_fn(replay_header))
-        .with_state(App { idem });
+        .with_state(app);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, router).await.expect("serve") });
@@ -194,9 +212,10 @@ async fn serve_until_killed(role: &str) {
 }
 
 /// 100 identical requests at once, half to each of two engine processes,
-/// against a body of 300 ms, with a 5 s wait: 100 × 200, identical bodies,
-/// one execution. Without the wait, every duplicate that met the running
-/// call was answered 409.
+/// against a body held until all 100 have reached their server, with a 5 s
+/// wait: 100 × 200, identical bodies, one execution. Without the wait,
+/// every duplicate that met the running call in Redis is answered 409
+/// (without Redis, duplicates wait on the record's unique index anyway).
 async fn storm(test: &str, redis: bool) {
     const REQUESTS: usize = 100;
     if let Ok(role) = std::env::var(SERVER_ROLE) {
@@ -220,6 +239,23 @@ async fn storm(test: &str, redis: bool) {
             })
         })
         .collect();
+    let bases = [here, other.base.clone()];
+    let started = std::time::Instant::now();
+    loop {
+        let mut entered = 0;
+        for base in &bases {
+            let count = client.get(format!("{base}/entered")).send().await.expect("entered").text().await.unwrap();
+            entered += count.parse::<usize>().expect("a count");
+        }
+        if entered == REQUESTS {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "{entered} of {REQUESTS} requests arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for base in &bases {
+        client.post(format!("{base}/release")).send().await.expect("released");
+    }
     let mut answers = Vec::new();
     for request in requests {
         answers.push(tokio::time::timeout(Duration::from_secs(60), request).await.expect("no hang").unwrap());

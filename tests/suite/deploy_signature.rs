@@ -4,8 +4,6 @@
 //! and key, and asserts what the retry gets (docs/guarantees.md, "Deploying
 //! changes", names each test).
 
-use std::time::Duration;
-
 use idempotency::{Idem, Outcome, idempotent, observe};
 use idempotency_testkit::unique;
 use serde::Serialize;
@@ -348,7 +346,11 @@ async fn changed_ttl_applies_to_new_records_only(redis: Redis) {
     let probe = Probe::default();
     let shortened = unique("shortened");
     let first = place(&idem, shortened.clone(), 5, &probe).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    // A record of the short ttl written after ours: once it has expired,
+    // ours would have too, had the shorter ttl applied to it.
+    let witness = unique("witness");
+    place_short_ttl(&idem, witness.clone(), 5, &probe).await.unwrap();
+    until_expired(&idem, "t_deploy", &witness).await;
     assert_replayed(observe(place_short_ttl(&idem, shortened.clone(), 5, &probe)).await, &first);
 
     let lengthened = unique("lengthened");
@@ -357,8 +359,8 @@ async fn changed_ttl_applies_to_new_records_only(redis: Redis) {
     // A Redis claim whose cache write has not landed yet (a busy machine)
     // answers `InProgress` past its record's expiry, until the write lands.
     let again = past_the_release(|| place(&idem, lengthened.clone(), 5, &probe)).await;
-    assert!(matches!(&again, Ok(r) if r.run == 3 && r.key == lengthened), "executed again: {again:?}");
-    assert_eq!((probe.runs(), ledger_rows(&idem, &lengthened).await), (3, 2));
+    assert!(matches!(&again, Ok(r) if r.run == 4 && r.key == lengthened), "executed again: {again:?}");
+    assert_eq!((probe.runs(), ledger_rows(&idem, &lengthened).await), (4, 2));
 }
 
 with_and_without_redis!(
