@@ -228,7 +228,14 @@ mod mysql {
             (a, r)
         });
         // `a` waits on `b`'s row: then `b` closes the circle.
-        wait_until_waiting(&pool, a_id).await;
+        tokio::select! {
+            () = wait_until_waiting(&pool, a_id) => {}
+            // Seen once under the full suite's load: `a` never shown waiting
+            // (both transactions running); this tells how its statement ended.
+            () = until_finished(&a_waits) => {
+                panic!("`a` got past `b`'s row lock without waiting: {:?}", a_waits.await.unwrap().1.map(drop))
+            }
+        }
         let b_result = sqlx::raw_sql("UPDATE idem_classify_rows SET v = v + 1 WHERE id = 1").execute(&mut *b).await;
         let (a, a_result) = a_waits.await.unwrap();
         let deadlock = match (a_result, b_result) {
@@ -283,6 +290,13 @@ mod mysql {
         let second = sqlx::ConnectOptions::connect(&one).await.map(drop).unwrap_err();
         is(second, ErrorClass::Transient);
         drop(first);
+    }
+
+    /// Until `task` has finished (polled: awaiting it would take its result).
+    async fn until_finished<T>(task: &tokio::task::JoinHandle<T>) {
+        while !task.is_finished() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     async fn connection_id(conn: &mut sqlx::MySqlConnection) -> i64 {
