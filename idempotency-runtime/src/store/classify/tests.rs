@@ -328,7 +328,14 @@ mod mysql {
                     .fetch_all(pool)
                     .await
                     .unwrap();
-                panic!("connection {id} never waited on a lock: {trx:?}");
+                let threads: Vec<(i64, String, Option<String>, Option<String>)> = Pooling::Session
+                    .query_as(
+                        "SELECT CAST(ID AS SIGNED), COMMAND, STATE, INFO FROM information_schema.PROCESSLIST WHERE DB = 'test'",
+                    )
+                    .fetch_all(pool)
+                    .await
+                    .unwrap();
+                panic!("connection {id} never waited on a lock: {trx:?}; threads: {threads:?}");
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
