@@ -286,9 +286,6 @@ impl RedisCount {
     }
 }
 
-/// The `floor` row's cache write: the least one checked against the claim
-/// does (the engine's also tells waiting duplicates, and writes into the
-/// hot window's hash).
 /// The gate's claim (it also looks for the call's result in the hot
 /// windows) and cache write, for the `floor-gate` row.
 static GATE_CLAIM: std::sync::LazyLock<redis::Script> =
@@ -296,6 +293,9 @@ static GATE_CLAIM: std::sync::LazyLock<redis::Script> =
 static GATE_FINISH: std::sync::LazyLock<redis::Script> =
     std::sync::LazyLock::new(|| redis::Script::new(include_str!("../idempotency-runtime/src/gate/redis/finish.lua")));
 
+/// The `floor` row's cache write: the least one checked against the claim
+/// does (the engine's also tells waiting duplicates, and writes into the
+/// hot window's hash).
 static FLOOR_FINISH: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) \
