@@ -223,18 +223,16 @@ mod mysql {
         let mut b = pool.begin().await.unwrap();
         sqlx::raw_sql("UPDATE idem_classify_rows SET v = v + 1 WHERE id = 2").execute(&mut *b).await.unwrap();
         let a_id = connection_id(&mut a).await;
-        let a_waits = tokio::spawn(async move {
+        let mut a_waits = tokio::spawn(async move {
             let r = sqlx::raw_sql("UPDATE idem_classify_rows SET v = v + 1 WHERE id = 2").execute(&mut *a).await;
             (a, r)
         });
         // `a` waits on `b`'s row: then `b` closes the circle.
         tokio::select! {
             () = wait_until_waiting(&pool, a_id) => {}
-            // Seen once under the full suite's load: `a` never shown waiting
+            // Seen twice under the full suite's load: `a` never shown waiting
             // (both transactions running); this tells how its statement ended.
-            () = until_finished(&a_waits) => {
-                panic!("`a` got past `b`'s row lock without waiting: {:?}", a_waits.await.unwrap().1.map(drop))
-            }
+            ended = &mut a_waits => panic!("`a` got past `b`'s row lock without waiting: {:?}", ended.unwrap().1.map(drop)),
         }
         let b_result = sqlx::raw_sql("UPDATE idem_classify_rows SET v = v + 1 WHERE id = 1").execute(&mut *b).await;
         let (a, a_result) = a_waits.await.unwrap();
@@ -290,13 +288,6 @@ mod mysql {
         let second = sqlx::ConnectOptions::connect(&one).await.map(drop).unwrap_err();
         is(second, ErrorClass::Transient);
         drop(first);
-    }
-
-    /// Until `task` has finished (polled: awaiting it would take its result).
-    async fn until_finished<T>(task: &tokio::task::JoinHandle<T>) {
-        while !task.is_finished() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
     }
 
     async fn connection_id(conn: &mut sqlx::MySqlConnection) -> i64 {
