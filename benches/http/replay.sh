@@ -6,8 +6,11 @@
 # connections, one wrk thread, so the servers keep a core). A round gives
 # each server the same time in short slices taken in turn (ABBA...), so a
 # drift of the machine's speed during the round (on a shared VM the rates
-# move by a tenth within a minute) falls on both alike; prints each round's
-# rates and their ratio (target: >= 0.90).
+# move by a tenth within a minute) falls on both alike. Prints one line per
+# round, as the overhead bench prints its targets: the ratio of the rates
+# (target: >= 0.90), met or not met, both rates, and each server's CPU time
+# per request (user + system, from /proc): the gap in absolute terms, which
+# the machine's drift moves less than the rates.
 #
 #   benches/http/replay.sh [seconds per server per round, default 10] [rounds, default 2] [slices, default 4]
 #
@@ -58,20 +61,33 @@ replayed=$(curl -s -D - -o /dev/null -X POST localhost:3100/orders/42/pay -H 'X-
 # Requests answered in one slice of `slice` seconds.
 slice=$(( seconds / slices > 0 ? seconds / slices : 1 ))
 served() { wrk -t1 -c32 -d"${slice}s" -s "$request" "http://127.0.0.1:$1/orders/42/pay" | awk '/requests in/ {print $1}'; }
-printf '%-6s %14s %14s %8s\n' round "replay req/s" "floor req/s" ratio
+# A server's CPU time so far, in clock ticks (user + system).
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# One slice of the server on `port` (process `pid`): adds its requests and ticks.
+slice_of() {
+  local port=$1 pid=$2 before n
+  before=$(ticks "$pid")
+  n=$(served "$port")
+  echo "$n $(($(ticks "$pid") - before))"
+}
+hz=$(getconf CLK_TCK)
 for round in $(seq 1 "$rounds"); do
-  replay=0 floor=0
+  replay=0 floor=0 replay_ticks=0 floor_ticks=0
   for s in $(seq 1 "$slices"); do
     # ABBA: each server first in every other slice.
-    if [ $(((round + s) % 2)) = 0 ]; then
-      replay=$((replay + $(served 3100))); floor=$((floor + $(served 3101)))
-    else
-      floor=$((floor + $(served 3101))); replay=$((replay + $(served 3100)))
-    fi
+    for which in $( [ $(((round + s) % 2)) = 0 ] && echo "replay floor" || echo "floor replay"); do
+      if [ "$which" = replay ]; then
+        read -r n t < <(slice_of 3100 "${pids[0]}"); replay=$((replay + n)) replay_ticks=$((replay_ticks + t))
+      else
+        read -r n t < <(slice_of 3101 "${pids[1]}"); floor=$((floor + n)) floor_ticks=$((floor_ticks + t))
+      fi
+    done
   done
-  read -r replay_rate floor_rate ratio verdict < <(python3 -c "
+  python3 -c "
 t = $slices * $slice; r = $replay / $floor
-print(f'{$replay / t:.0f} {$floor / t:.0f} {r:.3f}', 'met' if r >= 0.9 else 'NOT_met')")
-  printf '%-6s %14s %14s %7sx  target >= 0.90x: %s\n' "$round" "$replay_rate" "$floor_rate" "$ratio" "${verdict/_/ }"
+cpu = lambda ticks, n: ticks / $hz / n * 1e6
+print(f'target HTTP replay / a plain axum handler with one HGET, mariadb, round $round: {r:.2f}x (>= 0.90x)',
+      'met' if r >= 0.9 else 'NOT met',
+      f'| req/s {$replay / t:.0f} vs {$floor / t:.0f} | CPU per request {cpu($replay_ticks, $replay):.1f} vs {cpu($floor_ticks, $floor):.1f} us')"
 done
 rm -f "$request"
