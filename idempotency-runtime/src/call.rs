@@ -25,11 +25,13 @@ use crate::store::pooling::around_body;
 use crate::store::record::{Committed, Finished, Opened, RecordKey, Settled, rollback};
 use crate::store::{Backend, StoredRecord};
 
+pub(crate) mod early_begin;
 pub(crate) mod joined;
 pub(crate) mod prebuilt;
 pub(crate) mod read_first;
 pub(crate) mod typed;
 
+use early_begin::EarlyBegin;
 use typed::{BoxFuture, CallError, Failed, Typed, run_and_read};
 
 /// The body as the flow runs it: handed the record's transaction.
@@ -123,8 +125,27 @@ async fn call<DB: Backend>(
     // A fn whose calls are mostly replays reads before it claims: one
     // `HGET` in Redis, or its record without Redis (`read_first`).
     let expect_replay = engine.read_first().expected(spec);
-    let mut entry =
-        gate.enter(engine.db(), id.row(), &fingerprint, spec.lease, engine.lock_wait().max(wait), expect_replay).await;
+    let enter =
+        || gate.enter(engine.db(), id.row(), &fingerprint, spec.lease, engine.lock_wait().max(wait), expect_replay);
+    // The transaction opens while the claim is in flight (`call/early_begin.rs`),
+    // while the claim needs no connection of the pool's.
+    let pool = &engine.db().pool;
+    let mut early = (DB::BEGIN_BESIDE_CLAIM
+        && gate.claims_in_redis_alone()
+        && engine.read_first().at_rest(spec)
+        && early_begin::lends_at_once(pool))
+    .then(|| EarlyBegin::start(pool));
+    // (Boxed: inline, `beside`'s future with the claim's in it would grow
+    // every call's future by half a kilobyte.)
+    let mut entry = match &mut early {
+        Some(early) => Box::pin(early.beside(enter())).await,
+        None => enter().await,
+    };
+    // Rolled back now, unless our claim lets the body run: a duplicate
+    // holds no connection while it waits.
+    if !matches!(&entry, Entry::GoAhead(pass) if pass.holds_claim()) {
+        early = None;
+    }
     let pass = loop {
         match entry {
             Entry::GoAhead(pass) => break pass,
@@ -174,7 +195,7 @@ async fn call<DB: Backend>(
     // run to kilobytes, and every wrapper that took it by value (the outbox
     // scope, the span, the caller's future) would copy it, first calls and
     // replays alike. A replay never builds this one.
-    let executed = Box::pin(execute(engine, spec, &id, claimed, body));
+    let executed = Box::pin(execute(engine, spec, &id, claimed, early, body));
     // Events the body queues take their ids from the call (`outbox::queue`).
     #[cfg(feature = "outbox")]
     let executed = crate::outbox::scope(engine, spec.biz, key, executed);
@@ -221,10 +242,15 @@ async fn execute<DB: Backend>(
     spec: &Spec,
     id: &RecordKey<'_>,
     claimed: bool,
+    early: Option<EarlyBegin<DB>>,
     body: &mut DynBody<'_, DB>,
 ) -> Result<Recorded, CallError> {
     let (records, record_errors) = (engine.records_for(spec), spec.record_errors);
-    let mut tx = match records.open(id, claimed).await? {
+    let opened = match early {
+        Some(early) => Some(early.take().await),
+        None => None,
+    };
+    let mut tx = match records.open(id, claimed, opened).await? {
         Opened::Go(tx) => tx,
         Opened::Taken(row) => return replay_row(id, row, body),
     };

@@ -65,6 +65,20 @@ pub(crate) async fn until_started(probe: &Probe, runs: usize) {
     }
 }
 
+/// Waits until `done` holds; 30 s only turn a hang into a failure.
+pub(crate) async fn until(what: &str, done: impl Fn() -> bool) {
+    let start = std::time::Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(30), "never: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Connections the engine's pool has lent out.
+pub(crate) fn lent(idem: &Idem<Db>) -> u32 {
+    idem.pool().size() - idem.pool().num_idle() as u32
+}
+
 /// Waits until a `Held*` body has done its statements and waits at the gate.
 pub(crate) async fn until_held(probe: &Probe) {
     let start = std::time::Instant::now();

@@ -13,7 +13,9 @@ use idempotency::{Idem, Outcome, idempotent};
 use idempotency_testkit::{TestBackend, unique};
 use sqlx::Transaction;
 
-use super::fixture::{Mode, Probe, Receipt, TestError, body, is_in_progress, ledger_rows, redis_location, until_held};
+use super::fixture::{
+    Mode, Probe, Receipt, TestError, body, is_in_progress, ledger_rows, lent, redis_location, until, until_held,
+};
 use super::{B, Db};
 
 /// `pay`'s twin that waits for a running duplicate whatever the engine says.
@@ -82,6 +84,9 @@ async fn duplicates_wait_for_the_running_call_and_get_its_result() {
         .collect();
     until_waiting(&a, "t_pay", &k, 2).await;
     assert!(duplicates.iter().all(|d| !d.is_finished()), "a duplicate answered while the first ran");
+    // Waiting, they hold no connection (one opened beside its claim was
+    // rolled back): the first call's is the one lent.
+    until("the waiters hold no connection", || lent(&a) == 1).await;
     probe.open();
     let first = first.await.unwrap().expect("the first call");
     for duplicate in duplicates {

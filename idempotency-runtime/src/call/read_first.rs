@@ -41,6 +41,11 @@ impl ReadFirst {
         self.slot(spec).load(Ordering::Relaxed) >= READ_FROM
     }
 
+    /// Whether the recent calls of `spec` all ran (none was a replay).
+    pub(crate) fn at_rest(&self, spec: &'static Spec) -> bool {
+        self.slot(spec).load(Ordering::Relaxed) == 0
+    }
+
     /// A call of `spec` reached the database and was `replayed` (or ran).
     pub(crate) fn saw(&self, spec: &'static Spec, replayed: bool) {
         let slot = self.slot(spec);

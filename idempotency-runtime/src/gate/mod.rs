@@ -121,6 +121,16 @@ impl Gate {
         Self { local: None, redis: Some(Arc::new(redis)), memory: MemoryGate::default() }
     }
 
+    /// Whether a call's claim asks Redis alone, not the database: Redis is
+    /// set and its namespace known (it may still fail a call over to the
+    /// in-memory gate).
+    pub(crate) fn claims_in_redis_alone(&self) -> bool {
+        #[cfg(feature = "redis")]
+        return self.redis.as_ref().is_some_and(|redis| redis.knows_namespace());
+        #[cfg(not(feature = "redis"))]
+        false
+    }
+
     /// Decides for the call `id` (its digest computed once, for the record
     /// and for Redis); `lease` bounds a Redis claim, `wait` the wait in
     /// memory for a duplicate running here; `expect_replay`: the fn's calls

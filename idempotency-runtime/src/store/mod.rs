@@ -308,6 +308,11 @@ pub trait RecordSql: sqlx::Database + Sized {
         ""
     }
 
+    /// Whether a claimed call's `BEGIN` goes out while its claim is in
+    /// flight (`call/early_begin.rs`): a round trip saved on a server.
+    /// SQLite's is none, and takes the file's write lock.
+    const BEGIN_BESIDE_CLAIM: bool = true;
+
     /// Whether the database has a clock of its own to read (a server).
     /// SQLite's file lives on this host, whose clock is the database's.
     const HAS_CLOCK: bool = true;

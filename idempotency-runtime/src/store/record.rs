@@ -138,18 +138,27 @@ pub(crate) enum Settled {
 impl<DB: Backend> Records<'_, DB> {
     /// The transaction the body runs in, or the live row that answers
     /// instead. `claimed`: a Redis claim keeps duplicates out, so the record
-    /// waits for [`commit`](Records::commit).
-    pub(crate) async fn open(&self, id: &RecordKey<'_>, claimed: bool) -> Result<Opened<DB>, Error> {
+    /// waits for [`commit`](Records::commit); `early`: its transaction,
+    /// opened while the claim was in flight (`call/early_begin.rs`).
+    pub(crate) async fn open(
+        &self,
+        id: &RecordKey<'_>,
+        claimed: bool,
+        early: Option<Result<Transaction<'static, DB>, sqlx::Error>>,
+    ) -> Result<Opened<DB>, Error> {
+        if claimed {
+            let opened = match early {
+                Some(opened) => opened,
+                None => DB::begin(&self.db.pool).await,
+            };
+            return opened.map(Opened::Go).map_err(|e| db_error::<DB>(id, e));
+        }
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let pool = &self.db.pool;
-            let opened = if claimed { DB::begin(pool).await } else { DB::begin_bounded(pool, self.lock_wait).await };
+            let opened = DB::begin_bounded(&self.db.pool, self.lock_wait).await;
             // SQLite waits for its write lock at `BEGIN IMMEDIATE`.
             let mut tx = opened.map_err(|e| db_error::<DB>(id, e))?;
-            if claimed {
-                return Ok(Opened::Go(tx));
-            }
             let record = id.record(PROCESSING, None, self.clock.now_ms());
             let inserted =
                 match insert(self.db.pooling, &mut tx, id, &record, Wait::Set(self.lock_wait), self.clock).await {

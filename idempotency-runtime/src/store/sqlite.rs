@@ -123,6 +123,8 @@ impl RecordSql for Sqlite {
 
     const HAS_CLOCK: bool = false;
 
+    const BEGIN_BESIDE_CLAIM: bool = false;
+
     // Never asked (`HAS_CLOCK` is false); SQLite reads the host's clock too.
     async fn clock_us(pool: &Pool<Self>) -> Result<i64, sqlx::Error> {
         super::select_bigint(pool, "SELECT CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)").await

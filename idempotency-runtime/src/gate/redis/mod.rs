@@ -226,6 +226,12 @@ impl RedisGate {
         matches!(held, Ok(Some(value)) if value.starts_with(b"p:"))
     }
 
+    /// Whether the namespace is known: a claim then asks Redis alone (the
+    /// first read of it takes a connection of the pool).
+    pub(crate) fn knows_namespace(&self) -> bool {
+        self.namespace.known()
+    }
+
     /// The namespace set on the builder, if any.
     pub(crate) fn fixed_namespace(&self) -> Option<Namespace> {
         self.namespace.fixed.clone()
@@ -404,6 +410,10 @@ impl NamespaceSlot {
     fn forget(&self) {
         *self.read.write().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
         self.unreadable_until_ms.store(0, Ordering::Relaxed);
+    }
+
+    fn known(&self) -> bool {
+        self.fixed.is_some() || self.read.read().unwrap_or_else(std::sync::PoisonError::into_inner).is_some()
     }
 
     async fn get<DB: Backend>(&self, db: &Db<DB>) -> Option<Namespace> {

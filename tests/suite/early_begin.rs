@@ -1,0 +1,144 @@
+//! With a Redis claim, a first call's `BEGIN` goes out while its claim is
+//! in flight (a round trip saved on a server), and a call the claim turns
+//! away gives its connection back outside any transaction. Redis is a
+//! private server whose writes (every claim is a script) the test holds.
+//! SQLite opens after the claim, as before: its statements run on a worker
+//! thread this count does not see, so there the test checks the outcome.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idempotency::Idem;
+use idempotency_testkit::servers::RedisServer;
+use idempotency_testkit::{TestBackend, redis_pause_writes, redis_unpause, unique};
+
+use super::fixture::{Mode, Probe, ledger_rows, lent, pay, record_rows_for, until};
+use super::statements::{count_statements, statements};
+use super::{B, Db};
+
+/// Whether this backend opens early (SQLite does not).
+const EARLY: bool = !matches!(B::NAME.as_bytes(), b"sqlite");
+
+/// An engine on a private Redis and a database of its own (what the server
+/// shows of its sessions is this test's alone), its scripts loaded by a
+/// first call.
+async fn engine() -> Option<(RedisServer, Idem<Db>, sqlx::Pool<Db>, String)> {
+    let server = RedisServer::start()?;
+    let name = unique("early").replace('-', "_");
+    let pool = B::open_private(&name, 4).await?;
+    B::prepare(&pool).await;
+    let idem = Idem::builder(pool.clone()).redis(server.client()).build();
+    idem.migrate().await.expect("migrate");
+    pay(&idem, unique("warm"), 1, &Probe::default(), Mode::Ok).await.unwrap();
+    Some((server, idem, pool, name))
+}
+
+/// Waits until `server` holds `n` cached results (written after a call answered).
+async fn until_cached(server: &RedisServer, idem: &Idem<Db>, n: i64) {
+    let namespace = idem.redis_namespace().await.expect("namespace").expect("migrated");
+    until("the results landed in Redis", || server.results_held(namespace.as_str()) >= n).await;
+}
+
+/// Waits until a transaction of the engine's is open: on MariaDB a
+/// connection lent and its `BEGIN` among the statements sqlx logged on this
+/// thread since `before`; PostgreSQL's `BEGIN` is not logged, and the
+/// server shows the session idle in it.
+async fn until_begun(idem: &Idem<Db>, before: usize) {
+    let start = Instant::now();
+    loop {
+        let begun = match B::NAME {
+            "postgres" => {
+                let sql = "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction'";
+                sqlx::query_scalar::<_, i64>(sql).fetch_one(idem.pool()).await.expect("pg_stat_activity") == 1
+            }
+            _ => statements() > before && lent(idem) == 1,
+        };
+        if begun {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "never: BEGIN sent while the claim is held");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Connections of the pool inside a transaction (each asked on MariaDB;
+/// PostgreSQL shows every session of the database).
+async fn in_transaction(idem: &Idem<Db>) -> i64 {
+    match B::NAME {
+        "mysql" => {
+            let mut conns = Vec::new();
+            for _ in 0..idem.pool().size() {
+                conns.push(idem.pool().acquire().await.expect("a connection"));
+            }
+            let mut inside = 0;
+            for conn in &mut conns {
+                let sql = "SELECT CAST(@@in_transaction AS SIGNED)";
+                inside += sqlx::query_scalar::<_, i64>(sql).fetch_one(&mut **conn).await.expect("@@in_transaction");
+            }
+            inside
+        }
+        "postgres" => {
+            let sql = "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'";
+            sqlx::query_scalar::<_, i64>(sql).fetch_one(idem.pool()).await.expect("pg_stat_activity")
+        }
+        _ => 0,
+    }
+}
+
+#[tokio::test]
+async fn a_first_call_sends_begin_while_its_claim_is_held() {
+    count_statements();
+    let Some((server, idem, pool, name)) = engine().await else { return };
+    until_cached(&server, &idem, 1).await;
+    let (client, probe, k) = (server.client(), Arc::new(Probe::default()), unique("early"));
+
+    redis_pause_writes(&client).await;
+    let before = statements();
+    let call = tokio::spawn({
+        let (idem, probe, k) = (idem.clone(), Arc::clone(&probe), k.clone());
+        async move { pay(&idem, k, 1, &probe, Mode::Ok).await }
+    });
+    if EARLY {
+        until_begun(&idem, before).await;
+        assert_eq!(probe.runs(), 0, "the body waits for the claim");
+    }
+    redis_unpause(&client).await;
+
+    let receipt = call.await.expect("the call's task").expect("the call");
+    assert_eq!(receipt.run, 1);
+    assert_eq!((probe.runs(), ledger_rows(&idem, &k).await, record_rows_for(&idem, "t_pay", &k).await), (1, 1, 1));
+    drop(idem);
+    B::drop_private(pool, &name).await;
+}
+
+#[tokio::test]
+async fn a_duplicate_the_claim_turns_away_gives_its_connection_back_outside_a_transaction() {
+    count_statements();
+    let Some((server, idem, pool, name)) = engine().await else { return };
+    let (client, probe, k) = (server.client(), Arc::new(Probe::default()), unique("early"));
+    assert_eq!(pay(&idem, k.clone(), 1, &probe, Mode::Ok).await.unwrap().run, 1);
+    until_cached(&server, &idem, 2).await;
+
+    // Its fn's calls so far all ran: the duplicate opens early too, and the
+    // claim script answers it with the cached result.
+    redis_pause_writes(&client).await;
+    let before = statements();
+    let duplicate = tokio::spawn({
+        let (idem, probe, k) = (idem.clone(), Arc::clone(&probe), k.clone());
+        async move { pay(&idem, k, 1, &probe, Mode::Ok).await }
+    });
+    if EARLY {
+        until_begun(&idem, before).await;
+    }
+    redis_unpause(&client).await;
+    let replayed = duplicate.await.expect("the duplicate's task").expect("the duplicate");
+    assert_eq!((replayed.run, probe.runs()), (1, 1), "replayed, not run");
+
+    // Rolled back off its path: the connection comes back, and no
+    // connection of the pool is left inside a transaction.
+    until("the duplicate's connection back in the pool", || lent(&idem) == 0).await;
+    assert_eq!(in_transaction(&idem).await, 0, "a connection came back inside a transaction");
+    assert_eq!((ledger_rows(&idem, &k).await, record_rows_for(&idem, "t_pay", &k).await), (1, 1));
+    drop(idem);
+    B::drop_private(pool, &name).await;
+}
