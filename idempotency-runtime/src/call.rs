@@ -21,6 +21,7 @@ use crate::metrics::{Source, Timer};
 use crate::outcome::{self, Outcome};
 use crate::retention;
 use crate::spec::Spec;
+use crate::store::opening::Opening;
 use crate::store::pooling::around_body;
 use crate::store::record::{Committed, Finished, Opened, RecordKey, Settled, rollback};
 use crate::store::{Backend, StoredRecord};
@@ -31,7 +32,6 @@ pub(crate) mod prebuilt;
 pub(crate) mod read_first;
 pub(crate) mod typed;
 
-use early_begin::EarlyBegin;
 use typed::{BoxFuture, CallError, Failed, Typed, run_and_read};
 
 /// The body as the flow runs it: handed the record's transaction.
@@ -127,14 +127,8 @@ async fn call<DB: Backend>(
     let expect_replay = engine.read_first().expected(spec);
     let enter =
         || gate.enter(engine.db(), id.row(), &fingerprint, spec.lease, engine.lock_wait().max(wait), expect_replay);
-    // The transaction opens while the claim is in flight (`call/early_begin.rs`),
-    // while the claim needs no connection of the pool's.
-    let pool = &engine.db().pool;
-    let mut early = (DB::BEGIN_BESIDE_CLAIM
-        && gate.claims_in_redis_alone()
-        && engine.read_first().at_rest(spec)
-        && early_begin::lends_at_once(pool))
-    .then(|| EarlyBegin::start(pool));
+    // The transaction opens while the claim is in flight (`call/early_begin.rs`).
+    let mut early = early_begin::beside_the_claim(engine, spec, gate);
     // (Boxed: inline, `beside`'s future with the claim's in it would grow
     // every call's future by half a kilobyte.)
     let mut entry = match &mut early {
@@ -242,15 +236,11 @@ async fn execute<DB: Backend>(
     spec: &Spec,
     id: &RecordKey<'_>,
     claimed: bool,
-    early: Option<EarlyBegin<DB>>,
+    early: Option<Opening<DB>>,
     body: &mut DynBody<'_, DB>,
 ) -> Result<Recorded, CallError> {
     let (records, record_errors) = (engine.records_for(spec), spec.record_errors);
-    let opened = match early {
-        Some(early) => Some(early.take().await),
-        None => None,
-    };
-    let mut tx = match records.open(id, claimed, opened).await? {
+    let mut tx = match records.open(id, claimed, early).await? {
         Opened::Go(tx) => tx,
         Opened::Taken(row) => return replay_row(id, row, body),
     };

@@ -1,6 +1,7 @@
 //! With a Redis claim, a first call's `BEGIN` goes out while its claim is
 //! in flight (a round trip saved on a server), and a call the claim turns
-//! away gives its connection back outside any transaction. Redis is a
+//! away gives its connection back outside any transaction; so does a call
+//! dropped before its `BEGIN` was answered, with Redis or without. Redis is a
 //! private server whose writes (every claim is a script) the test holds.
 //! SQLite opens after the claim, as before: its statements run on a worker
 //! thread this count does not see, so there the test checks the outcome.
@@ -141,4 +142,132 @@ async fn a_duplicate_the_claim_turns_away_gives_its_connection_back_outside_a_tr
     assert_eq!((ledger_rows(&idem, &k).await, record_rows_for(&idem, "t_pay", &k).await), (1, 1));
     drop(idem);
     B::drop_private(pool, &name).await;
+}
+
+#[tokio::test]
+async fn a_call_dropped_while_its_claim_is_held_gives_its_connection_back_outside_a_transaction() {
+    count_statements();
+    let Some((server, idem, pool, name)) = engine().await else { return };
+    until_cached(&server, &idem, 1).await;
+    let (client, probe, k) = (server.client(), Arc::new(Probe::default()), unique("early"));
+
+    redis_pause_writes(&client).await;
+    let before = statements();
+    let call = tokio::spawn({
+        let (idem, probe, k) = (idem.clone(), Arc::clone(&probe), k.clone());
+        async move { pay(&idem, k.clone(), 1, &probe, Mode::Ok).await }
+    });
+    if EARLY {
+        until_begun(&idem, before).await;
+    }
+    // The caller gives up (a timeout, a client gone): its future is dropped
+    // with the claim unanswered and the transaction open.
+    call.abort();
+    assert!(call.await.expect_err("dropped").is_cancelled());
+    redis_unpause(&client).await;
+
+    until("the dropped call's connection back in the pool", || lent(&idem) == 0).await;
+    assert_eq!(in_transaction(&idem).await, 0, "a connection came back inside a transaction");
+    // Its claim was released: the key runs now, once.
+    let receipt = super::fixture::past_the_release(|| pay(&idem, k.clone(), 1, &probe, Mode::Ok)).await.unwrap();
+    assert_eq!((receipt.run, probe.runs(), ledger_rows(&idem, &k).await), (1, 1, 1));
+    drop(idem);
+    B::drop_private(pool, &name).await;
+}
+
+/// `url` with its host and port replaced by `127.0.0.1:port` and its
+/// database by `database`; and the port it named.
+fn through(url: &str, port: u16, database: &str) -> (String, u16) {
+    let (scheme, rest) = url.split_once("://").expect("a url");
+    let (user, address) = rest.rsplit_once('@').map_or(("", rest), |(u, a)| (u, a));
+    let host_port = address.split(['/', '?']).next().expect("an address");
+    let target = host_port.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).expect("a port");
+    let user = if user.is_empty() { String::new() } else { format!("{user}@") };
+    (format!("{scheme}://{user}127.0.0.1:{port}/{database}"), target)
+}
+
+/// A call is dropped while its `BEGIN` is unanswered (the database's
+/// replies held on the way): the `BEGIN` is still answered and rolled back,
+/// and the connection comes back outside a transaction. With Redis the
+/// `BEGIN` went out beside the claim (held too); without Redis it is the
+/// call's first statement. (Dropped half-way, sqlx gave the connection back
+/// inside the transaction: `store/opening.rs`.)
+async fn dropped_while_begin_unanswered(with_redis: bool) {
+    use idempotency_testkit::forwarder::{Forwarder, Hold};
+    if !EARLY {
+        return;
+    }
+    let Some(server) = RedisServer::start() else { return };
+    let name = unique("early").replace('-', "_");
+    let Some(direct) = B::open_private(&name, 2).await else { return };
+    B::prepare(&direct).await;
+    let url = if B::NAME == "postgres" { idempotency_testkit::pg_url() } else { idempotency_testkit::mysql_url() };
+    let (_, target) = through(&url, 0, &name);
+    let link = Forwarder::start(target).await;
+    let (url, _) = through(&url, link.port(), &name);
+    // No ping before a connection is lent: the held reply is `BEGIN`'s.
+    let options = sqlx::pool::PoolOptions::<Db>::new().max_connections(4).test_before_acquire(false);
+    let pool = options.connect(&url).await.expect("through the link");
+    let builder = Idem::builder(pool.clone());
+    let idem = if with_redis { builder.redis(server.client()) } else { builder }.build();
+    idem.migrate().await.expect("migrate");
+    let probe = Arc::new(Probe::default());
+    pay(&idem, unique("warm"), 1, &probe, Mode::Ok).await.unwrap();
+    if with_redis {
+        until_cached(&server, &idem, 1).await;
+    }
+    until("the warm call's connection back", || lent(&idem) == 0).await;
+
+    let (client, k) = (server.client(), unique("early"));
+    if with_redis {
+        redis_pause_writes(&client).await;
+    }
+    link.hold(Hold::Replies);
+    let call = tokio::spawn({
+        let (idem, probe, k) = (idem.clone(), Arc::clone(&probe), k.clone());
+        async move { pay(&idem, k.clone(), 1, &probe, Mode::Ok).await }
+    });
+    // The BEGIN reached the server (PostgreSQL shows the session in a
+    // transaction); its answer is held.
+    until("a connection lent for the BEGIN", || lent(&idem) == 1).await;
+    if B::NAME == "postgres" {
+        let sql = "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'";
+        until_async("the BEGIN ran", || async {
+            sqlx::query_scalar::<_, i64>(sql).fetch_one(&direct).await.expect("pg_stat_activity") == 1
+        })
+        .await;
+    }
+    call.abort();
+    assert!(call.await.expect_err("dropped").is_cancelled());
+    link.hold(Hold::Nothing);
+    if with_redis {
+        redis_unpause(&client).await;
+    }
+
+    until("the dropped call's connection back in the pool", || lent(&idem) == 0).await;
+    assert_eq!(in_transaction(&idem).await, 0, "a connection came back inside a transaction");
+    let receipt = super::fixture::past_the_release(|| pay(&idem, k.clone(), 1, &probe, Mode::Ok)).await.unwrap();
+    assert_eq!((receipt.run, ledger_rows(&idem, &k).await), (2, 1), "the warm call ran first");
+    drop((idem, pool, link));
+    B::drop_private(direct, &name).await;
+}
+
+#[tokio::test]
+async fn a_call_dropped_while_its_begin_is_unanswered_gives_its_connection_back_outside_a_transaction() {
+    dropped_while_begin_unanswered(false).await;
+}
+
+#[tokio::test]
+async fn a_call_dropped_while_its_begin_beside_the_claim_is_unanswered_gives_its_connection_back_outside_a_transaction()
+{
+    dropped_while_begin_unanswered(true).await;
+}
+
+/// [`until`] for a condition that needs a query.
+async fn until_async<F: std::future::Future<Output = bool>>(what: &str, done: impl Fn() -> F) {
+    let start = Instant::now();
+    while !done().await {
+        assert!(start.elapsed() < Duration::from_secs(30), "never: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }

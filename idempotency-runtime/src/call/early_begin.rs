@@ -15,84 +15,23 @@
 //! (a snapshot starts at the first read), so the body sees what it saw
 //! when the transaction opened after the claim.
 
-use std::future::{Future, poll_fn};
-use std::pin::pin;
-use std::task::Poll;
-
-use sqlx::{Pool, Transaction};
-
-use super::typed::BoxFuture;
+use crate::engine::Idem;
+use crate::gate::Gate;
+use crate::spec::Spec;
 use crate::store::Backend;
-use crate::store::record::rollback;
+use crate::store::opening::Opening;
 
-type Opened<DB> = Result<Transaction<'static, DB>, sqlx::Error>;
-
-/// A transaction on its way, or open.
-pub(crate) struct EarlyBegin<DB: Backend> {
-    state: State<DB>,
-}
-
-enum State<DB: Backend> {
-    Opening(BoxFuture<'static, Opened<DB>>),
-    Opened(Opened<DB>),
-    Taken,
-}
-
-/// Whether `pool` has a connection for an early `BEGIN` without a wait: one
-/// idle, or room for one more. Behind other calls' turns it saves nothing.
-pub(crate) fn lends_at_once<DB: Backend>(pool: &Pool<DB>) -> bool {
-    pool.num_idle() > 0 || pool.size() < pool.options().get_max_connections()
-}
-
-impl<DB: Backend> EarlyBegin<DB> {
-    /// Starts opening a transaction on `pool` (sent when first polled).
-    pub(crate) fn start(pool: &Pool<DB>) -> Self {
-        let pool = pool.clone();
-        Self { state: State::Opening(Box::pin(async move { DB::begin(&pool).await })) }
-    }
-
-    /// Runs `work` to its end while the transaction opens beside it.
-    pub(crate) async fn beside<F: Future>(&mut self, work: F) -> F::Output {
-        let mut work = pin!(work);
-        poll_fn(|cx| {
-            if let State::Opening(opening) = &mut self.state
-                && let Poll::Ready(opened) = opening.as_mut().poll(cx)
-            {
-                self.state = State::Opened(opened);
-            }
-            work.as_mut().poll(cx)
-        })
-        .await
-    }
-
-    /// The transaction, for the call its claim let through.
-    pub(crate) async fn take(mut self) -> Opened<DB> {
-        match std::mem::replace(&mut self.state, State::Taken) {
-            State::Opening(opening) => opening.await,
-            State::Opened(opened) => opened,
-            State::Taken => unreachable!("taken once, by value"),
-        }
-    }
-}
-
-/// Not taken: rolled back in the background. A `BEGIN` already sent is
-/// answered first (a connection dropped mid-statement would go back to
-/// the pool inside a transaction nobody knows of).
-impl<DB: Backend> Drop for EarlyBegin<DB> {
-    fn drop(&mut self) {
-        let undo: BoxFuture<'static, ()> = match std::mem::replace(&mut self.state, State::Taken) {
-            State::Opening(opening) => Box::pin(async move {
-                if let Ok(tx) = opening.await {
-                    rollback(tx).await;
-                }
-            }),
-            State::Opened(Ok(tx)) => Box::pin(rollback(tx)),
-            State::Opened(Err(_)) | State::Taken => return,
-        };
-        // Outside a runtime nothing can run it: it is dropped, as sqlx's
-        // futures are when their caller's is.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(undo);
-        }
-    }
+/// The transaction a call of `spec` opens beside its claim, if it should:
+/// while the claim needs no connection of the pool's (the namespace known),
+/// and with a connection the pool lends at once (one idle, or room for one
+/// more: behind other calls' turns an early `BEGIN` saves nothing).
+pub(crate) fn beside_the_claim<DB: Backend>(
+    engine: &Idem<DB>,
+    spec: &'static Spec,
+    gate: &Gate,
+) -> Option<Opening<DB>> {
+    let pool = &engine.db().pool;
+    let lends_at_once = pool.num_idle() > 0 || pool.size() < pool.options().get_max_connections();
+    (DB::BEGIN_BESIDE_CLAIM && gate.claims_in_redis_alone() && engine.read_first().at_rest(spec) && lends_at_once)
+        .then(|| Opening::begin(pool))
 }

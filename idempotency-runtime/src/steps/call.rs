@@ -204,7 +204,7 @@ async fn execute<DB: Backend>(engine: &Idem<DB>, id: &CallKey<'_>, body: &mut Dy
     let Parts { owner, has_steps, tx, .. } = parts;
     let tx = match tx {
         Some(tx) => tx,
-        None => match DB::begin(&db.pool).await {
+        None => match crate::store::opening::begin(&db.pool).await {
             Ok(tx) => tx,
             Err(e) => {
                 protocol::release(db, engine.clock(), owner).await;

@@ -198,7 +198,7 @@ impl<DB: Backend> Steps<DB> {
         }
         let tx = match self.tx.take() {
             Some(tx) => tx,
-            None => <DB as crate::store::RecordSql>::begin(self.engine.pool()).await?,
+            None => crate::store::opening::begin(self.engine.pool()).await?,
         };
         Ok(self.tx.insert(tx))
     }

@@ -20,6 +20,7 @@ mod classify;
 mod digest;
 #[cfg(feature = "mysql")]
 mod mysql;
+pub(crate) mod opening;
 pub(crate) mod outbox;
 pub(crate) mod pooling;
 #[cfg(feature = "postgres")]

@@ -136,7 +136,7 @@ macro_rules! on_pool {
                 $statement
             }
             $crate::store::pooling::Pooling::Transaction => {
-                let mut tx = db.pool.begin().await?;
+                let mut tx = $crate::store::opening::begin(&db.pool).await?;
                 let done = {
                     let ($on, $pooling) = (&mut *tx, $crate::store::pooling::Pooling::Transaction);
                     $statement

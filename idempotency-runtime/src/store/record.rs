@@ -18,6 +18,8 @@ use std::time::Duration;
 
 use sqlx::Transaction;
 
+pub(crate) use super::opening::rollback;
+use super::opening::{self, Opening};
 use super::{Backend, Db, ErrorClass, FAILED, NewRecord, PROCESSING, Pooling, RowKey, SUCCEEDED, StoredRecord};
 use crate::clock::Clock;
 use crate::error::Error;
@@ -144,19 +146,16 @@ impl<DB: Backend> Records<'_, DB> {
         &self,
         id: &RecordKey<'_>,
         claimed: bool,
-        early: Option<Result<Transaction<'static, DB>, sqlx::Error>>,
+        early: Option<Opening<DB>>,
     ) -> Result<Opened<DB>, Error> {
         if claimed {
-            let opened = match early {
-                Some(opened) => opened,
-                None => DB::begin(&self.db.pool).await,
-            };
-            return opened.map(Opened::Go).map_err(|e| db_error::<DB>(id, e));
+            let mut opening = early.unwrap_or_else(|| Opening::begin(&self.db.pool));
+            return opening.take().await.map(Opened::Go).map_err(|e| db_error::<DB>(id, e));
         }
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let opened = DB::begin_bounded(&self.db.pool, self.lock_wait).await;
+            let opened = opening::begin_bounded(&self.db.pool, self.lock_wait).await;
             // SQLite waits for its write lock at `BEGIN IMMEDIATE`.
             let mut tx = opened.map_err(|e| db_error::<DB>(id, e))?;
             let record = id.record(PROCESSING, None, self.clock.now_ms());
@@ -250,7 +249,7 @@ impl<DB: Backend> Records<'_, DB> {
         let probe = async {
             for &pause in pauses {
                 tokio::time::sleep(pause).await;
-                let mut tx = DB::begin_bounded(&self.db.pool, self.lock_wait).await?;
+                let mut tx = opening::begin_bounded(&self.db.pool, self.lock_wait).await?;
                 let probe = id.record(PROCESSING, None, self.clock.now_ms());
                 let taken = insert(self.db.pooling, &mut tx, id, &probe, Wait::Set(self.lock_wait), self.clock).await;
                 rollback(tx).await;
@@ -404,15 +403,6 @@ async fn insert<DB: Backend>(
         }
     }
     Err(sqlx::Error::Protocol("idem_record row of the key keeps changing, or another key holds its digest".into()))
-}
-
-/// Rolls `tx` back. A failed rollback leaves nothing to undo: the server
-/// rolls back when the connection goes, and sqlx discards a connection in a
-/// broken state.
-pub(crate) async fn rollback<DB: Backend>(tx: Transaction<'_, DB>) {
-    if let Err(e) = tx.rollback().await {
-        tracing::debug!(error = %e, "rollback failed");
-    }
 }
 
 /// A database error as the caller sees it: a lock wait past its bound, or
