@@ -602,3 +602,7 @@ async fn a_steps_mode_body_queues_under_its_calls_ids() {
 /// One aggregate's order under overlapping writers and two relays.
 #[path = "outbox/order.rs"]
 mod order;
+
+/// A relay dropped while its batch's `BEGIN` is unanswered.
+#[path = "outbox/dropped.rs"]
+mod dropped;

@@ -372,7 +372,9 @@ impl<DB: Backend, P: Publisher> Relay<DB, P> {
     async fn batch(&mut self) -> Result<BatchReport, sqlx::Error> {
         let db = self.engine.db();
         let now = self.engine.now_ms().await;
-        let mut tx = DB::outbox_begin(&db.pool).await?;
+        // Whole even if the relay's future is dropped (`store/opening.rs`).
+        let pool = db.pool.clone();
+        let mut tx = crate::store::opening::whole(async move { DB::outbox_begin(&pool).await }).await?;
         let rows = DB::outbox_pick(db.pooling, &mut tx, now, i64::from(self.batch_size)).await?;
         if rows.is_empty() {
             tx.commit().await?;

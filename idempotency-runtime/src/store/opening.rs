@@ -40,7 +40,13 @@ pub(crate) async fn begin<DB: Backend>(pool: &Pool<DB>) -> Opened<DB> {
 /// [`Backend::begin_bounded`], whole even if the caller's future is dropped.
 pub(crate) async fn begin_bounded<DB: Backend>(pool: &Pool<DB>, wait: Duration) -> Opened<DB> {
     let pool = pool.clone();
-    Opening::new(Box::pin(async move { DB::begin_bounded(&pool, wait).await })).take().await
+    whole(async move { DB::begin_bounded(&pool, wait).await }).await
+}
+
+/// `begin` (any opening of a transaction), whole even if the caller's
+/// future is dropped.
+pub(crate) async fn whole<DB: Backend>(begin: impl Future<Output = Opened<DB>> + Send + 'static) -> Opened<DB> {
+    Opening::new(Box::pin(begin)).take().await
 }
 
 impl<DB: Backend> Opening<DB> {
