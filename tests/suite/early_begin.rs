@@ -12,23 +12,32 @@ use std::time::{Duration, Instant};
 use idempotency::Idem;
 use idempotency_testkit::servers::RedisServer;
 use idempotency_testkit::{TestBackend, redis_pause_writes, redis_unpause, unique};
+use tokio::task::JoinHandle;
 
-use super::fixture::{Mode, Probe, ledger_rows, lent, pay, record_rows_for, until};
+use super::fixture::{Mode, Probe, Receipt, TestError, ledger_rows, lent, pay, record_rows_for, until};
 use super::statements::{count_statements, statements};
 use super::{B, Db};
+
+/// How long an engine waits for Redis where the test holds a claim that
+/// must not time out (and fall back to the database alone) on a slow machine.
+const CLAIM_HELD: Duration = Duration::from_secs(60);
+
+/// Where the test drops the call instead: its claim, answered after the
+/// call is gone, is released once this has passed (the engine's default).
+const RELEASE_AFTER: Duration = Duration::from_millis(500);
 
 /// Whether this backend opens early (SQLite does not).
 const EARLY: bool = !matches!(B::NAME.as_bytes(), b"sqlite");
 
-/// An engine on a private Redis and a database of its own (what the server
-/// shows of its sessions is this test's alone), its scripts loaded by a
-/// first call.
-async fn engine() -> Option<(RedisServer, Idem<Db>, sqlx::Pool<Db>, String)> {
+/// An engine on a private Redis (waited for `redis_timeout`) and a database
+/// of its own (what the server shows of its sessions is this test's alone),
+/// its scripts loaded by a first call.
+async fn engine(redis_timeout: Duration) -> Option<(RedisServer, Idem<Db>, sqlx::Pool<Db>, String)> {
     let server = RedisServer::start()?;
     let name = unique("early").replace('-', "_");
     let pool = B::open_private(&name, 4).await?;
     B::prepare(&pool).await;
-    let idem = Idem::builder(pool.clone()).redis(server.client()).build();
+    let idem = Idem::builder(pool.clone()).redis(server.client()).redis_timeout(redis_timeout).build();
     idem.migrate().await.expect("migrate");
     pay(&idem, unique("warm"), 1, &Probe::default(), Mode::Ok).await.unwrap();
     Some((server, idem, pool, name))
@@ -40,6 +49,35 @@ async fn until_cached(server: &RedisServer, idem: &Idem<Db>, n: i64) {
     until("the results landed in Redis", || server.results_held(namespace.as_str()) >= n).await;
 }
 
+/// Sessions of `pool`'s database idle inside a transaction (PostgreSQL).
+async fn idle_in_transaction(pool: &sqlx::Pool<Db>) -> i64 {
+    let sql = "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'";
+    sqlx::query_scalar::<_, i64>(sql).fetch_one(pool).await.expect("pg_stat_activity")
+}
+
+/// A `pay` of `k` on a task of its own.
+fn spawn_pay(idem: &Idem<Db>, probe: &Arc<Probe>, k: &str) -> JoinHandle<Result<Receipt, TestError>> {
+    let (idem, probe, k) = (idem.clone(), Arc::clone(probe), k.to_owned());
+    tokio::spawn(async move { pay(&idem, k, 1, &probe, Mode::Ok).await })
+}
+
+/// Holds Redis's writes (every claim is a script) and starts a `pay` of
+/// `k`; on a server, returns once its `BEGIN` is out beside the held claim.
+async fn pay_with_the_claim_held(
+    server: &RedisServer,
+    idem: &Idem<Db>,
+    probe: &Arc<Probe>,
+    k: &str,
+) -> JoinHandle<Result<Receipt, TestError>> {
+    redis_pause_writes(&server.client()).await;
+    let before = statements();
+    let call = spawn_pay(idem, probe, k);
+    if EARLY {
+        until_begun(idem, before).await;
+    }
+    call
+}
+
 /// Waits until a transaction of the engine's is open: on MariaDB a
 /// connection lent and its `BEGIN` among the statements sqlx logged on this
 /// thread since `before`; PostgreSQL's `BEGIN` is not logged, and the
@@ -48,10 +86,7 @@ async fn until_begun(idem: &Idem<Db>, before: usize) {
     let start = Instant::now();
     loop {
         let begun = match B::NAME {
-            "postgres" => {
-                let sql = "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction'";
-                sqlx::query_scalar::<_, i64>(sql).fetch_one(idem.pool()).await.expect("pg_stat_activity") == 1
-            }
+            "postgres" => idle_in_transaction(idem.pool()).await == 1,
             _ => statements() > before && lent(idem) == 1,
         };
         if begun {
@@ -78,10 +113,7 @@ async fn in_transaction(idem: &Idem<Db>) -> i64 {
             }
             inside
         }
-        "postgres" => {
-            let sql = "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'";
-            sqlx::query_scalar::<_, i64>(sql).fetch_one(idem.pool()).await.expect("pg_stat_activity")
-        }
+        "postgres" => idle_in_transaction(idem.pool()).await,
         _ => 0,
     }
 }
@@ -89,21 +121,13 @@ async fn in_transaction(idem: &Idem<Db>) -> i64 {
 #[tokio::test]
 async fn a_first_call_sends_begin_while_its_claim_is_held() {
     count_statements();
-    let Some((server, idem, pool, name)) = engine().await else { return };
+    let Some((server, idem, pool, name)) = engine(CLAIM_HELD).await else { return };
     until_cached(&server, &idem, 1).await;
-    let (client, probe, k) = (server.client(), Arc::new(Probe::default()), unique("early"));
+    let (probe, k) = (Arc::new(Probe::default()), unique("early"));
 
-    redis_pause_writes(&client).await;
-    let before = statements();
-    let call = tokio::spawn({
-        let (idem, probe, k) = (idem.clone(), Arc::clone(&probe), k.clone());
-        async move { pay(&idem, k, 1, &probe, Mode::Ok).await }
-    });
-    if EARLY {
-        until_begun(&idem, before).await;
-        assert_eq!(probe.runs(), 0, "the body waits for the claim");
-    }
-    redis_unpause(&client).await;
+    let call = pay_with_the_claim_held(&server, &idem, &probe, &k).await;
+    assert_eq!(probe.runs(), 0, "the body waits for the claim");
+    redis_unpause(&server.client()).await;
 
     let receipt = call.await.expect("the call's task").expect("the call");
     assert_eq!(receipt.run, 1);
@@ -115,23 +139,15 @@ async fn a_first_call_sends_begin_while_its_claim_is_held() {
 #[tokio::test]
 async fn a_duplicate_the_claim_turns_away_gives_its_connection_back_outside_a_transaction() {
     count_statements();
-    let Some((server, idem, pool, name)) = engine().await else { return };
-    let (client, probe, k) = (server.client(), Arc::new(Probe::default()), unique("early"));
+    let Some((server, idem, pool, name)) = engine(CLAIM_HELD).await else { return };
+    let (probe, k) = (Arc::new(Probe::default()), unique("early"));
     assert_eq!(pay(&idem, k.clone(), 1, &probe, Mode::Ok).await.unwrap().run, 1);
     until_cached(&server, &idem, 2).await;
 
     // Its fn's calls so far all ran: the duplicate opens early too, and the
     // claim script answers it with the cached result.
-    redis_pause_writes(&client).await;
-    let before = statements();
-    let duplicate = tokio::spawn({
-        let (idem, probe, k) = (idem.clone(), Arc::clone(&probe), k.clone());
-        async move { pay(&idem, k, 1, &probe, Mode::Ok).await }
-    });
-    if EARLY {
-        until_begun(&idem, before).await;
-    }
-    redis_unpause(&client).await;
+    let duplicate = pay_with_the_claim_held(&server, &idem, &probe, &k).await;
+    redis_unpause(&server.client()).await;
     let replayed = duplicate.await.expect("the duplicate's task").expect("the duplicate");
     assert_eq!((replayed.run, probe.runs()), (1, 1), "replayed, not run");
 
@@ -147,24 +163,16 @@ async fn a_duplicate_the_claim_turns_away_gives_its_connection_back_outside_a_tr
 #[tokio::test]
 async fn a_call_dropped_while_its_claim_is_held_gives_its_connection_back_outside_a_transaction() {
     count_statements();
-    let Some((server, idem, pool, name)) = engine().await else { return };
+    let Some((server, idem, pool, name)) = engine(RELEASE_AFTER).await else { return };
     until_cached(&server, &idem, 1).await;
-    let (client, probe, k) = (server.client(), Arc::new(Probe::default()), unique("early"));
+    let (probe, k) = (Arc::new(Probe::default()), unique("early"));
 
-    redis_pause_writes(&client).await;
-    let before = statements();
-    let call = tokio::spawn({
-        let (idem, probe, k) = (idem.clone(), Arc::clone(&probe), k.clone());
-        async move { pay(&idem, k.clone(), 1, &probe, Mode::Ok).await }
-    });
-    if EARLY {
-        until_begun(&idem, before).await;
-    }
+    let call = pay_with_the_claim_held(&server, &idem, &probe, &k).await;
     // The caller gives up (a timeout, a client gone): its future is dropped
     // with the claim unanswered and the transaction open.
     call.abort();
     assert!(call.await.expect_err("dropped").is_cancelled());
-    redis_unpause(&client).await;
+    redis_unpause(&server.client()).await;
 
     until("the dropped call's connection back in the pool", || lent(&idem) == 0).await;
     assert_eq!(in_transaction(&idem).await, 0, "a connection came back inside a transaction");
@@ -175,15 +183,19 @@ async fn a_call_dropped_while_its_claim_is_held_gives_its_connection_back_outsid
     B::drop_private(pool, &name).await;
 }
 
-/// `url` with its host and port replaced by `127.0.0.1:port` and its
-/// database by `database`; and the port it named.
-fn through(url: &str, port: u16, database: &str) -> (String, u16) {
-    let (scheme, rest) = url.split_once("://").expect("a url");
-    let (user, address) = rest.rsplit_once('@').map_or(("", rest), |(u, a)| (u, a));
+/// The port `url` names.
+fn port_of(url: &str) -> u16 {
+    let address = url.rsplit_once('@').map_or(url.split_once("://").expect("a url").1, |(_, a)| a);
     let host_port = address.split(['/', '?']).next().expect("an address");
-    let target = host_port.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).expect("a port");
-    let user = if user.is_empty() { String::new() } else { format!("{user}@") };
-    (format!("{scheme}://{user}127.0.0.1:{port}/{database}"), target)
+    host_port.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).expect("a port")
+}
+
+/// `url` with its host and port replaced by `127.0.0.1:port` and its
+/// database by `database`.
+fn through(url: &str, port: u16, database: &str) -> String {
+    let (scheme, rest) = url.split_once("://").expect("a url");
+    let user = rest.rsplit_once('@').map_or(String::new(), |(u, _)| format!("{u}@"));
+    format!("{scheme}://{user}127.0.0.1:{port}/{database}")
 }
 
 /// A call is dropped while its `BEGIN` is unanswered (the database's
@@ -202,14 +214,13 @@ async fn dropped_while_begin_unanswered(with_redis: bool) {
     let Some(direct) = B::open_private(&name, 2).await else { return };
     B::prepare(&direct).await;
     let url = if B::NAME == "postgres" { idempotency_testkit::pg_url() } else { idempotency_testkit::mysql_url() };
-    let (_, target) = through(&url, 0, &name);
-    let link = Forwarder::start(target).await;
-    let (url, _) = through(&url, link.port(), &name);
+    let link = Forwarder::start(port_of(&url)).await;
+    let url = through(&url, link.port(), &name);
     // No ping before a connection is lent: the held reply is `BEGIN`'s.
     let options = sqlx::pool::PoolOptions::<Db>::new().max_connections(4).test_before_acquire(false);
     let pool = options.connect(&url).await.expect("through the link");
     let builder = Idem::builder(pool.clone());
-    let idem = if with_redis { builder.redis(server.client()) } else { builder }.build();
+    let idem = if with_redis { builder.redis(server.client()).redis_timeout(RELEASE_AFTER) } else { builder }.build();
     idem.migrate().await.expect("migrate");
     let probe = Arc::new(Probe::default());
     pay(&idem, unique("warm"), 1, &probe, Mode::Ok).await.unwrap();
@@ -223,19 +234,12 @@ async fn dropped_while_begin_unanswered(with_redis: bool) {
         redis_pause_writes(&client).await;
     }
     link.hold(Hold::Replies);
-    let call = tokio::spawn({
-        let (idem, probe, k) = (idem.clone(), Arc::clone(&probe), k.clone());
-        async move { pay(&idem, k.clone(), 1, &probe, Mode::Ok).await }
-    });
+    let call = spawn_pay(&idem, &probe, &k);
     // The BEGIN reached the server (PostgreSQL shows the session in a
     // transaction); its answer is held.
     until("a connection lent for the BEGIN", || lent(&idem) == 1).await;
     if B::NAME == "postgres" {
-        let sql = "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'";
-        until_async("the BEGIN ran", || async {
-            sqlx::query_scalar::<_, i64>(sql).fetch_one(&direct).await.expect("pg_stat_activity") == 1
-        })
-        .await;
+        until_async("the BEGIN ran", || async { idle_in_transaction(&direct).await == 1 }).await;
     }
     call.abort();
     assert!(call.await.expect_err("dropped").is_cancelled());

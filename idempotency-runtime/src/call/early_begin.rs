@@ -31,7 +31,8 @@ pub(crate) fn beside_the_claim<DB: Backend>(
     gate: &Gate,
 ) -> Option<Opening<DB>> {
     let pool = &engine.db().pool;
-    let lends_at_once = pool.num_idle() > 0 || pool.size() < pool.options().get_max_connections();
-    (DB::BEGIN_BESIDE_CLAIM && gate.claims_in_redis_alone() && engine.read_first().at_rest(spec) && lends_at_once)
+    let lends_at_once = || pool.num_idle() > 0 || pool.size() < pool.options().get_max_connections();
+    // The count first: a fn of replays (the hot path) stops at one atomic load.
+    (DB::BEGIN_BESIDE_CLAIM && engine.read_first().at_rest(spec) && gate.claims_in_redis_alone() && lends_at_once())
         .then(|| Opening::begin(pool))
 }
