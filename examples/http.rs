@@ -56,14 +56,14 @@
 #[path = "shop/mod.rs"]
 mod shop;
 
-use axum::extract::{FromRequestParts, Path, State};
+use axum::extract::{FromRequestParts, Path, Request, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Json, Router, ServiceExt};
 use idempotency::Idem;
-use idempotency::http::{IdempotencyKey, IdempotencyToken, KeyOrToken, Problem, ReplayHeaderLayer, check_principal};
+use idempotency::http::{IdempotencyKey, IdempotencyToken, KeyOrToken, Problem, ReplayHeader, check_principal};
 use shop::{ApiError, PAY_TOKEN_TTL, PAY_TOKENS, PayToken, Store};
 
 impl IntoResponse for ApiError {
@@ -156,7 +156,6 @@ macro_rules! pay_service {
                 Router::new()
                     .route("/orders/{id}/pay", post(pay))
                     .route("/orders/{id}/pay-token", get(pay_token))
-                    .layer(ReplayHeaderLayer)
                     .with_state(App { idem })
             }
         }
@@ -197,6 +196,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let router = router.merge(metrics_route()?);
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     println!("listening on http://{} ({store}, {claims})", listener.local_addr()?);
-    axum::serve(listener, router).await?;
+    // `Idempotent-Replayed: true` on replays, around the whole router: as a
+    // `Router::layer`, axum would clone and box it for every request.
+    let app = ReplayHeader::new(router);
+    axum::serve(listener, ServiceExt::<Request>::into_make_service(app)).await?;
     Ok(())
 }

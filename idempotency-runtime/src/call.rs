@@ -14,7 +14,7 @@ use tracing::Instrument;
 
 use crate::engine::Idem;
 use crate::error::Error;
-use crate::fingerprint::Fingerprint;
+use crate::fingerprint::{Fingerprint, Hex};
 use crate::gate::{Answer, Entry};
 use crate::key::{validate_biz_no, validate_key};
 use crate::metrics::{Source, Timer};
@@ -110,23 +110,27 @@ async fn call<DB: Backend>(
     if let Some(no) = biz_no {
         validate_biz_no(no)?;
     }
-    let fingerprint = fingerprint.finish()?;
+    // Held inline; read as text once (each read checks it is UTF-8).
+    let hex = fingerprint.finish_hex()?;
+    let fingerprint = hex.as_str();
     let ttl = retention::record_ttl(spec.ttl);
-    let id = RecordKey::new(spec.biz, key, &fingerprint, biz_no, ttl);
+    let id = RecordKey::new(spec.biz, key, fingerprint, biz_no, ttl);
     // Expiry is stamped and judged on the database's clock: an engine's
     // first call reads it (once); later calls pay one atomic load.
-    engine.now_ms().await;
+    engine.clock_ready().await;
 
     // A duplicate of a running call waits for its answer this long (in
     // memory, on the unique index, or told by Redis), then `InProgress`.
     let wait = engine.wait_for(spec);
-    let deadline = tokio::time::Instant::now() + wait;
+    // Counted from when the call is first told the key is busy: most calls
+    // never are, and need not read the clock for it.
+    let mut deadline = None;
     let gate = engine.gate();
     // A fn whose calls are mostly replays reads before it claims: one
     // `HGET` in Redis, or its record without Redis (`read_first`).
     let expect_replay = engine.read_first().expected(spec);
     let enter =
-        || gate.enter(engine.db(), id.row(), &fingerprint, spec.lease, engine.lock_wait().max(wait), expect_replay);
+        || gate.enter(engine.db(), id.row(), fingerprint, spec.lease, engine.lock_wait().max(wait), expect_replay);
     // The transaction opens while the claim is in flight (`call/early_begin.rs`).
     let mut early = early_begin::beside_the_claim(engine, spec, gate);
     // (Boxed: inline, `beside`'s future with the claim's in it would grow
@@ -155,19 +159,19 @@ async fn call<DB: Backend>(
                 // are boxed here and below: kilobytes each, inline they would
                 // grow every call's future, which is moved as it is built.)
                 if may_have_committed && let Some(row) = Box::pin(engine.records().read_live(spec.biz, key)).await? {
-                    let (outcome, answer) = replay_row(&id, row, body)?.split(fingerprint.clone());
+                    let (outcome, answer) = replay_row(&id, row, body)?.split(hex);
                     gate.remember(spec.biz, key, &answer);
                     return Ok(Done { outcome, source: Some(Source::Database), failed: answer.failed });
                 }
                 if wait.is_zero() {
                     return Err(id_in_progress(&id).into());
                 }
-                entry = match Box::pin(gate.wait_running(engine.db(), id.row(), &fingerprint, spec.lease, deadline))
-                    .await
-                {
-                    Some(entry) => entry,
-                    None => return Err(id_in_progress(&id).into()),
-                };
+                let deadline = *deadline.get_or_insert_with(|| tokio::time::Instant::now() + wait);
+                entry =
+                    match Box::pin(gate.wait_running(engine.db(), id.row(), fingerprint, spec.lease, deadline)).await {
+                        Some(entry) => entry,
+                        None => return Err(id_in_progress(&id).into()),
+                    };
             }
         }
     };
@@ -178,7 +182,7 @@ async fn call<DB: Backend>(
         && expect_replay
         && let Some(row) = Box::pin(engine.records().read_live(spec.biz, key)).await?
     {
-        let (outcome, answer) = replay_row(&id, row, body)?.split(fingerprint.clone());
+        let (outcome, answer) = replay_row(&id, row, body)?.split(hex);
         engine.read_first().saw(spec, true);
         pass.finish(&answer);
         gate.remember(spec.biz, key, &answer);
@@ -197,7 +201,7 @@ async fn call<DB: Backend>(
         Ok(recorded) => {
             // The stored result goes on to the duplicates: to Redis in place
             // of our claim, or to those waiting here.
-            let (outcome, answer) = recorded.split(fingerprint.clone());
+            let (outcome, answer) = recorded.split(hex);
             engine.read_first().saw(spec, outcome == Outcome::Replayed);
             pass.finish(&answer);
             engine.gate().remember(spec.biz, key, &answer);
@@ -222,7 +226,7 @@ struct Recorded {
 
 impl Recorded {
     /// How it ended, and what the duplicates are handed: the stored result.
-    fn split(self, fingerprint: String) -> (Outcome, Arc<Answer>) {
+    fn split(self, fingerprint: Hex) -> (Outcome, Arc<Answer>) {
         let answer = Answer { fingerprint, response: self.response, failed: self.failed, expires_ms: self.expires_ms };
         (self.outcome, Arc::new(answer))
     }

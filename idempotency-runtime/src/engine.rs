@@ -380,8 +380,15 @@ impl<DB: Backend> Idem<DB> {
     /// the engine's first reading of it, and starts a fresh reading in the
     /// background when one is due; otherwise no round trip.
     pub(crate) async fn now_ms(&self) -> i64 {
-        self.inner.clock.ready(&self.inner.db.pool).await;
+        self.clock_ready().await;
         self.inner.clock.now_ms()
+    }
+
+    /// Makes sure the engine's time is the database's (see
+    /// [`now_ms`](Self::now_ms)), without reading it: for a call, which
+    /// reads it only if it writes.
+    pub(crate) async fn clock_ready(&self) {
+        self.inner.clock.ready(&self.inner.db.pool).await;
     }
 
     /// Creates the `idem_record` table and its indexes if absent, and

@@ -98,7 +98,12 @@ impl Fingerprint {
     /// The lowercase hex SHA-256 of the canonical JSON object `{name: value, ...}`
     /// (the last of equal names counting).
     pub fn finish(self) -> Result<String, Error> {
-        self.document().map(|doc| sha256_hex(&doc))
+        self.finish_hex().map(|hex| hex.as_str().to_owned())
+    }
+
+    /// [`finish`](Self::finish), the digits held inline ([`Hex`]).
+    pub(crate) fn finish_hex(self) -> Result<Hex, Error> {
+        self.document().map(|doc| Hex::of_bytes(&Sha256::digest(&doc)))
     }
 
     /// The canonical document itself.
@@ -124,6 +129,55 @@ pub(crate) fn canonical_json(value: &serde_json::Value) -> String {
     let mut doc = Writer::default();
     value.serialize(&mut doc).expect("a JSON value writes");
     String::from_utf8(doc.out).expect("serde_json writes UTF-8")
+}
+
+/// A fingerprint as text: the 64 lowercase hex digits of a SHA-256, or the
+/// digits of a stored prefix of one (a Redis result keeps 16 bytes), held
+/// inline, so a call and its replay copy it without allocating.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Hex {
+    len: u8,
+    digits: [u8; 64],
+}
+
+impl Hex {
+    /// The digits of at most 32 `bytes` (the rest is cut).
+    pub(crate) fn of_bytes(bytes: &[u8]) -> Hex {
+        let bytes = &bytes[..bytes.len().min(32)];
+        let mut digits = [0; 64];
+        write_lower_hex(&mut digits, bytes);
+        Hex { len: 2 * bytes.len() as u8, digits }
+    }
+
+    /// A fingerprint stored as text (a record's `params_hash`). Text no
+    /// fingerprint can be (longer than 64 bytes, not ASCII) reads as empty,
+    /// which no call's fingerprint equals: it answers `KeyReused`, as it did.
+    pub(crate) fn stored(text: &str) -> Hex {
+        let mut digits = [0; 64];
+        if text.len() > digits.len() || !text.is_ascii() {
+            return Hex { len: 0, digits };
+        }
+        digits[..text.len()].copy_from_slice(text.as_bytes());
+        Hex { len: text.len() as u8, digits }
+    }
+
+    pub(crate) fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.digits[..usize::from(self.len)]).expect("ASCII by construction")
+    }
+}
+
+impl std::ops::Deref for Hex {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl std::fmt::Debug for Hex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self.as_str(), f)
+    }
 }
 
 pub(crate) fn sha256_hex(bytes: &[u8]) -> String {

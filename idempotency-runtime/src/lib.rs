@@ -102,7 +102,7 @@ pub mod redis_layout {
     /// A cached result's bytes read back: its record's expiry (epoch ms),
     /// its fingerprint's first 16 bytes in hex, and the response.
     pub fn parse_result(value: Vec<u8>) -> Option<(i64, String, String)> {
-        layout::parse_result(value).map(|r| (r.expires_ms, r.fingerprint_prefix_hex(), r.response))
+        layout::parse_result(value).map(|r| (r.expires_ms, r.fingerprint_prefix_hex().as_str().to_owned(), r.response))
     }
 
     /// The bytes a result hash keeps for a finished call.

@@ -65,18 +65,22 @@ impl Outcome {
     }
 }
 
-tokio::task_local! {
-    static LAST: Cell<Option<Outcome>>;
+thread_local! {
+    /// The outcome of the last call made by the observed future this thread
+    /// is polling: swapped in and out around each of its polls, as a task
+    /// local is, without a task local's lazy set-up and borrow checks (an
+    /// HTTP replay polls its handler through this twice). A call outside
+    /// any `observe` writes it too, and nobody reads that.
+    static LAST: Cell<Option<Outcome>> = const { Cell::new(None) };
 }
 
 /// Runs `future` and reports the outcome of the last `#[idempotent]` call
 /// made inside it (`None` if it made none). Adapters wrap handlers in it.
 pub async fn observe<F: Future>(future: F) -> (F::Output, Option<Outcome>) {
-    LAST.scope(Cell::new(None), async move {
-        let output = future.await;
-        (output, LAST.with(Cell::get))
-    })
-    .await
+    let mut future = std::pin::pin!(future);
+    let mut last = None;
+    let output = std::future::poll_fn(|cx| poll_observed(future.as_mut(), &mut last, cx)).await;
+    (output, last)
 }
 
 /// Polls `future` as [`observe`] runs it, keeping the outcome seen so far
@@ -86,15 +90,70 @@ pub(crate) fn poll_observed<F: Future>(
     last: &mut Option<Outcome>,
     cx: &mut std::task::Context<'_>,
 ) -> std::task::Poll<F::Output> {
-    let (poll, seen) = LAST.sync_scope(Cell::new(*last), || {
-        let poll = future.poll(cx);
-        (poll, LAST.with(Cell::get))
-    });
-    *last = seen;
+    /// Puts back what an enclosing `observe` had seen, even if the poll panics.
+    struct Restore(Option<Outcome>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            LAST.set(self.0);
+        }
+    }
+    let _outer = Restore(LAST.replace(*last));
+    let poll = future.poll(cx);
+    *last = LAST.get();
     poll
 }
 
 pub(crate) fn report(outcome: Outcome) {
-    // Outside `observe` there is nobody to tell.
-    let _ = LAST.try_with(|last| last.set(Some(outcome)));
+    LAST.set(Some(outcome));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_observer_sees_the_calls_inside_it_alone() {
+        report(Outcome::Failed); // outside any observer: nobody reads it
+        let (((), inner), outer) = observe(async {
+            report(Outcome::Executed);
+            let inner = observe(async {
+                tokio::task::yield_now().await;
+                report(Outcome::Replayed);
+            })
+            .await;
+            tokio::task::yield_now().await;
+            inner
+        })
+        .await;
+        assert_eq!((inner, outer), (Some(Outcome::Replayed), Some(Outcome::Executed)));
+        assert_eq!(observe(tokio::task::yield_now()).await.1, None);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn observers_polled_in_turn_on_one_thread_keep_their_own() {
+        let step = |outcome| async move {
+            for _ in 0..3 {
+                report(outcome);
+                tokio::task::yield_now().await;
+            }
+        };
+        let (a, b) = tokio::join!(observe(step(Outcome::Executed)), observe(step(Outcome::Replayed)));
+        assert_eq!((a.1, b.1), (Some(Outcome::Executed), Some(Outcome::Replayed)));
+    }
+
+    #[test]
+    fn a_poll_that_panics_gives_the_enclosing_observer_its_outcome_back() {
+        LAST.set(Some(Outcome::Executed));
+        let mut panicking = std::pin::pin!(async {
+            report(Outcome::Replayed);
+            panic!("the handler panics");
+        });
+        let mut last = None;
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            poll_observed(panicking.as_mut(), &mut last, &mut cx)
+        }));
+        assert!(polled.is_err());
+        assert_eq!(LAST.get(), Some(Outcome::Executed));
+    }
 }

@@ -81,10 +81,10 @@ async fn call<'t, DB: Backend>(
     if let Some(no) = biz_no {
         validate_biz_no(no)?;
     }
-    let fingerprint = fingerprint.finish()?;
+    let fingerprint = fingerprint.finish_hex()?;
     let ttl = retention::record_ttl(spec.ttl);
     let id = RecordKey::new(spec.biz, key, &fingerprint, biz_no, ttl);
-    engine.now_ms().await;
+    engine.clock_ready().await;
 
     if let Some(answer) = engine.gate().cached(spec.biz, key) {
         replay(&id, &answer.fingerprint, &answer.response, answer.failed, body)?;

@@ -195,9 +195,15 @@ fn id(biz: &str, key: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fingerprint::Hex;
 
     fn answer(response: &str, expires_ms: i64) -> Arc<Answer> {
-        Arc::new(Answer { fingerprint: "f".repeat(64), response: response.into(), failed: false, expires_ms })
+        Arc::new(Answer {
+            fingerprint: Hex::stored(&"f".repeat(64)),
+            response: response.into(),
+            failed: false,
+            expires_ms,
+        })
     }
 
     fn now() -> i64 {

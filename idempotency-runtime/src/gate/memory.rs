@@ -55,7 +55,10 @@ impl MemoryGate {
             match tokio::time::timeout_at(deadline, running.wait_for(Option::is_some)).await {
                 Ok(Ok(answer)) => {
                     if let Some(answer) = answer.as_ref() {
-                        return Entry::Replay(Arc::clone(answer), crate::metrics::Source::Memory);
+                        return Entry::Replay(
+                            super::Replayed::Shared(Arc::clone(answer)),
+                            crate::metrics::Source::Memory,
+                        );
                     }
                 }
                 // It failed or was dropped: whoever enters next goes first.
@@ -91,10 +94,11 @@ impl Drop for Leader<'_> {
 mod tests {
     use super::super::Pass;
     use super::*;
+    use crate::fingerprint::Hex;
 
     fn answer(fingerprint: &str, response: &str) -> Arc<Answer> {
         Arc::new(Answer {
-            fingerprint: fingerprint.into(),
+            fingerprint: Hex::stored(fingerprint),
             response: response.into(),
             failed: false,
             expires_ms: i64::MAX,

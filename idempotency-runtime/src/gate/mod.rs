@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::Clock;
+use crate::fingerprint::Hex;
 use crate::store::{Backend, Db, RowKey};
 
 pub(crate) mod local;
@@ -26,7 +27,7 @@ use redis::{ClaimGuard, RedisGate};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Answer {
     /// Fingerprint of the arguments stored with the result.
-    pub fingerprint: String,
+    pub fingerprint: Hex,
     /// The serialized result, as stored.
     pub response: String,
     /// Whether `response` is a recorded business error (`record_errors`),
@@ -36,13 +37,45 @@ pub(crate) struct Answer {
     pub expires_ms: i64,
 }
 
+/// A finished call's result as a gate hands it on: read from Redis for
+/// this call alone, or shared (by the waiters here, the local cache). One
+/// read alone is not put behind an `Arc`: a replay allocates nothing more
+/// for it.
+pub(crate) enum Replayed {
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    Read(Answer),
+    Shared(Arc<Answer>),
+}
+
+impl Replayed {
+    /// The answer, to be kept (made an `Arc` only now, if it was read).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn shared(self) -> Arc<Answer> {
+        match self {
+            Replayed::Read(answer) => Arc::new(answer),
+            Replayed::Shared(answer) => answer,
+        }
+    }
+}
+
+impl std::ops::Deref for Replayed {
+    type Target = Answer;
+
+    fn deref(&self) -> &Answer {
+        match self {
+            Replayed::Read(answer) => answer,
+            Replayed::Shared(answer) => answer,
+        }
+    }
+}
+
 /// What the gate decided for one call.
 pub(crate) enum Entry<'g> {
     /// Nobody holds the key: go ahead, and settle the pass afterwards.
     GoAhead(Pass<'g>),
     /// A finished call's result: replay it (or answer `KeyReused`). The
     /// source says which gate had it (for metrics).
-    Replay(Arc<Answer>, crate::metrics::Source),
+    Replay(Replayed, crate::metrics::Source),
     /// Another call holds the key. If it may have committed since it took
     /// the key (a Redis claim outlives the commit until the cache write
     /// lands), the record knows better.
@@ -149,20 +182,13 @@ impl Gate {
         if let Some(local) = &self.local
             && let Some(answer) = local.get(biz, key)
         {
-            return Entry::Replay(answer, crate::metrics::Source::Local);
+            return Entry::Replay(Replayed::Shared(answer), crate::metrics::Source::Local);
         }
         #[cfg(feature = "redis")]
         if let Some(redis) = &self.redis
             && let Some(entry) = redis.enter(db, id, fingerprint, lease, expect_replay).await
         {
-            // Kept here only when it answers these arguments: one stored for
-            // others carries just its fingerprint's prefix.
-            if let Entry::Replay(answer, _) = &entry
-                && answer.fingerprint == fingerprint
-            {
-                self.remember(biz, key, answer);
-            }
-            return entry;
+            return self.keep(biz, key, fingerprint, entry);
         }
         let _ = (db, fingerprint, lease, expect_replay);
         self.memory.enter(biz, key, wait).await
@@ -185,12 +211,7 @@ impl Gate {
         #[cfg(feature = "redis")]
         if let Some(redis) = &self.redis {
             let entry = redis.wait_running(db, id, fingerprint, lease, deadline).await;
-            if let Some(Entry::Replay(answer, _)) = &entry
-                && answer.fingerprint == fingerprint
-            {
-                self.remember(id.biz, id.key, answer);
-            }
-            return entry;
+            return entry.map(|entry| self.keep(id.biz, id.key, fingerprint, entry));
         }
         let _ = (db, id, fingerprint, lease, deadline);
         None
@@ -200,6 +221,21 @@ impl Gate {
     /// asks nobody and claims nothing.
     pub(crate) fn cached(&self, biz: &str, key: &str) -> Option<Arc<Answer>> {
         self.local.as_ref()?.get(biz, key)
+    }
+
+    /// `entry`, its result kept in the local cache (if any) when it answers
+    /// these arguments: one stored for others carries just its
+    /// fingerprint's prefix.
+    #[cfg(feature = "redis")]
+    fn keep(&self, biz: &str, key: &str, fingerprint: &str, entry: Entry<'static>) -> Entry<'static> {
+        match entry {
+            Entry::Replay(answer, source) if self.local.is_some() && answer.fingerprint.as_str() == fingerprint => {
+                let answer = answer.shared();
+                self.remember(biz, key, &answer);
+                Entry::Replay(Replayed::Shared(answer), source)
+            }
+            entry => entry,
+        }
     }
 
     /// A committed result of `(biz, key)`: kept in the local cache, if any.

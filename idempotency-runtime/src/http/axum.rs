@@ -220,10 +220,25 @@ impl<S> tower_layer::Layer<S> for ReplayHeaderLayer {
     }
 }
 
-/// The service of [`ReplayHeaderLayer`].
+/// The service of [`ReplayHeaderLayer`]; or, made with [`ReplayHeader::new`],
+/// around a whole `Router`, which costs nothing per request (a
+/// `Router::layer` wraps each route, and axum clones and boxes a layered
+/// route on every request it serves).
+///
+/// ```ignore
+/// let app = ReplayHeader::new(router);
+/// axum::serve(listener, axum::ServiceExt::<axum::extract::Request>::into_make_service(app)).await?;
+/// ```
 #[derive(Debug, Clone)]
 pub struct ReplayHeader<S> {
     inner: S,
+}
+
+impl<S> ReplayHeader<S> {
+    /// Marks the replays of `inner`'s responses.
+    pub fn new(inner: S) -> Self {
+        ReplayHeader { inner }
+    }
 }
 
 impl<S, B> tower_service::Service<http::Request<B>> for ReplayHeader<S>

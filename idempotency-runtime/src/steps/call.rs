@@ -15,7 +15,7 @@ use crate::call::typed::{BoxFuture, CallError, Failed, Typed, run_and_read};
 use crate::engine::Idem;
 use crate::error::Error;
 use crate::error::Failure;
-use crate::fingerprint::Fingerprint;
+use crate::fingerprint::{Fingerprint, Hex};
 use crate::gate::{Answer, Entry};
 use crate::key::{validate_biz_no, validate_key};
 use crate::metrics::{Source, Timer};
@@ -220,7 +220,7 @@ async fn execute<DB: Backend>(engine: &Idem<DB>, id: &CallKey<'_>, body: &mut Dy
                 outcome: Outcome::Executed,
                 source: None,
                 answer: Some(Arc::new(Answer {
-                    fingerprint: id.fingerprint.to_owned(),
+                    fingerprint: Hex::stored(id.fingerprint),
                     response,
                     failed: false,
                     expires_ms,
@@ -309,7 +309,8 @@ fn from_row<DB: Backend>(id: &CallKey<'_>, row: CallRow, outcome: Outcome, body:
     match replay(id, &params_hash, &response, body) {
         Ok(()) => {
             let source = (outcome == Outcome::Replayed).then_some(Source::Database);
-            let answer = Arc::new(Answer { fingerprint: params_hash, response, failed: false, expires_ms });
+            let answer =
+                Arc::new(Answer { fingerprint: Hex::stored(&params_hash), response, failed: false, expires_ms });
             Ended { result: Ok(()), outcome, source, answer: Some(answer) }
         }
         Err(e) => Ended::error(e),

@@ -24,7 +24,7 @@
 
 use std::time::Duration;
 
-use crate::fingerprint::{push_lower_hex, write_lower_hex};
+use crate::fingerprint::{Hex, write_lower_hex};
 use crate::namespace::Namespace;
 use crate::random::push_token;
 
@@ -50,13 +50,46 @@ pub(crate) struct Place {
 }
 
 /// The name of `field`'s result hash in `window`: what [`Place::results`]
-/// names, without the claim's key (a read of the result alone).
+/// names, without the claim's key (a read of the result alone). As a
+/// command's argument it is written straight into the command's buffer: a
+/// replay names its hash on every read.
+pub(crate) struct ResultsName<'a> {
+    pub namespace: &'a Namespace,
+    pub field: &'a [u8; 16],
+    pub window: i64,
+}
+
+impl ResultsName<'_> {
+    /// Its length in bytes, to size a command before it is written.
+    pub(crate) fn len(&self) -> usize {
+        // `idem:{` `.` shard `}:r` window: at most 2 + 20 digits.
+        self.namespace.as_str().len() + 10 + 2 + 20
+    }
+
+    fn write(&self, out: &mut impl std::io::Write) -> std::io::Result<()> {
+        let shard = u16::from_be_bytes([self.field[0], self.field[1]]) % SHARDS;
+        out.write_all(b"idem:{")?;
+        out.write_all(self.namespace.as_str().as_bytes())?;
+        out.write_all(b".")?;
+        out.write_all(itoa::Buffer::new().format(shard).as_bytes())?;
+        out.write_all(b"}:r")?;
+        out.write_all(itoa::Buffer::new().format(self.window).as_bytes())
+    }
+}
+
+impl redis::ToRedisArgs for ResultsName<'_> {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        // A command's own buffer: writing to it cannot fail.
+        let _ = self.write(&mut out.writer_for_next_arg());
+    }
+}
+
+/// [`ResultsName`] as text.
+#[cfg(test)]
 pub(crate) fn results_of(namespace: &Namespace, field: &[u8; 16], window: i64) -> String {
-    let mut name = String::with_capacity(37 + namespace.as_str().len());
-    push_prefix(&mut name, namespace, field);
-    name.push('r');
-    push_decimal(&mut name, window);
-    name
+    let mut name = Vec::new();
+    ResultsName { namespace, field, window }.write(&mut name).expect("a Vec takes every write");
+    String::from_utf8(name).expect("ASCII")
 }
 
 /// Writes `idem:{<ns>.<shard>}:`, the start of every key of `field`'s call.
@@ -183,10 +216,8 @@ impl StoredResult {
     }
 
     /// The stored fingerprint's first 16 bytes, in hex.
-    pub(crate) fn fingerprint_prefix_hex(&self) -> String {
-        let mut hex = String::with_capacity(2 * FINGERPRINT_BYTES);
-        push_lower_hex(&mut hex, &self.prefix);
-        hex
+    pub(crate) fn fingerprint_prefix_hex(&self) -> Hex {
+        Hex::of_bytes(&self.prefix)
     }
 }
 
@@ -230,7 +261,7 @@ mod tests {
         assert!(stored.is_for(FP));
         assert!(!stored.is_for(&FP.replace('0', "1")));
         assert!(!stored.is_for("0123"), "a shorter fingerprint never matches");
-        assert_eq!(stored.fingerprint_prefix_hex(), FP[..32]);
+        assert_eq!(stored.fingerprint_prefix_hex().as_str(), &FP[..32]);
         assert_eq!(result_value(5, FP, "", false).len(), FINGERPRINT_END, "1 + 6 + 16 bytes besides the response");
         assert_eq!(parse_result(result_value(5, FP, "", false)).unwrap().response, "");
     }

@@ -22,8 +22,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use super::{Answer, Entry, Pass};
+use super::{Answer, Entry, Pass, Replayed};
 use crate::clock::{self, Clock};
+use crate::fingerprint::Hex;
 use crate::namespace::Namespace;
 use crate::store::{Backend, Db, RowKey};
 
@@ -41,7 +42,7 @@ use later::MAX_BACKGROUND;
 use later::Unanswered;
 #[cfg(test)]
 use layout::parse_result;
-use layout::{Place, claim_value, read_result, result_value, results_of, results_ttl_ms, window_of};
+use layout::{Place, ResultsName, claim_value, read_result, result_value, results_ttl_ms, window_of};
 use scripts::{Scripts, evalsha};
 
 /// How long a finished result stays in Redis for fast replays unless set
@@ -144,14 +145,14 @@ impl RedisGate {
         let namespace = self.namespace.get(db).await?;
         let field = id.digest_bytes();
         if expect_replay && let Some(answer) = self.peek(&namespace, &field, fingerprint).await {
-            return Some(Entry::Replay(Arc::new(answer), crate::metrics::Source::Redis));
+            return Some(Entry::Replay(Replayed::Read(answer), crate::metrics::Source::Redis));
         }
         let place = Place::at(&namespace, id.biz, id.key, field);
         match self.claim(place, fingerprint, lease).await {
             Found::Ours(held) => {
                 Some(Entry::GoAhead(Pass::Claim(ClaimGuard { gate: Arc::clone(self), held: Some(held) })))
             }
-            Found::Finished(answer) => Some(Entry::Replay(Arc::new(answer), crate::metrics::Source::Redis)),
+            Found::Finished(answer) => Some(Entry::Replay(Replayed::Read(answer), crate::metrics::Source::Redis)),
             Found::Running => Some(Entry::Busy { may_have_committed: true }),
             Found::Unavailable => None,
         }
@@ -267,7 +268,7 @@ impl RedisGate {
     /// the next read. A wrong guess costs one round trip.
     async fn peek(&self, namespace: &Namespace, field: &[u8; 16], fingerprint: &str) -> Option<Answer> {
         let now = self.clock.now_ms();
-        let name = results_of(namespace, field, window_of(now, self.hot_window));
+        let name = ResultsName { namespace, field, window: window_of(now, self.hot_window) };
         // Sized once: grown an argument at a time, the command reallocated thrice.
         let mut hget = redis::Cmd::with_capacity(3, 4 + name.len() + field.len());
         hget.arg("HGET").arg(name).arg(&field[..]);
@@ -348,7 +349,8 @@ fn read(value: Vec<u8>, fingerprint: &str) -> Result<Found, Vec<u8>> {
         return Ok(Found::Running);
     }
     let stored = read_result(value)?;
-    let fingerprint = if stored.is_for(fingerprint) { fingerprint.to_owned() } else { stored.fingerprint_prefix_hex() };
+    let fingerprint =
+        if stored.is_for(fingerprint) { Hex::stored(fingerprint) } else { stored.fingerprint_prefix_hex() };
     let (response, failed, expires_ms) = (stored.response, stored.failed, stored.expires_ms);
     Ok(Found::Finished(Answer { fingerprint, response, failed, expires_ms }))
 }
@@ -540,7 +542,7 @@ mod tests {
             assert!(pttl > 0, "{pttl}");
             // Other arguments get the stored fingerprint's prefix: `KeyReused`.
             match gate.claim(Place::of(&namespace, biz, &key), OTHER_FP, lease).await {
-                Found::Finished(answer) => assert_eq!(answer.fingerprint, FP[..32]),
+                Found::Finished(answer) => assert_eq!(answer.fingerprint.as_str(), &FP[..32]),
                 other => panic!("{other:?}"),
             }
             del(&mut conn, &[&current, &previous]).await;
@@ -617,7 +619,7 @@ mod tests {
             redis::cmd("SET").arg(&current).arg("x").arg("PX").arg(60_000).query_async(&mut conn).await.unwrap();
         let guard = ClaimGuard { gate: Arc::clone(&gate), held: Some(held) };
         guard.finish(&Answer {
-            fingerprint: FP.into(),
+            fingerprint: Hex::stored(FP),
             response: "{\"b\":2}".into(),
             failed: false,
             expires_ms: now + 60_000,
@@ -694,7 +696,7 @@ mod tests {
         let guard = ClaimGuard { gate: Arc::clone(&gate), held: Some(held) };
         let now = local_clock().now_ms();
         guard.finish(&Answer {
-            fingerprint: FP.into(),
+            fingerprint: Hex::stored(FP),
             response: "{\"b\":2}".into(),
             failed: false,
             expires_ms: now + 3_600_000,
