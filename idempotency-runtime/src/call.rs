@@ -59,20 +59,37 @@ pub fn run<'a, DB: Backend>(
     biz_no: Option<String>,
     body: &'a mut DynBody<'_, DB>,
 ) -> BoxFuture<'a, Result<(), CallError>> {
-    Box::pin(async move {
-        let timer = Timer::start();
-        let checked = validate_key(&key);
-        // A rejected key is not logged: it may hold anything the caller sent.
-        let shown_key = if checked.is_ok() { key.as_str() } else { "<invalid>" };
-        let span = tracing::info_span!("idem", biz = spec.biz, key = shown_key, outcome = tracing::field::Empty);
-        let result = match checked {
-            // Without a subscriber, not entered and left at every poll.
-            Ok(()) if span.is_disabled() => call(engine, spec, &key, fingerprint, biz_no.as_deref(), body).await,
-            Ok(()) => call(engine, spec, &key, fingerprint, biz_no.as_deref(), body).instrument(span.clone()).await,
-            Err(e) => Err(e.into()),
-        };
-        answer(spec, &span, timer, result)
-    })
+    // Checked before the future is made: what it keeps of them (the
+    // fingerprint's digits, not the document they were written from) is small.
+    let checked = validate_key(&key);
+    let key_valid = checked.is_ok();
+    let checked = checked
+        .and_then(|()| biz_no.as_deref().map_or(Ok(()), validate_biz_no))
+        .and_then(|()| fingerprint.finish_hex());
+    Box::pin(checked_run(engine, spec, key, key_valid, checked, biz_no, body))
+}
+
+/// [`run`], its inputs checked: the future the caller's is boxed around.
+async fn checked_run<DB: Backend>(
+    engine: &Idem<DB>,
+    spec: &'static Spec,
+    key: String,
+    key_valid: bool,
+    checked: Result<Hex, Error>,
+    biz_no: Option<String>,
+    body: &mut DynBody<'_, DB>,
+) -> Result<(), CallError> {
+    let timer = Timer::start();
+    // A rejected key is not logged: it may hold anything the caller sent.
+    let shown_key = if key_valid { key.as_str() } else { "<invalid>" };
+    let span = tracing::info_span!("idem", biz = spec.biz, key = shown_key, outcome = tracing::field::Empty);
+    let result = match checked {
+        // Without a subscriber, not entered and left at every poll.
+        Ok(hex) if span.is_disabled() => call(engine, spec, &key, &hex, biz_no.as_deref(), body).await,
+        Ok(hex) => call(engine, spec, &key, &hex, biz_no.as_deref(), body).instrument(span.clone()).await,
+        Err(e) => Err(e.into()),
+    };
+    answer(spec, &span, timer, result)
 }
 
 /// Reports how a call ended (its span, the outcome, the metrics).
@@ -98,20 +115,15 @@ fn answer(
     }
 }
 
-/// The call, its key already checked.
+/// The call, its key, `biz_no` and arguments already checked.
 async fn call<DB: Backend>(
     engine: &Idem<DB>,
     spec: &'static Spec,
     key: &str,
-    fingerprint: Fingerprint,
+    hex: &Hex,
     biz_no: Option<&str>,
     body: &mut DynBody<'_, DB>,
 ) -> Result<Done, CallError> {
-    if let Some(no) = biz_no {
-        validate_biz_no(no)?;
-    }
-    // Held inline; read as text once (each read checks it is UTF-8).
-    let hex = fingerprint.finish_hex()?;
     let fingerprint = hex.as_str();
     let ttl = retention::record_ttl(spec.ttl);
     let id = RecordKey::new(spec.biz, key, fingerprint, biz_no, ttl);
@@ -159,7 +171,7 @@ async fn call<DB: Backend>(
                 // are boxed here and below: kilobytes each, inline they would
                 // grow every call's future, which is moved as it is built.)
                 if may_have_committed && let Some(row) = Box::pin(engine.records().read_live(spec.biz, key)).await? {
-                    let (outcome, answer) = replay_row(&id, row, body)?.split(hex);
+                    let (outcome, answer) = replay_row(&id, row, body)?.split(*hex);
                     gate.remember(spec.biz, key, &answer);
                     return Ok(Done { outcome, source: Some(Source::Database), failed: answer.failed });
                 }
@@ -182,7 +194,7 @@ async fn call<DB: Backend>(
         && expect_replay
         && let Some(row) = Box::pin(engine.records().read_live(spec.biz, key)).await?
     {
-        let (outcome, answer) = replay_row(&id, row, body)?.split(hex);
+        let (outcome, answer) = replay_row(&id, row, body)?.split(*hex);
         engine.read_first().saw(spec, true);
         pass.finish(&answer);
         gate.remember(spec.biz, key, &answer);
@@ -201,7 +213,7 @@ async fn call<DB: Backend>(
         Ok(recorded) => {
             // The stored result goes on to the duplicates: to Redis in place
             // of our claim, or to those waiting here.
-            let (outcome, answer) = recorded.split(hex);
+            let (outcome, answer) = recorded.split(*hex);
             engine.read_first().saw(spec, outcome == Outcome::Replayed);
             pass.finish(&answer);
             engine.gate().remember(spec.biz, key, &answer);
@@ -344,13 +356,16 @@ mod tests {
     use crate::store::Backend;
 
     /// What every call copies as its futures are built and boxed: the
-    /// flow's future, and the futures an HTTP handler holds inline (a call
-    /// copies its whole size, used or not). The backend's rare queries (a namespace read once per
-    /// engine, a record read while busy, a connection made once) are boxed,
-    /// or each would put kilobytes into every call. Unboxed, these were
-    /// 2.7-4.1 KB and 2.1-3.4 KB here, 8.6 and 8.1 KB in the release build
-    /// of `examples/http`, whose replay copied about 37 KB (callgrind).
-    const CALL_MAX: usize = 3 * 1024;
+    /// future `run` boxes (the checked call with its span), and the futures
+    /// an HTTP handler holds inline (a call copies its whole size, used or
+    /// not). The backend's rare queries (a namespace read once per engine,
+    /// a record read while busy, a connection made once) are boxed, or each
+    /// would put kilobytes into every call. Unboxed, these were 2.7-4.1 KB
+    /// and 2.1-3.4 KB here, 8.6 and 8.1 KB in the release build of
+    /// `examples/http`, whose replay copied about 37 KB (callgrind). The
+    /// boxed future is 2.1-2.2 KB here (2 168 bytes in that release build,
+    /// 2 632 while it still held the arguments' document).
+    const CALL_MAX: usize = 2560;
     const REDEEM_MAX: usize = 1536;
 
     fn sizes<DB: Backend>(pool: sqlx::Pool<DB>) -> (usize, usize) {
@@ -363,7 +378,8 @@ mod tests {
             record_errors: false,
         };
         let mut body = Body::new(|tx: Transaction<'static, DB>| async move { (tx, Ok::<u8, Error>(1)) });
-        let called = call(&idem, &SPEC, "key-1", Fingerprint::new(), None, &mut body);
+        let hex = Fingerprint::new().finish_hex().unwrap();
+        let called = checked_run(&idem, &SPEC, "key-1".into(), true, Ok(hex), None, &mut body);
         let tokens = idem.tokens();
         let redeemed = tokens.redeem("size", "alice", "token", || async { Ok::<u8, crate::token::TokenError>(1) });
         (std::mem::size_of_val(&called), std::mem::size_of_val(&redeemed))

@@ -148,7 +148,7 @@ impl RedisGate {
             return Some(Entry::Replay(Replayed::Read(answer), crate::metrics::Source::Redis));
         }
         let place = Place::at(&namespace, id.biz, id.key, field);
-        match self.claim(place, fingerprint, lease).await {
+        match Box::pin(self.claim(place, fingerprint, lease)).await {
             Found::Ours(held) => {
                 Some(Entry::GoAhead(Pass::Claim(ClaimGuard { gate: Arc::clone(self), held: Some(held) })))
             }
