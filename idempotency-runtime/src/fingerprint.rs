@@ -211,6 +211,19 @@ pub(crate) fn write_lower_hex(out: &mut [u8], bytes: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn digits_held_inline_read_as_the_text_they_replace() {
+        let digest = Sha256::digest(b"{}");
+        assert_eq!(Hex::of_bytes(&digest).as_str(), sha256_hex(b"{}"));
+        assert_eq!(Hex::of_bytes(&digest[..16]).as_str(), &sha256_hex(b"{}")[..32]);
+        let finished = Fingerprint::new().arg("a", &1).finish_hex().unwrap();
+        assert_eq!(finished.as_str(), Fingerprint::new().arg("a", &1).finish().unwrap());
+        assert_eq!(Hex::stored(finished.as_str()), finished);
+        // Stored text no fingerprint can be matches none.
+        assert_eq!(Hex::stored(&"f".repeat(65)).as_str(), "");
+        assert_eq!(Hex::stored("é").as_str(), "");
+    }
     use serde_json::Value;
     use std::collections::{BTreeMap, HashMap};
 

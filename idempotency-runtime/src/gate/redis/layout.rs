@@ -62,7 +62,7 @@ pub(crate) struct ResultsName<'a> {
 impl ResultsName<'_> {
     /// Its length in bytes, to size a command before it is written.
     pub(crate) fn len(&self) -> usize {
-        // `idem:{` `.` shard `}:r` window: at most 2 + 20 digits.
+        // `idem:{`, `.` and `}:r`; the shard, two digits at most; the window, 20.
         self.namespace.as_str().len() + 10 + 2 + 20
     }
 
@@ -292,6 +292,20 @@ mod tests {
         assert_eq!(results_of(&namespace, &field, 2_993_687), format!("idem:{{3f9a0c21d4e5b6a7.{shard}}}:r2993687"));
         let place = Place::at(&namespace, "pay", "k", field);
         assert_eq!(place.results(-3), format!("idem:{{3f9a0c21d4e5b6a7.{shard}}}:r-3"));
+        // As a command's argument, the same bytes (a replay's `HGET` names it so).
+        for window in [2_993_687, -3, i64::MIN] {
+            let name = ResultsName { namespace: &namespace, field: &field, window };
+            let mut hget = redis::Cmd::with_capacity(3, name.len());
+            hget.arg("HGET").arg(name).arg(&field[..]);
+            let args: Vec<&[u8]> = hget
+                .args_iter()
+                .map(|arg| match arg {
+                    redis::Arg::Simple(bytes) => bytes,
+                    _ => b"",
+                })
+                .collect();
+            assert_eq!(args, [&b"HGET"[..], place.results(window).as_bytes(), &field[..]]);
+        }
     }
 
     #[test]
