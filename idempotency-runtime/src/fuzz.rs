@@ -111,7 +111,7 @@ pub fn cached_value_read(value: &[u8], now_ms: u64) -> Cached {
     }
     match crate::gate::redis::layout::parse_result(value.to_vec()) {
         Some(stored) if u64::try_from(stored.expires_ms).is_ok_and(|at| at > now_ms) => Cached::Finished {
-            fingerprint_prefix: stored.fingerprint_prefix_hex(),
+            fingerprint_prefix: stored.fingerprint_prefix_hex().as_str().to_owned(),
             response: stored.response,
             expires_ms: stored.expires_ms,
         },
