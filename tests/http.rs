@@ -102,22 +102,27 @@ async fn book(
     Ok(PayResponse { order_id: 0, user: reference, amount: 0, payment_id: 0 })
 }
 
+/// A listener on an ephemeral port, and its base URL.
+async fn ephemeral() -> (tokio::net::TcpListener, String) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    (listener, base)
+}
+
 /// Serves `router` on an ephemeral port; returns its base URL.
 async fn serve(router: Router) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().unwrap();
+    let (listener, base) = ephemeral().await;
     tokio::spawn(async move { axum::serve(listener, router).await.expect("serve") });
-    format!("http://{addr}")
+    base
 }
 
 /// [`serve`], the replays marked around the whole router rather than by
 /// `Router::layer`: the contract's replay cases hold for both.
 async fn serve_wrapped(router: Router) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().unwrap();
+    let (listener, base) = ephemeral().await;
     let app = ServiceExt::<Request>::into_make_service(ReplayHeader::new(router));
     tokio::spawn(async move { axum::serve(listener, app).await.expect("serve") });
-    format!("http://{addr}")
+    base
 }
 
 struct Axum;

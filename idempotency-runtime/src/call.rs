@@ -364,7 +364,7 @@ mod tests {
     /// and 2.1-3.4 KB here, 8.6 and 8.1 KB in the release build of
     /// `examples/http`, whose replay copied about 37 KB (callgrind). The
     /// boxed future is 2.1-2.2 KB here (2 168 bytes in that release build,
-    /// 2 632 while it still held the arguments' document).
+    /// 2 632 while it held the arguments' document and the claim's future).
     const CALL_MAX: usize = 2560;
     const REDEEM_MAX: usize = 1536;
 

@@ -211,6 +211,8 @@ pub(crate) fn write_lower_hex(out: &mut [u8], bytes: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
+    use std::collections::{BTreeMap, HashMap};
 
     #[test]
     fn digits_held_inline_read_as_the_text_they_replace() {
@@ -224,8 +226,6 @@ mod tests {
         assert_eq!(Hex::stored(&"f".repeat(65)).as_str(), "");
         assert_eq!(Hex::stored("é").as_str(), "");
     }
-    use serde_json::Value;
-    use std::collections::{BTreeMap, HashMap};
 
     /// The document as it was written before the writer (a JSON value
     /// built, then walked with its keys sorted): what stored fingerprints

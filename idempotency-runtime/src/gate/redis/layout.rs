@@ -66,40 +66,41 @@ impl ResultsName<'_> {
         self.namespace.as_str().len() + 10 + 2 + 20
     }
 
-    fn write(&self, out: &mut impl std::io::Write) -> std::io::Result<()> {
-        let shard = u16::from_be_bytes([self.field[0], self.field[1]]) % SHARDS;
-        out.write_all(b"idem:{")?;
-        out.write_all(self.namespace.as_str().as_bytes())?;
-        out.write_all(b".")?;
-        out.write_all(itoa::Buffer::new().format(shard).as_bytes())?;
-        out.write_all(b"}:r")?;
-        out.write_all(itoa::Buffer::new().format(self.window).as_bytes())
+    /// Writes the name a piece at a time into `put`.
+    fn write(&self, mut put: impl FnMut(&str)) {
+        write_prefix(self.namespace, self.field, &mut put);
+        put("r");
+        put(itoa::Buffer::new().format(self.window));
     }
 }
 
 impl redis::ToRedisArgs for ResultsName<'_> {
     fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        let mut arg = out.writer_for_next_arg();
         // A command's own buffer: writing to it cannot fail.
-        let _ = self.write(&mut out.writer_for_next_arg());
+        self.write(|piece| {
+            let _ = std::io::Write::write_all(&mut arg, piece.as_bytes());
+        });
     }
 }
 
 /// [`ResultsName`] as text.
 #[cfg(test)]
 pub(crate) fn results_of(namespace: &Namespace, field: &[u8; 16], window: i64) -> String {
-    let mut name = Vec::new();
-    ResultsName { namespace, field, window }.write(&mut name).expect("a Vec takes every write");
-    String::from_utf8(name).expect("ASCII")
+    let mut name = String::new();
+    ResultsName { namespace, field, window }.write(|piece| name.push_str(piece));
+    name
 }
 
-/// Writes `idem:{<ns>.<shard>}:`, the start of every key of `field`'s call.
-fn push_prefix(out: &mut String, namespace: &Namespace, field: &[u8; 16]) {
+/// Writes `idem:{<ns>.<shard>}:`, the start of every key of `field`'s call,
+/// a piece at a time into `put`.
+fn write_prefix(namespace: &Namespace, field: &[u8; 16], mut put: impl FnMut(&str)) {
     let shard = u16::from_be_bytes([field[0], field[1]]) % SHARDS;
-    out.push_str("idem:{");
-    out.push_str(namespace.as_str());
-    out.push('.');
-    push_decimal(out, i64::from(shard));
-    out.push_str("}:");
+    put("idem:{");
+    put(namespace.as_str());
+    put(".");
+    put(itoa::Buffer::new().format(shard));
+    put("}:");
 }
 
 /// Appends `n` in decimal, as `write!` would, without the formatting
@@ -116,7 +117,7 @@ impl Place {
     /// [`Place::of`], given the key's digest ([`crate::key::key_digest`]).
     pub(crate) fn at(namespace: &Namespace, biz: &str, key: &str, field: [u8; 16]) -> Place {
         let mut prefix = String::with_capacity(16 + namespace.as_str().len());
-        push_prefix(&mut prefix, namespace, &field);
+        write_prefix(namespace, &field, |piece| prefix.push_str(piece));
         let claim = [prefix.as_str(), biz, ":", key].concat();
         Place { prefix, claim, field }
     }
