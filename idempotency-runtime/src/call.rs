@@ -105,7 +105,10 @@ fn answer(
         Err(CallError::Body) => Outcome::Failed,
         Err(CallError::Recorded) => unreachable!("a recorded error is a finished call"),
     };
-    span.record("outcome", outcome.as_str());
+    // A disabled span keeps nothing: the record is not built for it.
+    if !span.is_disabled() {
+        span.record("outcome", outcome.as_str());
+    }
     outcome::report(outcome);
     crate::metrics::call_finished(spec.biz, outcome, result.as_ref().ok().and_then(|done| done.source), timer);
     match result {

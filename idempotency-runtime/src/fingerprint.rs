@@ -103,11 +103,20 @@ impl Fingerprint {
 
     /// [`finish`](Self::finish), the digits held inline ([`Hex`]).
     pub(crate) fn finish_hex(self) -> Result<Hex, Error> {
-        self.document().map(|doc| Hex::of_bytes(&Sha256::digest(&doc)))
+        let doc = self.written()?;
+        let hex = Hex::of_bytes(&Sha256::digest(&doc.out));
+        doc.recycle();
+        Ok(hex)
     }
 
     /// The canonical document itself.
+    #[cfg(test)]
     fn document(self) -> Result<Vec<u8>, Error> {
+        self.written().map(|doc| doc.out)
+    }
+
+    /// The document, closed.
+    fn written(self) -> Result<Writer, Error> {
         if let Some(e) = self.error {
             return Err(e);
         }
@@ -116,7 +125,7 @@ impl Fingerprint {
             doc.begin_object();
         }
         doc.end_object(ROOT);
-        Ok(doc.out)
+        Ok(doc)
     }
 }
 
@@ -271,6 +280,22 @@ mod tests {
         walked(&serde_json::json!({ "v": serde_json::to_value(value).unwrap() }), &mut expected);
         let written = Fingerprint::new().arg("v", value).document().unwrap();
         assert_eq!(String::from_utf8(written).unwrap(), String::from_utf8(expected).unwrap());
+    }
+
+    /// A thread's next fingerprint reuses the last one's buffers: what it
+    /// hashes is its own document, however long the last one was and in
+    /// whatever order its entries came.
+    #[test]
+    fn a_reused_buffer_holds_nothing_of_the_last_document() {
+        let long = "x".repeat(3000);
+        let first = Fingerprint::new().arg("z", &long).arg("a", &[3, 2, 1]).finish().unwrap();
+        let short = Fingerprint::new().arg("k", &1).finish().unwrap();
+        assert_eq!(short, sha256_hex(br#"{"k":1}"#));
+        assert_eq!(Fingerprint::new().arg("z", &long).arg("a", &[3, 2, 1]).finish().unwrap(), first);
+        // A document over the kept size is let go, and the next one is still right.
+        let huge = "y".repeat(64 * 1024);
+        Fingerprint::new().arg("h", &huge).finish().unwrap();
+        assert_eq!(Fingerprint::new().arg("k", &1).finish().unwrap(), short);
     }
 
     /// Field names renamed to what needs escaping sort by their characters

@@ -17,6 +17,7 @@
 //! `Serialize` impl may swallow the refusal).
 
 use std::borrow::Cow;
+use std::cell::Cell;
 use std::fmt::Display;
 
 use serde::Serialize;
@@ -35,6 +36,14 @@ pub(super) struct Writer {
     /// The entries of every object being written, innermost last.
     entries: Vec<Entry>,
     pub non_finite: bool,
+}
+
+/// The largest document buffer a thread keeps for its next document.
+const SPARE_MAX: usize = 16 * 1024;
+
+thread_local! {
+    /// This thread's spare buffers ([`Writer::recycle`]).
+    static SPARE: Cell<(Vec<u8>, Vec<Entry>)> = const { Cell::new((Vec::new(), Vec::new())) };
 }
 
 /// One entry of an open object: its key's JSON at `key_start..key_end`
@@ -72,10 +81,26 @@ impl Writer {
     }
 
     /// Room for a typical call's arguments, and for the copy past the end
-    /// that sorting an object which came out of order takes.
+    /// that sorting an object which came out of order takes: the buffers
+    /// this thread's last document gave back ([`Writer::recycle`]), if any.
     pub fn reserve(&mut self) {
+        if self.out.capacity() == 0 {
+            (self.out, self.entries) = SPARE.take();
+        }
         self.out.reserve(512);
         self.entries.reserve(8);
+    }
+
+    /// Gives a finished document's buffers to this thread's next one: a
+    /// call writes its fingerprint and hashes it before it awaits anything,
+    /// so one pair per thread serves every call, and stays in the cache.
+    /// Buffers a large argument grew are let go.
+    pub fn recycle(mut self) {
+        if self.out.capacity() <= SPARE_MAX && self.entries.capacity() <= SPARE_MAX / 16 {
+            self.out.clear();
+            self.entries.clear();
+            SPARE.set((self.out, self.entries));
+        }
     }
 
     pub fn begin_object(&mut self) -> Object {

@@ -42,6 +42,13 @@ impl IdempotencyKey {
         if values.next().is_some() {
             return Err(ProblemDetails::invalid_key("the Idempotency-Key header was sent more than once".into()));
         }
+        // The common case first, in one pass: key characters alone are
+        // visible ASCII and hold no quote, so such a value is the key as sent.
+        if let Ok(text) = std::str::from_utf8(value)
+            && validate_header_key(text).is_ok()
+        {
+            return Ok(IdempotencyKey(text.to_owned()));
+        }
         let Some(text) = visible_ascii(value) else {
             return Err(ProblemDetails::invalid_key(format!(
                 "the Idempotency-Key header holds bytes that are not visible ASCII; {KEY_RULE}"

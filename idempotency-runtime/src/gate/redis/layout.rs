@@ -76,11 +76,19 @@ impl ResultsName<'_> {
 
 impl redis::ToRedisArgs for ResultsName<'_> {
     fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
-        let mut arg = out.writer_for_next_arg();
-        // A command's own buffer: writing to it cannot fail.
+        // Put together on the stack and handed over at once: a piece at a
+        // time, each went through the command's `io::Write`. A name is at
+        // most 96 bytes (a namespace at most 64 of them), so it fits; were
+        // it cut, a replay would only miss its result and claim.
+        let mut name = [0u8; 128];
+        let mut len = 0;
         self.write(|piece| {
-            let _ = std::io::Write::write_all(&mut arg, piece.as_bytes());
+            if let Some(room) = name.get_mut(len..len + piece.len()) {
+                room.copy_from_slice(piece.as_bytes());
+                len += piece.len();
+            }
         });
+        out.write_arg(&name[..len]);
     }
 }
 
@@ -293,9 +301,12 @@ mod tests {
         assert_eq!(results_of(&namespace, &field, 2_993_687), format!("idem:{{3f9a0c21d4e5b6a7.{shard}}}:r2993687"));
         let place = Place::at(&namespace, "pay", "k", field);
         assert_eq!(place.results(-3), format!("idem:{{3f9a0c21d4e5b6a7.{shard}}}:r-3"));
-        // As a command's argument, the same bytes (a replay's `HGET` names it so).
-        for window in [2_993_687, -3, i64::MIN] {
-            let name = ResultsName { namespace: &namespace, field: &field, window };
+        // As a command's argument, the same bytes (a replay's `HGET` names it
+        // so), the longest namespace and window too.
+        let longest = Namespace::new(&"n".repeat(64)).unwrap();
+        for (namespace, window) in [(&namespace, 2_993_687), (&namespace, -3), (&longest, i64::MIN)] {
+            let place = Place::at(namespace, "pay", "k", field);
+            let name = ResultsName { namespace, field: &field, window };
             let mut hget = redis::Cmd::with_capacity(3, name.len());
             hget.arg("HGET").arg(name).arg(&field[..]);
             let args: Vec<&[u8]> = hget
