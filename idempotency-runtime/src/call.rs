@@ -61,12 +61,10 @@ pub fn run<'a, DB: Backend>(
 ) -> BoxFuture<'a, Result<(), CallError>> {
     // Checked before the future is made: what it keeps of them (the
     // fingerprint's digits, not the document they were written from) is small.
-    let checked = validate_key(&key);
-    let key_valid = checked.is_ok();
-    let checked = checked
+    let checked = validate_key(&key)
         .and_then(|()| biz_no.as_deref().map_or(Ok(()), validate_biz_no))
         .and_then(|()| fingerprint.finish_hex());
-    Box::pin(checked_run(engine, spec, key, key_valid, checked, biz_no, body))
+    Box::pin(checked_run(engine, spec, key, checked, biz_no, body))
 }
 
 /// [`run`], its inputs checked: the future the caller's is boxed around.
@@ -74,14 +72,14 @@ async fn checked_run<DB: Backend>(
     engine: &Idem<DB>,
     spec: &'static Spec,
     key: String,
-    key_valid: bool,
     checked: Result<Hex, Error>,
     biz_no: Option<String>,
     body: &mut DynBody<'_, DB>,
 ) -> Result<(), CallError> {
     let timer = Timer::start();
     // A rejected key is not logged: it may hold anything the caller sent.
-    let shown_key = if key_valid { key.as_str() } else { "<invalid>" };
+    let key_rejected = matches!(checked, Err(Error::InvalidKey(_)));
+    let shown_key = if key_rejected { "<invalid>" } else { key.as_str() };
     let span = tracing::info_span!("idem", biz = spec.biz, key = shown_key, outcome = tracing::field::Empty);
     let result = match checked {
         // Without a subscriber, not entered and left at every poll.
@@ -382,7 +380,7 @@ mod tests {
         };
         let mut body = Body::new(|tx: Transaction<'static, DB>| async move { (tx, Ok::<u8, Error>(1)) });
         let hex = Fingerprint::new().finish_hex().unwrap();
-        let called = checked_run(&idem, &SPEC, "key-1".into(), true, Ok(hex), None, &mut body);
+        let called = checked_run(&idem, &SPEC, "key-1".into(), Ok(hex), None, &mut body);
         let tokens = idem.tokens();
         let redeemed = tokens.redeem("size", "alice", "token", || async { Ok::<u8, crate::token::TokenError>(1) });
         (std::mem::size_of_val(&called), std::mem::size_of_val(&redeemed))
