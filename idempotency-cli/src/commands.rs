@@ -8,14 +8,14 @@ use std::io::BufRead;
 use idempotency_runtime::Status;
 use serde_json::{Value, json};
 
-use crate::Done;
 use crate::cli::{CallId, Cli, Command, Given, RecordField, State};
 use crate::escape::{self, text};
 use crate::ident::Ident;
 use crate::out::{ask, say, tell};
 use crate::redis_store::{self, Location};
-use crate::store::{Dialect, Failure, ListFilter, Record, Store};
+use crate::store::{Dialect, ListFilter, Record, Store};
 use crate::time::{parse_duration, rfc3339};
+use crate::{Done, Failure};
 use crate::{drivers, out};
 
 /// What a command opens, from its flags and the environment.

@@ -30,6 +30,9 @@ pub enum Done {
     Usage(String),
 }
 
+/// A failure that is not the user's typing: exit code 3.
+pub type Failure = Box<dyn std::error::Error + Send + Sync>;
+
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {

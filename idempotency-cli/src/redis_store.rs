@@ -4,8 +4,8 @@
 //! the commands' Redis branches compile and never run, and a Redis URL is
 //! refused with the feature to build ([`crate::drivers`]).
 
+use crate::Failure;
 use crate::cli::Given;
-use crate::store::Failure;
 
 /// Where one `(biz, key)` lives in Redis.
 #[derive(Debug, Clone)]
@@ -30,7 +30,7 @@ mod with_redis {
     use std::time::Duration;
 
     use super::{Given, Location};
-    use crate::store::Failure;
+    use crate::Failure;
 
     /// The Redis of the claims and cached results.
     pub struct RedisStore {
@@ -126,7 +126,7 @@ mod with_redis {
 #[cfg(not(feature = "redis"))]
 mod without_redis {
     use super::{Given, Location};
-    use crate::store::Failure;
+    use crate::Failure;
 
     /// No Redis in this build: no value of this type exists.
     pub enum RedisStore {}

@@ -13,12 +13,10 @@ use idempotency_runtime::{Backend, Builder, Idem, Status};
 use sqlx::any::{AnyArguments, AnyPoolOptions, AnyRow};
 use sqlx::{Any, AnyPool, AssertSqlSafe, Row};
 
+use crate::Failure;
 use crate::cli::Given;
 pub use crate::dialect::Dialect;
 use crate::redis_store::{Location, RedisStore};
-
-/// A failure that is not the user's typing: exit code 3.
-pub type Failure = Box<dyn std::error::Error + Send + Sync>;
 
 /// How long opening the database may take. An unreachable server fails at
 /// once ("connection refused"); one that does not answer fails after this,
