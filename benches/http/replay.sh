@@ -22,41 +22,21 @@ seconds=${1:-10}
 rounds=${2:-2}
 slices=${3:-4}
 command -v wrk >/dev/null || { echo "needs wrk (apt-get install wrk)" >&2; exit 1; }
-export IDEM_MYSQL_URL=${IDEM_MYSQL_URL:-mysql://root@127.0.0.1:3306/test}
-export IDEM_REDIS_URL=${IDEM_REDIS_URL:-redis://127.0.0.1:6379}
+source benches/http/servers.sh
+build_servers
 
-cargo build --quiet --release --features axum,mysql,postgres,redis,sqlite --example http --example http_floor
-target=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
-
+ensure_free 3100
+ensure_free 3101
 pids=()
-trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
-IDEM_HTTP_ADDR=127.0.0.1:3100 "$target/release/examples/http" >/dev/null &
-pids+=($!)
-IDEM_HTTP_ADDR=127.0.0.1:3101 "$target/release/examples/http_floor" >/dev/null &
-pids+=($!)
-for port in 3100 3101; do
-  for _ in $(seq 1 200); do
-    (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
-    sleep 0.1
-  done
-done
-
-key="bench-replay-$(date +%s%N)"
 request=$(mktemp)
-cat >"$request" <<LUA
-wrk.method = "POST"
-wrk.body = '{"amount":1999}'
-wrk.headers["Content-Type"] = "application/json"
-wrk.headers["X-User-Id"] = "alice"
-wrk.headers["Idempotency-Key"] = "$key"
-LUA
-# The first call pays; every later one is a replay.
-first=$(curl -s -o /dev/null -w '%{http_code}' -X POST localhost:3100/orders/42/pay -H 'X-User-Id: alice' \
-  -H "Idempotency-Key: $key" -H 'Content-Type: application/json' -d '{"amount":1999}')
-[ "$first" = 200 ] || { echo "the first call answered $first" >&2; exit 1; }
-replayed=$(curl -s -D - -o /dev/null -X POST localhost:3100/orders/42/pay -H 'X-User-Id: alice' \
-  -H "Idempotency-Key: $key" -H 'Content-Type: application/json' -d '{"amount":1999}' | tr -d '\r' | grep -ci '^idempotent-replayed: true' || true)
-[ "$replayed" = 1 ] || { echo "the second call was not a replay" >&2; exit 1; }
+trap 'kill "${pids[@]}" 2>/dev/null || true; rm -f "$request"' EXIT
+IDEM_HTTP_ADDR=127.0.0.1:3100 "$example" >/dev/null &
+pids+=($!)
+IDEM_HTTP_ADDR=127.0.0.1:3101 "$floor" >/dev/null &
+pids+=($!)
+await_port 3100
+await_port 3101
+replay_request 3100 "$request"
 
 # Requests answered in one slice of `slice` seconds.
 slice=$(( seconds / slices > 0 ? seconds / slices : 1 ))
@@ -90,4 +70,3 @@ print(f'target HTTP replay / a plain axum handler with one HGET, mariadb, round 
       'met' if r >= 0.9 else 'NOT met',
       f'| req/s {$replay / t:.0f} vs {$floor / t:.0f} | CPU per request {cpu($replay_ticks, $replay):.1f} vs {cpu($floor_ticks, $floor):.1f} us')"
 done
-rm -f "$request"
