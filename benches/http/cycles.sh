@@ -38,7 +38,7 @@ count() {
   IDEM_HTTP_ADDR=127.0.0.1:$port valgrind --tool=callgrind --instr-atstart=no --cache-sim=yes --branch-sim=yes \
     --callgrind-out-file="$out/$name.cg" "$binary" >/dev/null 2>"$out/$name.log" &
   pid=$!
-  await_port "$port" 600
+  await_port "$port" 600 || { cat "$out/$name.log" >&2; return 1; }
   # The key is paid on the example; the floor reads the same request.
   if [ "$name" = example ]; then replay_request "$port" "$request"; fi
   # Warm-up uncounted: connections, pools and caches settle first.
