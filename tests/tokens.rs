@@ -5,16 +5,14 @@
 //! fallback on a server without `GETDEL`, an outage), and HTTP end to end:
 //! `GET /orders/{id}/pay-token`, then `POST /orders/{id}/pay` with
 //! `Idempotency-Token`.
-//!
-//! Self-contained: the shared test helpers are being moved into a crate of
-//! their own, so this target reaches the servers by itself (the same URLs,
-//! and the same `IDEM_REQUIRE_SERVICES=1` rule for a server that is down).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idempotency::{Backend, Consumption, Idem, Outcome, Status, TokenError, idempotent, observe, token::Refusal};
+use idempotency_testkit::servers::{RedisCluster, RedisServer};
+use idempotency_testkit::unique;
 use sqlx::{Pool, Transaction};
 use tokio::sync::{Barrier, mpsc, watch};
 
@@ -33,138 +31,6 @@ const CROWD: usize = 100;
 /// How long a consumed token answers "already used" here (the engine's
 /// default is a day; the tests' keys need not outlive them that long).
 const USED_FOR: Duration = Duration::from_secs(900);
-
-mod servers {
-    //! Reaching the servers; skipping (or failing, under
-    //! `IDEM_REQUIRE_SERVICES=1`) when one does not answer.
-
-    use std::process::{Child, Command, Stdio};
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-
-    pub fn mysql_url() -> String {
-        std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
-    }
-
-    pub fn pg_url() -> String {
-        std::env::var("IDEM_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-    }
-
-    pub fn redis_url() -> String {
-        std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-    }
-
-    /// Reports a server that does not answer: a visible line, or a failure
-    /// when `IDEM_REQUIRE_SERVICES=1`.
-    pub fn skip(service: &str) {
-        if std::env::var("IDEM_REQUIRE_SERVICES").is_ok_and(|v| v == "1") {
-            panic!("{service} unreachable and IDEM_REQUIRE_SERVICES=1");
-        }
-        println!("skipped: {service} unreachable");
-    }
-
-    /// `connect`, tried for up to 5 s.
-    pub async fn reach<T, F, Fut>(service: &str, mut connect: F) -> Option<T>
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Option<T>>,
-    {
-        for _ in 0..20 {
-            if let Some(t) = connect().await {
-                return Some(t);
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-        skip(service);
-        None
-    }
-
-    pub async fn redis_client(url: String) -> Option<redis::Client> {
-        reach("redis", || async {
-            let client = redis::Client::open(url.as_str()).ok()?;
-            let mut conn = client.get_multiplexed_async_connection().await.ok()?;
-            let pong: String = redis::cmd("PING").query_async(&mut conn).await.ok()?;
-            (pong == "PONG").then_some(client)
-        })
-        .await
-    }
-
-    /// A name nobody else uses: this process, this instant, a counter;
-    /// letters and digits only (it may be a user id).
-    pub fn unique(prefix: &str) -> String {
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
-        format!("{prefix}{}x{nanos}x{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed))
-    }
-
-    /// A `redis-server` of this test alone, on a free loopback port, with
-    /// `extra` arguments; killed when dropped. `None` (after saying why)
-    /// when `redis-server` cannot run.
-    pub struct PrivateRedis {
-        port: u16,
-        child: Child,
-    }
-
-    impl PrivateRedis {
-        pub fn start(extra: &[&str]) -> Option<Self> {
-            let port = std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
-            Self::start_on(port, extra)
-        }
-
-        pub fn start_on(port: u16, extra: &[&str]) -> Option<Self> {
-            let child = Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-                .args(extra)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn();
-            let Ok(child) = child else {
-                skip("redis-server (not installed)");
-                return None;
-            };
-            let server = PrivateRedis { port, child };
-            let start = Instant::now();
-            while server.query::<String>(&redis::cmd("PING")).is_err() {
-                assert!(start.elapsed() < Duration::from_secs(10), "private redis-server on {port} did not start");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Some(server)
-        }
-
-        pub fn port(&self) -> u16 {
-            self.port
-        }
-
-        pub fn client(&self) -> redis::Client {
-            redis::Client::open(format!("redis://127.0.0.1:{}", self.port)).expect("redis url")
-        }
-
-        pub fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
-            let mut conn = self.client().get_connection_with_timeout(Duration::from_millis(500))?;
-            cmd.query(&mut conn)
-        }
-
-        /// Calls of `command` so far (`INFO commandstats`), 0 when never called.
-        pub fn calls(&self, command: &str) -> u64 {
-            let info: String = self.query(redis::cmd("INFO").arg("commandstats")).expect("INFO");
-            let prefix = format!("cmdstat_{command}:calls=");
-            info.lines()
-                .find_map(|line| line.strip_prefix(&prefix))
-                .and_then(|rest| rest.split(',').next())
-                .map_or(0, |n| n.parse().expect("calls"))
-        }
-    }
-
-    impl Drop for PrivateRedis {
-        fn drop(&mut self) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-use servers::unique;
 
 /// What the guarded bodies of one test do and saw.
 struct Probe {
@@ -242,8 +108,8 @@ async fn engine<DB: Backend>(pool: Pool<DB>, place: Place) -> Option<Idem<DB>> {
     let builder = Idem::builder(pool).lock_wait(LOCK_WAIT).token_used_for(USED_FOR);
     let builder = match place {
         Place::Database => builder,
-        Place::Getdel => builder.redis(servers::redis_client(servers::redis_url()).await?),
-        Place::Lua => builder.redis(servers::redis_client(servers::redis_url()).await?).token_consume_with_lua(true),
+        Place::Getdel => builder.redis(idempotency_testkit::redis_client().await?),
+        Place::Lua => builder.redis(idempotency_testkit::redis_client().await?).token_consume_with_lua(true),
     };
     let idem = builder.build();
     idem.migrate().await.expect("migrate");
@@ -279,18 +145,18 @@ async fn sqlite_pool() -> Option<(Pool<sqlx::Sqlite>, LiteFile)> {
 }
 
 async fn mysql_pool() -> Option<(Pool<sqlx::MySql>, ())> {
-    let pool = servers::reach("mysql", || async {
+    let pool = idempotency_testkit::reach("mysql", || async {
         let options = sqlx::mysql::MySqlPoolOptions::new().max_connections(10).acquire_timeout(Duration::from_secs(60));
-        options.connect(&servers::mysql_url()).await.ok()
+        options.connect(&idempotency_testkit::mysql_url()).await.ok()
     })
     .await?;
     Some((pool, ()))
 }
 
 async fn pg_pool() -> Option<(Pool<sqlx::Postgres>, ())> {
-    let pool = servers::reach("postgres", || async {
+    let pool = idempotency_testkit::reach("postgres", || async {
         let options = sqlx::postgres::PgPoolOptions::new().max_connections(10).acquire_timeout(Duration::from_secs(60));
-        options.connect(&servers::pg_url()).await.ok()
+        options.connect(&idempotency_testkit::pg_url()).await.ok()
     })
     .await?;
     Some((pool, ()))
@@ -691,7 +557,7 @@ backend_suite!(postgres, sqlx::Postgres, pg_pool, "SELECT COUNT(*) FROM idem_tok
 async fn redis_keys_follow_the_layout() {
     let Some((pool, _file)) = sqlite_pool().await else { return };
     let Some(idem) = engine(pool, Place::Getdel).await else { return };
-    let Some(client) = servers::redis_client(servers::redis_url()).await else { return };
+    let Some(client) = idempotency_testkit::redis_client().await else { return };
     let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
     let namespace = idem.redis_namespace().await.expect("namespace").expect("migrated");
     let (alice, bob) = (unique("alice"), unique("bob"));
@@ -735,7 +601,8 @@ async fn redis_keys_follow_the_layout() {
 /// itself (`INFO commandstats`) on a Redis of this test alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_path_sends_what_it_says() {
-    let Some(server) = servers::PrivateRedis::start(&[]) else { return };
+    let Some(server) = RedisServer::start() else { return };
+    let calls = |command: &str| server.calls().get(command).copied().unwrap_or(0);
     let Some((pool, _file)) = sqlite_pool().await else { return };
     let build = |lua: bool| {
         let builder = Idem::builder(pool.clone()).redis(server.client()).token_consume_with_lua(lua);
@@ -743,20 +610,20 @@ async fn each_path_sends_what_it_says() {
     };
     let (with_getdel, with_lua) = (build(false), build(true));
     with_getdel.migrate().await.expect("migrate");
-    let scripts = || server.calls("evalsha") + server.calls("eval");
+    let scripts = || calls("evalsha") + calls("eval");
 
     let user = unique("u");
     let issued = with_getdel.tokens().issue(BIZ, &user, LONG).await.expect("issue");
     let first = with_getdel.tokens().consume(BIZ, &user, &issued.token).await.expect("consume");
     assert!(matches!(first, Consumption::Consumed(_)), "{first:?}");
-    assert_eq!((server.calls("getdel"), scripts()), (1, 0));
+    assert_eq!((calls("getdel"), scripts()), (1, 0));
 
     let issued = with_lua.tokens().issue(BIZ, &user, LONG).await.expect("issue");
     let first = with_lua.tokens().consume(BIZ, &user, &issued.token).await.expect("consume");
     assert!(matches!(first, Consumption::Consumed(_)), "{first:?}");
     let again = with_lua.tokens().consume(BIZ, &user, &issued.token).await.expect("consume");
     assert!(matches!(again, Consumption::AlreadyUsed), "{again:?}");
-    assert_eq!(server.calls("getdel"), 1, "the Lua path never sends GETDEL");
+    assert_eq!(calls("getdel"), 1, "the Lua path never sends GETDEL");
     // Two consumes; the first EVALSHA may meet NOSCRIPT and go again as EVAL.
     assert!((2..=3).contains(&scripts()), "{}", scripts());
 }
@@ -766,8 +633,9 @@ async fn each_path_sends_what_it_says() {
 /// every answer stays right.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_without_getdel_switches_to_the_script() {
-    let Some(server) = servers::PrivateRedis::start(&["--rename-command", "GETDEL", ""]) else { return };
-    assert!(server.query::<Option<String>>(redis::cmd("GETDEL").arg("k")).is_err(), "GETDEL still known");
+    let Some(server) = RedisServer::start_with(&["--rename-command", "GETDEL", ""]) else { return };
+    let mut conn = server.client().get_connection().expect("redis");
+    assert!(redis::cmd("GETDEL").arg("k").query::<Option<String>>(&mut conn).is_err(), "GETDEL still known");
     let Some((pool, _file)) = sqlite_pool().await else { return };
     let idem = Idem::builder(pool).redis(server.client()).build();
     idem.migrate().await.expect("migrate");
@@ -783,7 +651,9 @@ async fn a_redis_without_getdel_switches_to_the_script() {
     assert!(idem.tokens().give_back(spent).await.expect("give back"));
     let back = idem.tokens().consume(BIZ, &alice, &issued.token).await.expect("consume");
     assert!(matches!(back, Consumption::Consumed(_)), "{back:?}");
-    assert!(server.calls("evalsha") + server.calls("eval") >= 3, "consumed through the script");
+    let calls = server.calls();
+    let scripts = calls.get("evalsha").copied().unwrap_or(0) + calls.get("eval").copied().unwrap_or(0);
+    assert!(scripts >= 3, "consumed through the script");
 }
 
 /// Tokens live where they were issued: with Redis down, issuing and
@@ -812,52 +682,10 @@ async fn a_redis_outage_answers_unavailable_never_a_pass() {
 /// answer as on one node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_work_on_a_redis_cluster() {
-    let mut ports = Vec::new();
-    while ports.len() < 3 {
-        // A node also listens on its port + 10 000 (the cluster bus).
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        if port <= 55_535
-            && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok()
-            && !ports.iter().any(|&p: &u16| p.abs_diff(port) == 10_000 || p == port)
-        {
-            ports.push(port);
-        }
-    }
-    let dir = std::env::temp_dir().join(unique("idem-tokens-cluster"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut nodes = Vec::new();
-    for port in &ports {
-        let conf = dir.join(format!("nodes-{port}.conf")).display().to_string();
-        let dir = dir.display().to_string();
-        let args = ["--cluster-enabled", "yes", "--cluster-config-file", &conf, "--dir", &dir];
-        let Some(node) = servers::PrivateRedis::start_on(*port, &args) else { return };
-        nodes.push(node);
-    }
-    let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port())).collect();
-    let created = std::process::Command::new("redis-cli")
-        .arg("--cluster")
-        .arg("create")
-        .args(&addrs)
-        .args(["--cluster-replicas", "0", "--cluster-yes"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status();
-    if !created.is_ok_and(|s| s.success()) {
-        servers::skip("redis cluster (redis-cli --cluster create failed)");
-        return;
-    }
-    for node in &nodes {
-        let start = std::time::Instant::now();
-        while !node.query::<String>(redis::cmd("CLUSTER").arg("INFO")).is_ok_and(|i| i.contains("cluster_state:ok")) {
-            assert!(start.elapsed() < Duration::from_secs(30), "cluster not ok");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-    let urls: Vec<String> = addrs.iter().map(|a| format!("redis://{a}")).collect();
+    let Some(cluster) = RedisCluster::start() else { return };
     let Some((pool, _file)) = sqlite_pool().await else { return };
     for lua in [false, true] {
-        let client = redis::cluster::ClusterClient::new(urls.clone()).expect("cluster client");
-        let idem = Idem::builder(pool.clone()).redis_cluster(client).token_consume_with_lua(lua).build();
+        let idem = Idem::builder(pool.clone()).redis_cluster(cluster.client()).token_consume_with_lua(lua).build();
         idem.migrate().await.expect("migrate");
         let (alice, bob) = (unique("alice"), unique("bob"));
         for _ in 0..5 {
@@ -878,8 +706,6 @@ async fn tokens_work_on_a_redis_cluster() {
         let forged = idem.tokens().consume(BIZ, &alice, &forged()).await.expect("consume");
         assert!(matches!(forged, Consumption::Unknown), "{forged:?}");
     }
-    drop(nodes);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 // HTTP end to end: the example's two routes, on an ephemeral port.

@@ -168,10 +168,17 @@ impl RedisServer {
     /// Starts one on a free loopback port; `None` (after printing why) when
     /// `redis-server` is not installed.
     pub fn start() -> Option<Self> {
+        Self::start_with(&[])
+    }
+
+    /// As [`start`](Self::start), with `extra` arguments for `redis-server`
+    /// (`--rename-command GETDEL ""`: a server without that command).
+    pub fn start_with(extra: &[&str]) -> Option<Self> {
         if !redis_server_installed() {
             return None;
         }
-        let process = Process::spawn_on_free_port(free_port, |_| Vec::new());
+        let extra: Vec<String> = extra.iter().map(|arg| (*arg).to_owned()).collect();
+        let process = Process::spawn_on_free_port(free_port, |_| extra.clone());
         Some(Self { port: process.port, process: Mutex::new(process) })
     }
 
