@@ -21,6 +21,7 @@ use idempotency::outbox::nats::NatsPublisher;
 use idempotency::outbox::rabbit::RabbitPublisher;
 use idempotency::outbox::{Event, MessageId, Publisher, Relay};
 use idempotency::{Idem, idempotent};
+use idempotency_testkit::mysql_url;
 use lapin::options::QueueDeleteOptions;
 use lapin::{Connection, ConnectionProperties};
 use serde::{Deserialize, Serialize};
@@ -90,10 +91,6 @@ async fn consume(
 ) -> Result<(), BenchError> {
     sqlx::query("INSERT INTO bench_moves (order_id) VALUES (?)").bind(event.order_id).execute(&mut **tx).await?;
     Ok(())
-}
-
-fn mysql_url() -> String {
-    std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
 }
 
 fn amqp_url() -> String {

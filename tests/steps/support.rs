@@ -3,7 +3,6 @@
 //! without Redis, and unique keys.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idempotency::{Backend, Idem};
@@ -13,31 +12,7 @@ use sqlx::{Pool, Transaction};
 /// payment written twice shows as two rows.
 pub const PAYMENT_TABLE: &str = "steps_payment";
 
-pub fn mysql_url() -> String {
-    std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
-}
-
-pub fn pg_url() -> String {
-    std::env::var("IDEM_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-pub fn redis_url() -> String {
-    std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
-/// An unreachable server skips the test with one printed line, or fails it
-/// under `IDEM_REQUIRE_SERVICES=1` (as in CI).
-pub fn skip(service: &str, error: impl std::fmt::Display) {
-    assert!(std::env::var("IDEM_REQUIRE_SERVICES").map_or(true, |v| v != "1"), "{service} unreachable: {error}");
-    println!("skipped: {service} unreachable ({error})");
-}
-
-/// A key nobody else uses: this process, this instant, a counter.
-pub fn unique(prefix: &str) -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
-    format!("{prefix}-{}-{nanos}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed))
-}
+pub use idempotency_testkit::{redis_url, unique};
 
 /// A call's row in `idem_call`, as the tests read it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -157,13 +132,9 @@ test_db!(
     "SELECT status FROM idem_record WHERE biz_type = ? AND idem_key = ?",
     async {
         let options = sqlx::mysql::MySqlPoolOptions::new().max_connections(8).acquire_timeout(Duration::from_secs(10));
-        match options.connect(&mysql_url()).await {
-            Ok(pool) => Some(Connected { pool, _file: None }),
-            Err(e) => {
-                skip("mysql", e);
-                None
-            }
-        }
+        let url = idempotency_testkit::mysql_url();
+        let pool = idempotency_testkit::reach("mysql", || async { options.clone().connect(&url).await.ok() }).await?;
+        Some(Connected { pool, _file: None })
     }
 );
 
@@ -177,13 +148,10 @@ test_db!(
     "SELECT status FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
     async {
         let options = sqlx::postgres::PgPoolOptions::new().max_connections(8).acquire_timeout(Duration::from_secs(10));
-        match options.connect(&pg_url()).await {
-            Ok(pool) => Some(Connected { pool, _file: None }),
-            Err(e) => {
-                skip("postgres", e);
-                None
-            }
-        }
+        let url = idempotency_testkit::pg_url();
+        let pool =
+            idempotency_testkit::reach("postgres", || async { options.clone().connect(&url).await.ok() }).await?;
+        Some(Connected { pool, _file: None })
     }
 );
 
@@ -228,26 +196,14 @@ pub async fn engine<DB: TestDb>(pool: Pool<DB>, redis: bool) -> Option<Idem<DB>>
 pub async fn unmigrated_engine<DB: TestDb>(pool: Pool<DB>, redis: bool) -> Option<Idem<DB>> {
     let mut builder = Idem::builder(pool);
     if redis {
-        let client = redis::Client::open(redis_url()).expect("redis url");
-        if let Err(e) = client.get_multiplexed_async_connection().await {
-            skip("redis", e);
-            return None;
-        }
-        builder = builder.redis(client);
+        builder = builder.redis(idempotency_testkit::redis_client().await?);
     }
     Some(builder.build())
 }
 
 /// Whether the shared Redis answers (else its tests skip, with a line).
 pub async fn redis_answers() -> bool {
-    let client = redis::Client::open(redis_url()).expect("redis url");
-    match client.get_multiplexed_async_connection().await {
-        Ok(_) => true,
-        Err(e) => {
-            skip("redis", e);
-            false
-        }
-    }
+    idempotency_testkit::redis_client().await.is_some()
 }
 
 /// Milliseconds since the Unix epoch: comparable between processes.
