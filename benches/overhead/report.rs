@@ -6,20 +6,22 @@ use std::time::Instant;
 use super::support::quick;
 use super::{CONCURRENCY, Row};
 
+/// The p50 of the row `mode` of one backend, claims and task count.
+fn p50(rows: &[Row], backend: &str, redis: &str, tasks: usize, mode: &str) -> Option<f64> {
+    rows.iter()
+        .find(|r| r.backend == backend && r.redis == redis && r.tasks == tasks && r.mode == mode)
+        .map(|r| r.p50_ms)
+}
+
+/// The row `mode`'s p50 over `bare`'s (same backend, claims and task count).
 fn ratio(rows: &[Row], backend: &str, redis: &str, tasks: usize, mode: &str) -> Option<f64> {
-    let find =
-        |m: &str| rows.iter().find(|r| r.backend == backend && r.redis == redis && r.tasks == tasks && r.mode == m);
-    Some(find(mode)?.p50_ms / find("bare")?.p50_ms)
+    Some(p50(rows, backend, redis, tasks, mode)? / p50(rows, backend, redis, tasks, "bare")?)
 }
 
 /// The performance targets, one line each: the ratio of two rows' p50
 /// (same backend, claims and task count), its bound, and met or not met.
 pub fn targets(rows: &[Row]) {
-    let p50 = |backend: &str, redis: &str, tasks: usize, mode: &str| {
-        rows.iter()
-            .find(|r| r.backend == backend && r.redis == redis && r.tasks == tasks && r.mode == mode)
-            .map(|r| r.p50_ms)
-    };
+    let p50 = |backend: &str, redis: &str, tasks: usize, mode: &str| p50(rows, backend, redis, tasks, mode);
     let targets: [(&str, &str, &str, &str, [f64; 2]); 3] = [
         ("replay without Redis / one indexed SELECT of the record", "none", "replay", "select", [1.3, 1.3]),
         ("replay with Redis / one HGET of its field", "redis", "replay", "get", [1.15, 1.3]),
