@@ -18,7 +18,7 @@ use crate::fingerprint::{Fingerprint, Hex};
 use crate::gate::{Answer, Entry};
 use crate::key::{validate_biz_no, validate_key};
 use crate::metrics::{Source, Timer};
-use crate::outcome::{self, Outcome};
+use crate::outcome::{self, Observed, Outcome};
 use crate::retention;
 use crate::spec::Spec;
 use crate::store::opening::Opening;
@@ -107,7 +107,8 @@ fn answer(
     if !span.is_disabled() {
         span.record("outcome", outcome.as_str());
     }
-    outcome::report(outcome);
+    let recorded_error = matches!(result, Ok(Done { failed: true, .. }));
+    outcome::report(Observed { outcome, recorded_error });
     crate::metrics::call_finished(spec.biz, outcome, result.as_ref().ok().and_then(|done| done.source), timer);
     match result {
         Ok(Done { failed: true, .. }) => Err(CallError::Recorded),

@@ -12,12 +12,13 @@
 //! | `idem_redis_degraded_total` | counter | | periods in which Redis failed and calls went on with the database alone (begun) |
 //! | `idem_redis_degraded` | gauge | | engines in such a period now |
 //! | `idem_background_releases_total` | counter | | claims released from a background task (the call panicked or was dropped, or the claim's or its release's answer was lost) |
-//! | `idem_consumer_settlements_total` | counter | `queue`, `action` | deliveries settled by the RabbitMQ consumer runner: `ack`, `requeue`, `retry`, `returned`, `dead_letter_poison`, `dead_letter_key_reused`, `dead_letter_rejected`, `dead_letter_retries_exhausted` |
-//! | `idem_nats_settlements_total` | counter | `stream`, `action` | messages settled by the NATS JetStream consumer runner: `ack`, `requeue`, `retry`, `returned`, `dead_letter_poison`, `dead_letter_key_reused`, `dead_letter_rejected`, `dead_letter_deliveries_exhausted` |
+//! | `idem_consumer_settlements_total` | counter | `queue`, `action` | deliveries settled by the RabbitMQ consumer runner: `ack`, `ack_recorded` (the handler's `Err` was its call's recorded business error: acked once), `requeue`, `retry`, `returned`, `dead_letter_poison`, `dead_letter_key_reused`, `dead_letter_rejected`, `dead_letter_retries_exhausted` |
+//! | `idem_nats_settlements_total` | counter | `stream`, `action` | messages settled by the NATS JetStream consumer runner: `ack`, `ack_recorded`, `requeue`, `retry`, `returned`, `dead_letter_poison`, `dead_letter_key_reused`, `dead_letter_rejected`, `dead_letter_deliveries_exhausted` |
 //! | `idem_redis_stream_settlements_total` | counter | `stream`, `action` | entries settled by the Redis Streams consumer runner: the same actions as NATS |
+//! | `idem_kafka_settlements_total` | counter | `topic`, `action` | messages settled by the Kafka consumer runner: the same actions as RabbitMQ |
 //! | `idem_outbox_messages_total` | counter | `result` | outbox messages each relay batch handled, by the broker's answer: `sent`, `duplicate` (sent, dropped by the broker as a copy), `refused` (to be retried), `dead`, `unconfirmed` (no answer, left pending), `unmarked` (confirmed, but the marks did not commit: published again) |
 //! | `idem_outbox_batches_total` | counter | | relay batches that took rows |
-//! | `idem_cron_slots_total` | counter | `job`, `outcome` | slots settled by the cron runner: `executed`, `done_elsewhere`, `in_progress_elsewhere`, `failed`, `cancelled`, `skipped` |
+//! | `idem_cron_slots_total` | counter | `job`, `outcome` | slots settled by the cron runner: `executed`, `done_elsewhere`, `declined` (the job's call recorded a business error: the slot is done), `declined_elsewhere`, `in_progress_elsewhere`, `failed`, `cancelled`, `skipped` |
 //!
 //! A call whose future is dropped, or whose body panics, never ends, so it
 //! is not counted (its claim, if any, shows in the background releases).

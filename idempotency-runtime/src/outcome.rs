@@ -1,5 +1,6 @@
 //! How a call ended, for the span and for adapters (HTTP, message queues)
-//! that must answer differently for a replay or a call in progress.
+//! that must answer differently for a replay, a call in progress or a
+//! recorded business error.
 
 use std::cell::Cell;
 use std::future::Future;
@@ -65,33 +66,57 @@ impl Outcome {
     }
 }
 
+/// What an adapter learns of the last call a future made: how it ended,
+/// and whether its answer is a recorded business error (a `record_errors`
+/// fn's declared error, or a `steps` call's permanent failure; executed
+/// now or replayed). A consumer acks such an answer once instead of
+/// retrying it: a retry would only replay it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Observed {
+    pub(crate) outcome: Outcome,
+    pub(crate) recorded_error: bool,
+}
+
+impl From<Outcome> for Observed {
+    fn from(outcome: Outcome) -> Self {
+        Observed { outcome, recorded_error: false }
+    }
+}
+
 thread_local! {
-    /// The outcome of the last call made by the observed future this thread
-    /// is polling: swapped in and out around each of its polls, as a task
-    /// local is, without a task local's lazy set-up and borrow checks (an
-    /// HTTP replay polls its handler through this twice). A call outside
+    /// What the last call made by the observed future this thread is
+    /// polling reported: swapped in and out around each of its polls, as a
+    /// task local is, without a task local's lazy set-up and borrow checks
+    /// (an HTTP replay polls its handler through this twice). A call outside
     /// any `observe` writes it too, and nobody reads that.
-    static LAST: Cell<Option<Outcome>> = const { Cell::new(None) };
+    static LAST: Cell<Option<Observed>> = const { Cell::new(None) };
 }
 
 /// Runs `future` and reports the outcome of the last `#[idempotent]` call
 /// made inside it (`None` if it made none). Adapters wrap handlers in it.
 pub async fn observe<F: Future>(future: F) -> (F::Output, Option<Outcome>) {
+    let (output, last) = observe_call(future).await;
+    (output, last.map(|last| last.outcome))
+}
+
+/// [`observe`], telling also whether the last call's answer is a recorded
+/// business error: for the consumer and cron runners.
+pub(crate) async fn observe_call<F: Future>(future: F) -> (F::Output, Option<Observed>) {
     let mut future = std::pin::pin!(future);
     let mut last = None;
     let output = std::future::poll_fn(|cx| poll_observed(future.as_mut(), &mut last, cx)).await;
     (output, last)
 }
 
-/// Polls `future` as [`observe`] runs it, keeping the outcome seen so far
-/// in `last` between polls: for adapters whose future must be a named type.
+/// Polls `future` as [`observe`] runs it, keeping what was seen so far in
+/// `last` between polls: for adapters whose future must be a named type.
 pub(crate) fn poll_observed<F: Future>(
     future: std::pin::Pin<&mut F>,
-    last: &mut Option<Outcome>,
+    last: &mut Option<Observed>,
     cx: &mut std::task::Context<'_>,
 ) -> std::task::Poll<F::Output> {
     /// Puts back what an enclosing `observe` had seen, even if the poll panics.
-    struct Restore(Option<Outcome>);
+    struct Restore(Option<Observed>);
     impl Drop for Restore {
         fn drop(&mut self) {
             LAST.set(self.0);
@@ -103,8 +128,9 @@ pub(crate) fn poll_observed<F: Future>(
     poll
 }
 
-pub(crate) fn report(outcome: Outcome) {
-    LAST.set(Some(outcome));
+/// Tells the enclosing `observe` how the call it polls ended.
+pub(crate) fn report(observed: impl Into<Observed>) {
+    LAST.set(Some(observed.into()));
 }
 
 #[cfg(test)]
@@ -131,7 +157,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn observers_polled_in_turn_on_one_thread_keep_their_own() {
-        let step = |outcome| async move {
+        let step = |outcome: Outcome| async move {
             for _ in 0..3 {
                 report(outcome);
                 tokio::task::yield_now().await;
@@ -143,7 +169,7 @@ mod tests {
 
     #[test]
     fn a_poll_that_panics_gives_the_enclosing_observer_its_outcome_back() {
-        LAST.set(Some(Outcome::Executed));
+        LAST.set(Some(Outcome::Executed.into()));
         let mut panicking = std::pin::pin!(async {
             report(Outcome::Replayed);
             panic!("the handler panics");
@@ -154,6 +180,27 @@ mod tests {
             poll_observed(panicking.as_mut(), &mut last, &mut cx)
         }));
         assert!(polled.is_err());
-        assert_eq!(LAST.get(), Some(Outcome::Executed));
+        assert_eq!(LAST.get(), Some(Outcome::Executed.into()));
+    }
+
+    #[tokio::test]
+    async fn a_recorded_error_is_seen_as_the_last_call_reported_it() {
+        let declined = Observed { outcome: Outcome::Replayed, recorded_error: true };
+        let ((), last) = observe_call(async {
+            report(Outcome::Executed);
+            tokio::task::yield_now().await;
+            report(declined);
+        })
+        .await;
+        assert_eq!(last, Some(declined));
+        // A later call decides: its own answer is not a recorded error.
+        let ((), last) = observe_call(async {
+            report(declined);
+            tokio::task::yield_now().await;
+            report(Outcome::Executed);
+        })
+        .await;
+        assert_eq!(last, Some(Outcome::Executed.into()));
+        assert_eq!(observe(async { report(declined) }).await.1, Some(Outcome::Replayed));
     }
 }

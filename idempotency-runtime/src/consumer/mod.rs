@@ -9,9 +9,9 @@
 //! - `builder`: [`Consumer`]: the settings every runner shares (concurrency,
 //!   the delays, the `on_settle` hook) and `run` / `run_with_id`.
 //! - `settled`: [`Action`] and [`Settled`]: what the hook is told.
-//! - `settle`: the settlement contract, an outcome or error becoming ack,
-//!   an uncounted delayed requeue, a counted retry or a dead letter; the
-//!   retry budget; the delays.
+//! - `settle`: the settlement contract, an outcome or error becoming ack
+//!   (a recorded answer too: acked once), an uncounted delayed requeue, a
+//!   counted retry or a dead letter; the retry budget; the delays.
 //! - `run`: the loop: take a delivery when a slot is free, call the handler
 //!   in a task of its own (a panic is a failure), settle, report (logs,
 //!   metrics, the `on_settle` hook), and stop on shutdown.
@@ -69,7 +69,9 @@ use crate::error::Error;
 /// ```
 ///
 /// An error that carries none is settled by the outcome of the handler's
-/// last `#[idempotent]` call, and otherwise retried, counted.
+/// last `#[idempotent]` call (acked once if that call's answer was a
+/// recorded business error: the handler passed it on), and otherwise
+/// retried, counted.
 #[diagnostic::on_unimplemented(
     message = "the consumer cannot look inside `{Self}` for an `idempotency::Error`",
     label = "the handler's error type must implement `idempotency::consumer::AsIdemError` (re-exported by every transport: `idempotency::amqp::AsIdemError`, ...)",
@@ -144,6 +146,7 @@ mod tests {
     fn settlements_are_counted_under_their_metric_labels() {
         let labels: Vec<&str> = [
             Action::Ack,
+            Action::AckRecorded,
             Action::Requeue,
             Action::Retry { count: 7 },
             Action::Returned,
@@ -160,6 +163,7 @@ mod tests {
             labels,
             [
                 "ack",
+                "ack_recorded",
                 "requeue",
                 "retry",
                 "returned",

@@ -17,7 +17,7 @@ use tokio::task::{JoinError, JoinSet};
 use super::settle::{Budget, Policy, Verdict, verdict};
 use super::transport::{DeadLettered, Deliveries, Retried, Settle};
 use super::{Action, AsIdemError, Reason, Settled};
-use crate::outcome::{Outcome, observe};
+use crate::outcome::{Outcome, observe_call};
 
 /// A handler as the loop calls it: the user's `Fn(I) -> impl Future<Output
 /// = Result<R, E>>`, its value dropped (the handler dealt with it).
@@ -190,11 +190,11 @@ async fn handle<T: Settle, I: Send + 'static, H: Handler<I>>(
             // Its own task, so a panic in the handler (in the call itself or
             // in its future) becomes a failure instead of a delivery that is
             // never settled.
-            let call = tokio::spawn(async move { observe(handler.call(input)).await });
+            let call = tokio::spawn(async move { observe_call(handler.call(input)).await });
             match call.await {
-                Ok((Ok(()), outcome)) => (Verdict::Ack, outcome, None),
-                Ok((Err(e), outcome)) => {
-                    (verdict(Err(e.idem_error()), outcome, budget), outcome, Some(format!("{e:?}")))
+                Ok((Ok(()), last)) => (Verdict::Ack, last.map(|last| last.outcome), None),
+                Ok((Err(e), last)) => {
+                    (verdict(Err(e.idem_error()), last, budget), last.map(|last| last.outcome), Some(format!("{e:?}")))
                 }
                 Err(join) => (verdict(Err(None), None, budget), None, Some(format!("handler panicked: {join}"))),
             }
@@ -206,6 +206,7 @@ async fn handle<T: Settle, I: Send + 'static, H: Handler<I>>(
     let transport = &shared.transport;
     let (settlement, result) = match verdict {
         Verdict::Ack => (Action::Ack, transport.ack(&delivery).await),
+        Verdict::AckRecorded => (Action::AckRecorded, transport.ack(&delivery).await),
         Verdict::Requeue(wait) => (Action::Requeue, transport.requeue(&delivery, shared.policy.delay(wait)).await),
         Verdict::Retry => retry(shared, &delivery, budget, error.as_deref()).await,
         Verdict::DeadLetter(reason) => dead_letter(shared, &delivery, reason, error.as_deref()).await,
@@ -274,8 +275,14 @@ fn finish<T: Settle>(
         Err(e) => tracing::warn!(transport = T::NAME, source = %scope, action, error = %e,
             "idem consumer: settling failed; the delivery comes back"),
     }
-    if let Some(error) = &error {
-        tracing::warn!(transport = T::NAME, source = %scope, action, error = %error, "idem consumer: delivery not done");
+    match &error {
+        // Done: the error is the answer its call recorded.
+        Some(error) if settlement == Action::AckRecorded => tracing::info!(transport = T::NAME, source = %scope,
+            action, outcome = ?outcome, error = %error, "idem consumer: acked the recorded answer the handler returned"),
+        Some(error) => {
+            tracing::warn!(transport = T::NAME, source = %scope, action, error = %error, "idem consumer: delivery not done")
+        }
+        None => {}
     }
     crate::metrics::consumer_settled(T::METRIC, T::METRIC_SCOPE, scope, action);
     if let Some(hook) = &shared.on_settle {

@@ -13,6 +13,13 @@ pub enum Action {
     /// Acked: the handler returned `Ok` (its call executed or replayed, or
     /// it dealt with the failure itself).
     Ack,
+    /// Acked, once, although the handler returned `Err`: its last call's
+    /// answer was a recorded business error (a `record_errors` fn's
+    /// declared error, or a `steps` call's `Error::Permanent`), executed
+    /// now or replayed ([`Settled::outcome`] says which). That error is the
+    /// message's final answer; a retry would only replay it. The handler's
+    /// error is in [`Settled::error`].
+    AckRecorded,
     /// Given back to come again after a delay, not counted as a retry: a
     /// duplicate was running elsewhere (`InProgress`, after
     /// [`Consumer::in_progress_delay`](super::Consumer::in_progress_delay)),
@@ -41,6 +48,7 @@ impl Action {
     pub(crate) fn label(self) -> &'static str {
         match self {
             Action::Ack => "ack",
+            Action::AckRecorded => "ack_recorded",
             Action::Requeue => "requeue",
             Action::Retry { .. } => "retry",
             Action::Returned => "returned",

@@ -74,7 +74,7 @@ use jiff::tz::{Offset, TimeZone};
 use jiff::{SignedDuration, Timestamp};
 use tracing::Instrument;
 
-use crate::outcome::observe;
+use crate::outcome::observe_call;
 use crate::retention;
 
 mod clock;
@@ -397,7 +397,7 @@ impl Runner {
             catch_up = slot.late,
             outcome = tracing::field::Empty
         );
-        let run = retention::keep_records_for(record_life, observe(job(slot.clone()))).instrument(span.clone());
+        let run = retention::keep_records_for(record_life, observe_call(job(slot.clone()))).instrument(span.clone());
         let mut task = tokio::spawn(run);
         let (joined, settled) = tokio::select! {
             joined = &mut task => (Some(joined), Fired::Settled),
@@ -413,8 +413,10 @@ impl Runner {
             }
         };
         let (outcome, call, error, fired) = match joined {
-            Some(Ok((Ok(_), call))) => (SlotOutcome::of(true, call), call, None, settled),
-            Some(Ok((Err(e), call))) => (SlotOutcome::of(false, call), call, Some(format!("{e:?}")), settled),
+            Some(Ok((Ok(_), call))) => (SlotOutcome::of(true, call), call.map(|c| c.outcome), None, settled),
+            Some(Ok((Err(e), call))) => {
+                (SlotOutcome::of(false, call), call.map(|c| c.outcome), Some(format!("{e:?}")), settled)
+            }
             Some(Err(e)) => (SlotOutcome::Failed, None, Some(format!("job panicked: {e}")), settled),
             None => {
                 task.abort();
@@ -433,6 +435,10 @@ impl Runner {
         match (&report.outcome, &report.error) {
             (SlotOutcome::Failed | SlotOutcome::Cancelled | SlotOutcome::Skipped, error) => {
                 tracing::warn!(job, %slot, outcome, error = error.as_deref(), "idem cron slot");
+            }
+            // Done: the job's answer is its recorded business error.
+            (SlotOutcome::Declined | SlotOutcome::DeclinedElsewhere, error) => {
+                tracing::info!(job, %slot, outcome, catch_up = slot.late, error = error.as_deref(), "idem cron slot");
             }
             _ => tracing::info!(job, %slot, outcome, catch_up = slot.late, "idem cron slot"),
         }
@@ -499,7 +505,7 @@ fn random_below(max: Duration) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::outcome::Outcome;
+    use crate::outcome::{Observed, Outcome};
 
     /// A runner on this host's clock (the engine's is the default).
     fn runner(expression: &str) -> Result<Runner, ScheduleError> {
@@ -545,14 +551,27 @@ mod tests {
     #[test]
     fn an_outcome_decides_before_the_result() {
         use SlotOutcome::*;
-        assert_eq!(SlotOutcome::of(true, Some(Outcome::Executed)), Executed);
-        assert_eq!(SlotOutcome::of(true, None), Executed);
-        assert_eq!(SlotOutcome::of(true, Some(Outcome::Replayed)), DoneElsewhere);
-        assert_eq!(SlotOutcome::of(false, Some(Outcome::InProgress)), InProgressElsewhere);
-        assert_eq!(SlotOutcome::of(true, Some(Outcome::InProgress)), InProgressElsewhere);
-        assert_eq!(SlotOutcome::of(false, Some(Outcome::Executed)), Failed);
-        assert_eq!(SlotOutcome::of(false, None), Failed);
-        assert_eq!(SlotOutcome::of(true, Some(Outcome::KeyReused)), Failed);
+        let of = |ok, call: Option<Outcome>| SlotOutcome::of(ok, call.map(Observed::from));
+        assert_eq!(of(true, Some(Outcome::Executed)), Executed);
+        assert_eq!(of(true, None), Executed);
+        assert_eq!(of(true, Some(Outcome::Replayed)), DoneElsewhere);
+        assert_eq!(of(false, Some(Outcome::InProgress)), InProgressElsewhere);
+        assert_eq!(of(true, Some(Outcome::InProgress)), InProgressElsewhere);
+        assert_eq!(of(false, Some(Outcome::Executed)), Failed);
+        assert_eq!(of(false, None), Failed);
+        assert_eq!(of(true, Some(Outcome::KeyReused)), Failed);
+    }
+
+    /// Regression: a job passing on its call's recorded business error was
+    /// reported `Failed`, as if the slot were still to do.
+    #[test]
+    fn a_recorded_answer_is_a_declined_slot() {
+        use SlotOutcome::*;
+        let recorded = |outcome| Some(Observed { outcome, recorded_error: true });
+        for ok in [false, true] {
+            assert_eq!(SlotOutcome::of(ok, recorded(Outcome::Executed)), Declined);
+            assert_eq!(SlotOutcome::of(ok, recorded(Outcome::Replayed)), DeclinedElsewhere);
+        }
     }
 
     #[test]

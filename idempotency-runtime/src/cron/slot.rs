@@ -7,7 +7,7 @@ use std::time::SystemTime;
 
 use jiff::Timestamp;
 
-use crate::outcome::Outcome;
+use crate::outcome::{Observed, Outcome};
 
 /// One fire time of the schedule, handed to the job.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,6 +58,15 @@ pub enum SlotOutcome {
     /// The slot was done already (by another instance, or by this one
     /// before a restart): its result was replayed.
     DoneElsewhere,
+    /// This instance ran the job, and its call's answer was a declared
+    /// business error, recorded (`record_errors`; a `steps` call's
+    /// `Error::Permanent`): the slot is done, and whoever fires it again
+    /// gets that answer replayed ([`DeclinedElsewhere`](SlotOutcome::DeclinedElsewhere)).
+    Declined,
+    /// The slot was done already, its answer a recorded business error,
+    /// replayed: as [`DoneElsewhere`](SlotOutcome::DoneElsewhere), for a
+    /// slot that [declined](SlotOutcome::Declined).
+    DeclinedElsewhere,
     /// Another instance was running the slot (`Error::InProgress`).
     InProgressElsewhere,
     /// The job failed (or panicked, or its call was refused): nothing was
@@ -73,11 +82,14 @@ pub enum SlotOutcome {
 
 impl SlotOutcome {
     /// The name in logs, spans and metrics: `executed`, `done_elsewhere`,
-    /// `in_progress_elsewhere`, `failed`, `cancelled` or `skipped`.
+    /// `declined`, `declined_elsewhere`, `in_progress_elsewhere`, `failed`,
+    /// `cancelled` or `skipped`.
     pub fn as_str(self) -> &'static str {
         match self {
             SlotOutcome::Executed => "executed",
             SlotOutcome::DoneElsewhere => "done_elsewhere",
+            SlotOutcome::Declined => "declined",
+            SlotOutcome::DeclinedElsewhere => "declined_elsewhere",
             SlotOutcome::InProgressElsewhere => "in_progress_elsewhere",
             SlotOutcome::Failed => "failed",
             SlotOutcome::Cancelled => "cancelled",
@@ -86,9 +98,13 @@ impl SlotOutcome {
     }
 
     /// How a job's run ended: by the outcome of its `#[idempotent]` call
-    /// when it made one, else by its result.
-    pub(super) fn of(ok: bool, call: Option<Outcome>) -> SlotOutcome {
-        match (ok, call) {
+    /// when it made one (a recorded answer is the slot's, whether the job
+    /// passed it on or dealt with it), else by its result.
+    pub(super) fn of(ok: bool, call: Option<Observed>) -> SlotOutcome {
+        let recorded = call.is_some_and(|call| call.recorded_error);
+        match (ok, call.map(|call| call.outcome)) {
+            (_, Some(Outcome::Executed)) if recorded => SlotOutcome::Declined,
+            (_, Some(Outcome::Replayed)) if recorded => SlotOutcome::DeclinedElsewhere,
             (_, Some(Outcome::InProgress)) => SlotOutcome::InProgressElsewhere,
             (true, Some(Outcome::Executed) | None) => SlotOutcome::Executed,
             (true, Some(Outcome::Replayed)) => SlotOutcome::DoneElsewhere,

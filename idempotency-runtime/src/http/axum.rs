@@ -263,7 +263,7 @@ pin_project_lite::pin_project! {
     pub struct ReplayHeaderFuture<F> {
         #[pin]
         inner: F,
-        last: Option<crate::outcome::Outcome>,
+        last: Option<crate::outcome::Observed>,
     }
 }
 
@@ -276,7 +276,7 @@ where
     fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
         let this = self.project();
         let mut response = std::task::ready!(crate::outcome::poll_observed(this.inner, this.last, cx))?;
-        if *this.last == Some(crate::outcome::Outcome::Replayed) {
+        if this.last.is_some_and(|last| last.outcome == crate::outcome::Outcome::Replayed) {
             response.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static(super::header::REPLAYED));
         }
         std::task::Poll::Ready(Ok(response))

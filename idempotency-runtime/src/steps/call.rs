@@ -19,7 +19,7 @@ use crate::fingerprint::{Fingerprint, Hex};
 use crate::gate::{Answer, Entry};
 use crate::key::{validate_biz_no, validate_key};
 use crate::metrics::{Source, Timer};
-use crate::outcome::{self, Outcome};
+use crate::outcome::{self, Observed, Outcome};
 use crate::retention;
 use crate::spec::Spec;
 use crate::store::calls::{CallRow, FAILED, Owner};
@@ -78,7 +78,8 @@ pub fn run_steps<'a, DB: Backend>(
             Err(e) => Ended::error(e),
         };
         span.record("outcome", ended.outcome.as_str());
-        outcome::report(ended.outcome);
+        let recorded_error = matches!(ended.result, Err(CallError::Idem(Error::Permanent { .. })));
+        outcome::report(Observed { outcome: ended.outcome, recorded_error });
         crate::metrics::call_finished(spec.biz, ended.outcome, ended.source, timer);
         ended.result
     })
