@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use idempotency::amqp::{Action, AsIdemError, Consumer, DeadLetter, Reason, Settled};
-use idempotency::{Idem, Outcome, idempotent};
+use idempotency::{Idem, Outcome, Status, idempotent};
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
     ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -47,6 +47,30 @@ enum StockError {
     Idem(idempotency::Error),
     Db(sqlx::Error),
     UnknownSku(String),
+    /// A final answer ([`reserve`] records it).
+    OutOfStock(OutOfStock),
+}
+
+/// What `reserve` answers when the stock is short: recorded, replayed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct OutOfStock {
+    sku: String,
+    short: i64,
+}
+
+impl idempotency::BusinessError for StockError {
+    type Record = OutOfStock;
+
+    fn recorded(&self) -> Option<OutOfStock> {
+        match self {
+            StockError::OutOfStock(out) => Some(out.clone()),
+            _ => None,
+        }
+    }
+
+    fn replayed(record: OutOfStock) -> Self {
+        StockError::OutOfStock(record)
+    }
 }
 
 impl From<idempotency::Error> for StockError {
@@ -887,5 +911,94 @@ async fn handler_returning_ok_is_acked_whatever_the_outcome() {
     assert!(env.drain_dead_letters(0).await.is_empty());
     assert_eq!(env.stock().await, 98);
     assert_eq!(env.moves().await, 1);
+    env.cleanup().await;
+}
+
+/// Deducts, or declines for good when the stock would go below zero: the
+/// deduction rolls back and the decline is recorded (`record_errors`).
+#[idempotent(key = "reserve_<event.order_id>", ttl = "7d", biz = "t_reserve", record_errors)]
+async fn reserve(idem: &Idem<MySql>, tx: &mut Transaction<'_, MySql>, event: OrderPaid) -> Result<(), StockError> {
+    body_started(&event.sku).await;
+    sqlx::query("UPDATE idem_amqp_stock SET qty = qty - ? WHERE sku = ?")
+        .bind(event.qty)
+        .bind(&event.sku)
+        .execute(&mut **tx)
+        .await?;
+    let left: i64 = sqlx::query_scalar("SELECT qty FROM idem_amqp_stock WHERE sku = ?")
+        .bind(&event.sku)
+        .fetch_one(&mut **tx)
+        .await?;
+    if left < 0 {
+        return Err(StockError::OutOfStock(OutOfStock { sku: event.sku, short: -left }));
+    }
+    sqlx::query("INSERT INTO idem_amqp_stock_moves (order_id, sku, qty) VALUES (?, ?, ?)")
+        .bind(event.order_id)
+        .bind(&event.sku)
+        .bind(-event.qty)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Regression: a handler passing on its call's recorded decline was
+/// settled `Retry {1}` (outcome `Executed`), `Retry {2}` (`Replayed`), then
+/// dead-lettered (`RetriesExhausted`): a handled order in the dead-letter
+/// queue. The decline and a duplicate of it are each acked once
+/// (`AckRecorded`, counted under `ack_recorded`), the body ran once, its
+/// deduction rolled back, the decline recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recorded_decline_and_its_duplicate_are_acked_once() {
+    let Some(env) = env(1).await else { return };
+    idempotency_testkit::counters::install();
+    let order = order_id();
+    env.publish(&event(order, &env.sku, 5), "decline").await;
+    env.publish(&event(order, &env.sku, 5), "duplicate").await;
+
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (idem, calls) = (env.idem.clone(), Arc::clone(&calls));
+        move |event: OrderPaid| {
+            calls.fetch_add(1, SeqCst);
+            let idem = idem.clone();
+            async move { reserve(&idem, event).await }
+        }
+    };
+    let seen =
+        env.consume(|c| c.max_retries(2).retry_delay(Duration::from_millis(10)), handler, |seen| seen.len() == 2).await;
+
+    // Handled one at a time; reported in either order (a slot is freed before the ack).
+    let mut got: Vec<(Option<&str>, Action, Option<Outcome>, u32)> =
+        seen.iter().map(|s| (s.message_id.as_deref(), s.action, s.outcome, s.delivery.retries)).collect();
+    got.sort_by_key(|(id, ..)| *id);
+    assert_eq!(
+        got,
+        vec![
+            (Some("decline"), Action::AckRecorded, Some(Outcome::Executed), 0),
+            (Some("duplicate"), Action::AckRecorded, Some(Outcome::Replayed), 0),
+        ],
+        "settled once each: {seen:#?}"
+    );
+    assert!(seen.iter().all(|s| s.error.as_deref().is_some_and(|e| e.contains("OutOfStock"))), "{seen:#?}");
+    assert_eq!(calls.load(SeqCst), 2, "never retried");
+    assert_eq!(body_runs(&env.sku), 1, "the duplicate replayed the decline");
+    assert_eq!((env.stock().await, env.moves().await), (1, 0), "the deduction rolled back");
+    let key = format!("reserve_{order}");
+    let recorded = format!(r#"{{"sku":"{}","short":4}}"#, env.sku);
+    assert_eq!(env.idem.status("t_reserve", &key).await.unwrap(), Status::Failed { error: recorded });
+    let records: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM idem_record WHERE biz_type = 't_reserve' AND idem_key = ?")
+            .bind(&key)
+            .fetch_one(env.idem.pool())
+            .await
+            .unwrap();
+    assert_eq!(records, 1);
+    let counted = idempotency_testkit::counters::counted_by(
+        idempotency::metrics::CONSUMER_SETTLEMENTS,
+        &[("queue", env.names.queue.as_str())],
+        "action",
+    );
+    assert_eq!(counted, HashMap::from([("ack_recorded".to_owned(), 2)]));
+    assert_eq!(env.ready(&env.names.queue).await, 0, "nothing republished");
+    assert!(env.drain_dead_letters(0).await.is_empty());
     env.cleanup().await;
 }

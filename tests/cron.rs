@@ -14,10 +14,11 @@
 //! have aged as the runners' time went on, it ages it (by SQL, and its
 //! cached copy in Redis). Wall-clock bounds only turn a hang into a failure.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::{Idem, Outcome, idempotent};
+use idempotency::{Idem, Outcome, Status, idempotent};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Barrier;
 
@@ -32,6 +33,36 @@ struct Settlement {
 enum JobError {
     Idem(idempotency::Error),
     Db(sqlx::Error),
+    /// A final answer (`record_errors`): recorded, replayed.
+    Declined(Declined),
+}
+
+/// What a declining job records: the slot it declined.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Declined {
+    slot: i64,
+}
+
+impl idempotency::BusinessError for JobError {
+    type Record = Declined;
+
+    fn recorded(&self) -> Option<Declined> {
+        match self {
+            JobError::Declined(declined) => Some(declined.clone()),
+            _ => None,
+        }
+    }
+
+    fn replayed(record: Declined) -> Self {
+        JobError::Declined(record)
+    }
+}
+
+/// How many times a declining job's body ran, per run (its rows roll back).
+static DECLINE_RUNS: std::sync::Mutex<Option<HashMap<String, usize>>> = std::sync::Mutex::new(None);
+
+fn decline_runs(run: &str) -> usize {
+    DECLINE_RUNS.lock().unwrap().as_ref().and_then(|runs| runs.get(run).copied()).unwrap_or(0)
 }
 
 impl From<idempotency::Error> for JobError {
@@ -271,6 +302,21 @@ macro_rules! runner_suite {
                     engines.push(idem);
                 }
                 Some(engines)
+            }
+
+            /// The job that declines for good: its row rolls back, its
+            /// decline is recorded (`record_errors`).
+            #[idempotent(key = "decline_<run>_<slot>", ttl = "1h", biz = "cron_decline", record_errors)]
+            async fn decline(
+                idem: &Idem<$db>,
+                tx: &mut Transaction<'_, $db>,
+                run: String,
+                slot: i64,
+                #[idem(skip)] instance: u32,
+            ) -> Result<(), JobError> {
+                *DECLINE_RUNS.lock().unwrap().get_or_insert_with(HashMap::new).entry(run.clone()).or_default() += 1;
+                sqlx::query($insert).bind(&run).bind(slot).bind(instance as i64).execute(&mut **tx).await?;
+                Err(JobError::Declined(Declined { slot }))
             }
 
             /// The job with a ttl shorter than the catch-up window: its
@@ -645,6 +691,84 @@ macro_rules! runner_suite {
             async fn a_catch_up_never_runs_a_finished_steps_slot_again_with_redis() {
                 let test = steps_catch_up_past_a_short_ttl(true);
                 tokio::time::timeout(Duration::from_secs(60), test).await.expect("the catch-up test hung");
+            }
+
+            /// Regression: a job passing on its call's recorded decline was
+            /// reported `Failed`, as a slot still to do. Instance 0 fires S1
+            /// and the job declines: `Declined`, the slot settled. Another
+            /// runner (a restart resuming before S1, within its window)
+            /// fires S1 again: the decline is replayed, `DeclinedElsewhere`,
+            /// the body not run again. Each counted under its own label.
+            async fn declined_slot_is_done() {
+                let Some(engines) = engines(REDIS).await else { return };
+                idempotency_testkit::counters::install();
+                let run = idempotency_testkit::unique("decline");
+                let job = idempotency_testkit::unique("decline-job");
+                let t0 = a_second_ahead(2);
+                let at = |slot: i64, ms: u64| at_ms(t0 + slot, ms);
+                let clock = ManualClock::new(at(0, 500));
+                type Report = (u32, i64, SlotOutcome, Option<Outcome>, bool, Option<String>);
+                let seen: Arc<Mutex<Vec<Report>>> = Arc::default();
+                let start = |i: u32, runner: Runner| {
+                    let (idem, run, log) = (engines[i as usize].clone(), run.clone(), seen.clone());
+                    let (reported, mut reported_rx) = tokio::sync::watch::channel(false);
+                    let runner = runner.clock(clock.clone()).on_slot(move |r| {
+                        let slot = r.slot.unix_secs() - t0;
+                        log.lock().unwrap().push((i, slot, r.outcome, r.call, r.slot.is_catch_up(), r.error.clone()));
+                        reported.send_replace(slot >= 1);
+                    });
+                    let shutdown = async move {
+                        let _ = reported_rx.wait_for(|s1| *s1).await;
+                    };
+                    tokio::spawn(runner.run(shutdown, move |slot| {
+                        let (idem, run) = (idem.clone(), run.clone());
+                        async move { decline(&idem, run, slot.unix_secs(), i).await }
+                    }))
+                };
+                let first = start(0, Runner::new(&engines[0], job.as_str(), "* * * * * *").unwrap());
+                assert_eq!(clock.sleepers(1).await, [at(1, 0)]);
+                clock.set(at(1, 0));
+                assert_eq!(first.await.unwrap().last_slot, Some(at(1, 0)), "the declined slot is settled");
+                clock.set(at(1, 300));
+                let restart = Runner::new(&engines[1], job.as_str(), "* * * * * *")
+                    .unwrap()
+                    .catch_up(Duration::from_secs(1))
+                    .resume_after(at(0, 0));
+                assert_eq!(start(1, restart).await.unwrap().last_slot, Some(at(1, 0)));
+
+                let seen = seen.lock().unwrap().clone();
+                let got: Vec<(u32, i64, SlotOutcome, Option<Outcome>, bool)> =
+                    seen.iter().map(|r| (r.0, r.1, r.2, r.3, r.4)).collect();
+                use SlotOutcome::{Declined as DeclinedHere, DeclinedElsewhere};
+                assert_eq!(
+                    got,
+                    [
+                        (0, 1, DeclinedHere, Some(Outcome::Executed), false),
+                        (1, 1, DeclinedElsewhere, Some(Outcome::Replayed), true)
+                    ],
+                    "{seen:?}"
+                );
+                assert!(seen.iter().all(|r| r.5.as_deref().is_some_and(|e| e.contains("Declined"))), "{seen:?}");
+                assert_eq!(decline_runs(&run), 1, "the body ran once");
+                let pool = engines[0].pool();
+                let rows: Vec<(i64, i64)> = sqlx::query_as($per_slot).bind(&run).fetch_all(pool).await.unwrap();
+                assert_eq!(rows, [], "the declined job's row rolled back");
+                let key = format!("decline_{run}_{}", t0 + 1);
+                let recorded = format!(r#"{{"slot":{}}}"#, t0 + 1);
+                assert_eq!(engines[0].status("cron_decline", &key).await.unwrap(), Status::Failed { error: recorded });
+                let counted = idempotency_testkit::counters::counted_by(
+                    idempotency::metrics::CRON_SLOTS,
+                    &[("job", &job)],
+                    "outcome",
+                );
+                let expected = [("declined".to_owned(), 1), ("declined_elsewhere".to_owned(), 1)];
+                assert_eq!(counted, HashMap::from(expected));
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_declined_slot_is_done_and_never_run_again() {
+                let test = declined_slot_is_done();
+                tokio::time::timeout(Duration::from_secs(60), test).await.expect("the decline test hung");
             }
 
             /// A job still running at shutdown, past the grace, is dropped:

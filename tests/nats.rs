@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use idempotency::nats::async_nats::{self, HeaderMap, jetstream};
 use idempotency::nats::{Action, AsIdemError, Consumer, DeadLetter, Reason, Settled};
-use idempotency::{Idem, Outcome, idempotent};
+use idempotency::{Idem, Outcome, Status, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{MySql, Transaction};
@@ -29,6 +29,30 @@ enum StockError {
     Idem(idempotency::Error),
     Db(sqlx::Error),
     UnknownSku(String),
+    /// A final answer ([`reserve`] records it).
+    OutOfStock(OutOfStock),
+}
+
+/// What `reserve` answers when the stock is short: recorded, replayed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct OutOfStock {
+    sku: String,
+    short: i64,
+}
+
+impl idempotency::BusinessError for StockError {
+    type Record = OutOfStock;
+
+    fn recorded(&self) -> Option<OutOfStock> {
+        match self {
+            StockError::OutOfStock(out) => Some(out.clone()),
+            _ => None,
+        }
+    }
+
+    fn replayed(record: OutOfStock) -> Self {
+        StockError::OutOfStock(record)
+    }
 }
 
 impl From<idempotency::Error> for StockError {
@@ -120,6 +144,40 @@ async fn deduct_by_id(
     event: OrderPaid,
 ) -> Result<(), StockError> {
     deduct_in(tx, &event).await
+}
+
+/// How many times `reserve`'s body ran, per SKU (a decline rolls its writes back).
+static RESERVE_RUNS: Mutex<Option<HashMap<String, usize>>> = Mutex::new(None);
+
+fn reserve_runs(sku: &str) -> usize {
+    RESERVE_RUNS.lock().unwrap().as_ref().and_then(|runs| runs.get(sku).copied()).unwrap_or(0)
+}
+
+/// Deducts, or declines for good when the stock would go below zero: the
+/// deduction rolls back and the decline is recorded (`record_errors`).
+#[idempotent(key = "reserve_<event.order_id>", ttl = "1h", biz = "t_nats_reserve", record_errors)]
+async fn reserve(idem: &Idem<MySql>, tx: &mut Transaction<'_, MySql>, event: OrderPaid) -> Result<(), StockError> {
+    *RESERVE_RUNS.lock().unwrap().get_or_insert_with(HashMap::new).entry(event.sku.clone()).or_default() += 1;
+    deduct_in(tx, &event).await?;
+    let left: i64 = sqlx::query_scalar("SELECT qty FROM idem_nats_stock WHERE sku = ?")
+        .bind(&event.sku)
+        .fetch_one(&mut **tx)
+        .await?;
+    if left < 0 {
+        return Err(StockError::OutOfStock(OutOfStock { sku: event.sku, short: -left }));
+    }
+    Ok(())
+}
+
+/// Which handler a test's runner calls.
+#[derive(Clone, Copy)]
+enum Handling {
+    /// `deduct_stock`, keyed by the order.
+    Deduct,
+    /// `deduct_by_id`, keyed by the message id (`run_with_id`).
+    DeductById,
+    /// `reserve`, which declines for good when the stock is short.
+    Reserve,
 }
 
 fn nats_url() -> String {
@@ -245,7 +303,7 @@ impl World {
     fn run(
         &self,
         durable: &str,
-        by_id: bool,
+        handling: Handling,
         configure: impl FnOnce(Consumer) -> Consumer,
     ) -> (mpsc::UnboundedReceiver<Settled>, oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
         let (settled, settlements) = mpsc::unbounded_channel();
@@ -263,30 +321,41 @@ impl World {
             let _ = stopped.await;
         };
         let task = tokio::spawn(async move {
-            let result = if by_id {
-                consumer
-                    .run_with_id(shutdown, move |id: String, event: OrderPaid| {
-                        let idem = idem.clone();
-                        async move {
-                            let sku = event.sku.clone();
-                            let done = deduct_by_id(&idem, id, event).await;
-                            after_call(&sku).await;
-                            done
-                        }
-                    })
-                    .await
-            } else {
-                consumer
-                    .run(shutdown, move |event: OrderPaid| {
-                        let idem = idem.clone();
-                        async move {
-                            let sku = event.sku.clone();
-                            let done = deduct_stock(&idem, event).await;
-                            after_call(&sku).await;
-                            done
-                        }
-                    })
-                    .await
+            let result = match handling {
+                Handling::DeductById => {
+                    consumer
+                        .run_with_id(shutdown, move |id: String, event: OrderPaid| {
+                            let idem = idem.clone();
+                            async move {
+                                let sku = event.sku.clone();
+                                let done = deduct_by_id(&idem, id, event).await;
+                                after_call(&sku).await;
+                                done
+                            }
+                        })
+                        .await
+                }
+                Handling::Deduct => {
+                    consumer
+                        .run(shutdown, move |event: OrderPaid| {
+                            let idem = idem.clone();
+                            async move {
+                                let sku = event.sku.clone();
+                                let done = deduct_stock(&idem, event).await;
+                                after_call(&sku).await;
+                                done
+                            }
+                        })
+                        .await
+                }
+                Handling::Reserve => {
+                    consumer
+                        .run(shutdown, move |event: OrderPaid| {
+                            let idem = idem.clone();
+                            async move { reserve(&idem, event).await }
+                        })
+                        .await
+                }
             };
             result.expect("the runner ends cleanly");
         });
@@ -321,7 +390,7 @@ fn within<F: Future>(f: F) -> tokio::time::Timeout<F> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn executed_and_replayed_messages_are_acked() {
     let Some(w) = world(10).await else { return };
-    let (mut settlements, stop_tx, task) = w.run("c", false, |c| c);
+    let (mut settlements, stop_tx, task) = w.run("c", Handling::Deduct, |c| c);
     w.publish_event(&w.event(1, 2), "m1").await;
     // The same event again, under another message id: the record replays it.
     w.publish_event(&w.event(1, 2), "m2").await;
@@ -338,7 +407,7 @@ async fn executed_and_replayed_messages_are_acked() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_with_id_keys_the_call_by_the_message_id_and_a_message_without_one_is_poison() {
     let Some(w) = world(10).await else { return };
-    let (mut settlements, stop_tx, task) = w.run("c", true, |c| c);
+    let (mut settlements, stop_tx, task) = w.run("c", Handling::DeductById, |c| c);
     // One order, two distinct messages: keyed by message id, both execute.
     let (ida, idb) = (unique("ida"), unique("idb"));
     w.publish_event(&w.event(2, 1), &ida).await;
@@ -368,7 +437,7 @@ async fn run_with_id_keys_the_call_by_the_message_id_and_a_message_without_one_i
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unparsable_payloads_and_reused_keys_are_dead_lettered_with_their_reason() {
     let Some(w) = world(10).await else { return };
-    let (mut settlements, stop_tx, task) = w.run("c", false, |c| c);
+    let (mut settlements, stop_tx, task) = w.run("c", Handling::Deduct, |c| c);
     w.publish(b"{not json", Some("p1")).await;
     w.publish_event(&w.event(4, 1), "k1").await;
     // Order 4 again with another quantity: the key is reused.
@@ -393,7 +462,7 @@ async fn unparsable_payloads_and_reused_keys_are_dead_lettered_with_their_reason
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_body_is_naked_until_max_deliver_then_dead_lettered() {
     let Some(w) = world(10).await else { return };
-    let (mut settlements, stop_tx, task) = w.run("c", false, |c| c.max_deliver(3));
+    let (mut settlements, stop_tx, task) = w.run("c", Handling::Deduct, |c| c.max_deliver(3));
     let mut unknown = w.event(5, 1);
     unknown.sku = format!("{}-missing", w.sku);
     w.publish_event(&unknown, "f1").await;
@@ -422,7 +491,7 @@ async fn a_failing_body_is_naked_until_max_deliver_then_dead_lettered() {
 async fn a_duplicate_of_a_running_call_is_naked_and_then_replayed() {
     let Some(w) = world(10).await else { return };
     let gate = hold_next_body(&w.sku);
-    let (mut settlements, stop_tx, task) = w.run("c", false, |c| c.concurrency(2));
+    let (mut settlements, stop_tx, task) = w.run("c", Handling::Deduct, |c| c.concurrency(2));
     w.publish_event(&w.event(6, 1), "r1").await;
     w.publish_event(&w.event(6, 1), "r2").await;
     // Whichever starts first holds the key; the other finds it in progress, naked.
@@ -449,17 +518,84 @@ async fn a_duplicate_of_a_running_call_is_naked_and_then_replayed() {
 async fn a_consumer_dropped_before_its_ack_gets_the_message_again_and_replays() {
     let Some(w) = world(10).await else { return };
     let committed = hang_after_call(&w.sku);
-    let (mut first_settlements, _stop_first, first) = w.run("c", false, |c| c.ack_wait(Duration::from_secs(1)));
+    let (mut first_settlements, _stop_first, first) =
+        w.run("c", Handling::Deduct, |c| c.ack_wait(Duration::from_secs(1)));
     w.publish_event(&w.event(7, 1), "d1").await;
     // The call committed; the consumer dies before its ack.
     within(committed.notified()).await.expect("the call committed");
     first.abort();
     let _ = first.await;
     assert!(first_settlements.try_recv().is_err(), "nothing was settled");
-    let (mut settlements, stop_tx, task) = w.run("c", false, |c| c);
+    let (mut settlements, stop_tx, task) = w.run("c", Handling::Deduct, |c| c);
     let again = next(&mut settlements).await;
     assert_eq!((again.action, again.outcome, again.delivery.count), (Action::Ack, Some(Outcome::Replayed), 2));
     assert_eq!(w.moves().await, 1);
     stop(stop_tx, task).await;
+    w.remove().await;
+}
+
+/// Regression: a handler passing on its call's recorded decline was naked
+/// for a counted retry at each delivery, then dead-lettered
+/// (`deliveries_exhausted`), each delivery only replaying the decision. The
+/// decline and a duplicate of it (another message, the same order) are each
+/// acked once at their first delivery (`AckRecorded`, counted under
+/// `ack_recorded`); the body ran once, its deduction rolled back, the
+/// decline recorded; nothing dead-lettered, nothing left to deliver.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recorded_decline_and_its_duplicate_are_acked_once() {
+    let Some(w) = world(1).await else { return };
+    idempotency_testkit::counters::install();
+    let (mut settlements, stop_tx, task) = w.run("c", Handling::Reserve, |c| c.max_deliver(3));
+    let decline = w.event(8, 5);
+    w.publish_event(&decline, "n1").await;
+    w.publish_event(&decline, "n2").await;
+    let seen = [next(&mut settlements).await, next(&mut settlements).await];
+    stop(stop_tx, task).await;
+    let rest: Vec<Settled> = std::iter::from_fn(|| settlements.try_recv().ok()).collect();
+
+    let got: Vec<(Option<&str>, Action, Option<Outcome>, u64)> =
+        seen.iter().map(|s| (s.message_id.as_deref(), s.action, s.outcome, s.delivery.count)).collect();
+    assert_eq!(
+        unordered(got),
+        unordered(vec![
+            (Some("n1"), Action::AckRecorded, Some(Outcome::Executed), 1),
+            (Some("n2"), Action::AckRecorded, Some(Outcome::Replayed), 1),
+        ]),
+        "{seen:#?}"
+    );
+    assert!(rest.is_empty(), "settled once each: {rest:#?}");
+    assert!(seen.iter().all(|s| s.error.as_deref().is_some_and(|e| e.contains("OutOfStock"))), "{seen:#?}");
+    assert_eq!(reserve_runs(&w.sku), 1, "the duplicate replayed the decline");
+    assert_eq!(w.moves().await, 0, "the deduction rolled back");
+    let stock: i64 = sqlx::query_scalar("SELECT qty FROM idem_nats_stock WHERE sku = ?")
+        .bind(&w.sku)
+        .fetch_one(w.idem.pool())
+        .await
+        .unwrap();
+    assert_eq!(stock, 1);
+    let key = format!("reserve_{}", decline.order_id);
+    let recorded = format!(r#"{{"sku":"{}","short":4}}"#, w.sku);
+    assert_eq!(w.idem.status("t_nats_reserve", &key).await.unwrap(), Status::Failed { error: recorded });
+    assert!(w.dead_letters().await.is_empty());
+    // Both acked, as the server counts: nothing pending, nothing awaiting an ack.
+    let stream = w.js.get_stream(&w.names.stream).await.unwrap();
+    let mut consumer: jetstream::consumer::PullConsumer = stream.get_consumer("c").await.unwrap();
+    within(async {
+        loop {
+            let info = consumer.info().await.unwrap();
+            if (info.num_pending, info.num_ack_pending, info.ack_floor.stream_sequence) == (0, 0, 2) {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("both messages acked");
+    let counted = idempotency_testkit::counters::counted_by(
+        idempotency::metrics::NATS_SETTLEMENTS,
+        &[("stream", w.names.stream.as_str())],
+        "action",
+    );
+    assert_eq!(counted, HashMap::from([("ack_recorded".to_owned(), 2)]));
     w.remove().await;
 }

@@ -5,6 +5,8 @@
 //!   does not answer) and [`skip`]: an unreachable server skips a test with
 //!   one printed line, or fails it under `IDEM_REQUIRE_SERVICES=1`.
 //! - [`unique`] keys, so every test runs in parallel with the others.
+//! - [`counters`]: the counters a test's code counted, through one global
+//!   recorder (feature `metrics`).
 //! - [`ManualClock`]: a clock the cron runner takes that moves only when the
 //!   test moves it, and tells the test when the runners wait on it.
 //! - What the shared Redis holds, read and forged by tests ([`redis_exists`],
@@ -29,6 +31,8 @@
 //! to these): a backend's items exist when the tests were built for it.
 
 pub mod backend;
+#[cfg(feature = "metrics")]
+pub mod counters;
 #[cfg(feature = "cron")]
 mod cron_clock;
 pub mod forwarder;

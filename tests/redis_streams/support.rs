@@ -41,6 +41,30 @@ pub(crate) enum StockError {
     Db(sqlx::Error),
     UnknownSku(String),
     RolledBack,
+    /// A final answer ([`reserve`] records it).
+    OutOfStock(OutOfStock),
+}
+
+/// What `reserve` answers when the stock is short: recorded, replayed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct OutOfStock {
+    pub(crate) sku: String,
+    pub(crate) short: i64,
+}
+
+impl idempotency::BusinessError for StockError {
+    type Record = OutOfStock;
+
+    fn recorded(&self) -> Option<OutOfStock> {
+        match self {
+            StockError::OutOfStock(out) => Some(out.clone()),
+            _ => None,
+        }
+    }
+
+    fn replayed(record: OutOfStock) -> Self {
+        StockError::OutOfStock(record)
+    }
 }
 
 impl From<idempotency::Error> for StockError {
@@ -107,6 +131,24 @@ pub(crate) async fn deduct_by_id(
 ) -> Result<Deducted, StockError> {
     let _ = &message_id;
     deduct_in(tx, event).await
+}
+
+/// Deducts, or declines for good when the stock would go below zero: the
+/// deduction rolls back and the decline is recorded (`record_errors`).
+#[idempotent(key = "reserve_<event.order_id>", ttl = "7d", biz = "t_rs_reserve", record_errors)]
+pub(crate) async fn reserve(
+    idem: &Idem<MySql>,
+    tx: &mut Transaction<'_, MySql>,
+    event: OrderPaid,
+) -> Result<Deducted, StockError> {
+    let sku = event.sku.clone();
+    let deducted = deduct_in(tx, event).await?;
+    let left: i64 =
+        sqlx::query_scalar("SELECT qty FROM idem_rs_stock WHERE sku = ?").bind(&sku).fetch_one(&mut **tx).await?;
+    if left < 0 {
+        return Err(StockError::OutOfStock(OutOfStock { sku, short: -left }));
+    }
+    Ok(deducted)
 }
 
 /// The deduction both keyings share: the stock and a move, or `UnknownSku`.

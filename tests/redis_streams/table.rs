@@ -6,8 +6,10 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use std::collections::HashMap;
+
 use idempotency::redis_streams::{Action, Reason};
-use idempotency::{Idem, Outcome};
+use idempotency::{Idem, Outcome, Status};
 use sqlx::mysql::MySqlPoolOptions;
 
 use crate::support::*;
@@ -53,6 +55,59 @@ async fn a_handler_returning_ok_is_acked_whatever_the_outcome() {
     assert_eq!(w.pending().await, vec![]);
     assert_eq!(w.length(&w.dead).await, 0);
     assert_eq!((w.stock().await, w.moves().await), (98, 1));
+    w.remove().await;
+}
+
+/// Row "a recorded answer" (regression: a handler passing on its call's
+/// recorded decline was left pending for a counted retry at each delivery,
+/// then dead-lettered, each delivery only replaying the decision). The
+/// decline and a duplicate of it are each acked at their first delivery
+/// (`AckRecorded`, counted under `ack_recorded`): nothing pending, nothing
+/// dead-lettered; the body ran once, its deduction rolled back, the decline
+/// recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recorded_decline_and_its_duplicate_are_acked_once() {
+    let Some(w) = world(1).await else { return };
+    idempotency_testkit::counters::install();
+    let order = order_id();
+    w.add_event(order, 5, "decline").await;
+    w.add_event(order, 5, "duplicate").await;
+
+    let idem = w.idem.clone();
+    let mut running = spawn_consumer(w.consumer("c").max_deliver(3), move |shutdown, consumer| {
+        Box::pin(consumer.run(shutdown, move |event: OrderPaid| {
+            let idem = idem.clone();
+            async move { reserve(&idem, event).await }
+        }))
+    });
+    let seen = running.until(|seen| seen.len() == 2).await;
+    let rest = running.stop().await;
+
+    let mut got: Vec<(Option<&str>, Action, Option<Outcome>, u64)> =
+        seen.iter().map(|s| (s.message_id.as_deref(), s.action, s.outcome, s.delivery.count)).collect();
+    got.sort_by_key(|(id, ..)| *id);
+    assert_eq!(
+        got,
+        vec![
+            (Some("decline"), Action::AckRecorded, Some(Outcome::Executed), 1),
+            (Some("duplicate"), Action::AckRecorded, Some(Outcome::Replayed), 1),
+        ]
+    );
+    assert!(rest.is_empty(), "settled once each: {rest:#?}");
+    assert!(seen.iter().all(|s| s.error.as_deref().is_some_and(|e| e.contains("OutOfStock"))), "{seen:#?}");
+    assert_eq!(body_runs(&w.sku), 1, "the duplicate replayed the decline");
+    assert_eq!(w.pending().await, vec![]);
+    assert_eq!(w.length(&w.dead).await, 0);
+    assert_eq!((w.stock().await, w.moves().await), (1, 0), "the deduction rolled back");
+    let key = format!("reserve_{order}");
+    let recorded = format!(r#"{{"sku":"{}","short":4}}"#, w.sku);
+    assert_eq!(w.idem.status("t_rs_reserve", &key).await.unwrap(), Status::Failed { error: recorded });
+    let counted = idempotency_testkit::counters::counted_by(
+        idempotency::metrics::REDIS_STREAM_SETTLEMENTS,
+        &[("stream", w.stream.as_str())],
+        "action",
+    );
+    assert_eq!(counted, HashMap::from([("ack_recorded".to_owned(), 2)]));
     w.remove().await;
 }
 
