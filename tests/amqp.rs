@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use idempotency::amqp::{Action, AsIdemError, Consumer, DeadLetter, Reason, Settled};
-use idempotency::{Idem, Outcome, Status, idempotent};
+use idempotency::{Idem, Outcome, Status, Steps, idempotent};
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
     ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -992,6 +992,66 @@ async fn recorded_decline_and_its_duplicate_are_acked_once() {
             .await
             .unwrap();
     assert_eq!(records, 1);
+    let counted = idempotency_testkit::counters::counted_by(
+        idempotency::metrics::CONSUMER_SETTLEMENTS,
+        &[("queue", env.names.queue.as_str())],
+        "action",
+    );
+    assert_eq!(counted, HashMap::from([("ack_recorded".to_owned(), 2)]));
+    assert_eq!(env.ready(&env.names.queue).await, 0, "nothing republished");
+    assert!(env.drain_dead_letters(0).await.is_empty());
+    env.cleanup().await;
+}
+
+/// The two-phase mode's decline: the charge is refused for good, declared
+/// permanent (`Error::Permanent`), recorded in `idem_call`.
+#[idempotent(key = "charge_<event.order_id>", ttl = "7d", biz = "t_charge", steps)]
+async fn charge(idem: &Idem<MySql>, steps: &mut Steps<MySql>, event: OrderPaid) -> Result<(), StockError> {
+    body_started(&event.sku).await;
+    Err(steps.permanent(&OutOfStock { sku: event.sku, short: event.qty }).into())
+}
+
+/// A `steps` call's permanent failure is its recorded answer too (it was
+/// dead-lettered as `Rejected`): the delivery and a duplicate of it are
+/// each acked once (`AckRecorded`), the body ran once, the failure recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permanent_failure_and_its_duplicate_are_acked_once() {
+    let Some(env) = env(100).await else { return };
+    idempotency_testkit::counters::install();
+    let order = order_id();
+    env.publish(&event(order, &env.sku, 7), "refused").await;
+    env.publish(&event(order, &env.sku, 7), "again").await;
+
+    let handler = {
+        let idem = env.idem.clone();
+        move |event: OrderPaid| {
+            let idem = idem.clone();
+            async move { charge(&idem, event).await }
+        }
+    };
+    let seen =
+        env.consume(|c| c.max_retries(2).retry_delay(Duration::from_millis(10)), handler, |seen| seen.len() == 2).await;
+
+    let mut got: Vec<(Option<&str>, Action, Option<Outcome>, u32)> =
+        seen.iter().map(|s| (s.message_id.as_deref(), s.action, s.outcome, s.delivery.retries)).collect();
+    got.sort_by_key(|(id, ..)| *id);
+    assert_eq!(
+        got,
+        vec![
+            (Some("again"), Action::AckRecorded, Some(Outcome::Replayed), 0),
+            (Some("refused"), Action::AckRecorded, Some(Outcome::Executed), 0),
+        ],
+        "settled once each: {seen:#?}"
+    );
+    assert!(seen.iter().all(|s| s.error.as_deref().is_some_and(|e| e.contains("Permanent"))), "{seen:#?}");
+    assert_eq!(body_runs(&env.sku), 1, "the duplicate replayed the failure");
+    let recorded: Vec<(i16, String)> =
+        sqlx::query_as("SELECT status, response FROM idem_call WHERE biz_type = 't_charge' AND idem_key = ?")
+            .bind(format!("charge_{order}"))
+            .fetch_all(env.idem.pool())
+            .await
+            .unwrap();
+    assert_eq!(recorded, [(2, format!(r#"{{"sku":"{}","short":7}}"#, env.sku))]);
     let counted = idempotency_testkit::counters::counted_by(
         idempotency::metrics::CONSUMER_SETTLEMENTS,
         &[("queue", env.names.queue.as_str())],

@@ -253,7 +253,7 @@ macro_rules! runner_suite {
     (
         $module:ident, $db:ident, $redis:expr, $open:expr,
         $ddl:literal, $insert:literal, $per_slot:literal, $record_life:literal, $call_life:literal,
-        $age_record:literal, $age_call:literal
+        $call_answer:literal, $age_record:literal, $age_call:literal
     ) => {
         mod $module {
             use std::sync::Mutex;
@@ -317,6 +317,22 @@ macro_rules! runner_suite {
                 *DECLINE_RUNS.lock().unwrap().get_or_insert_with(HashMap::new).entry(run.clone()).or_default() += 1;
                 sqlx::query($insert).bind(&run).bind(slot).bind(instance as i64).execute(&mut **tx).await?;
                 Err(JobError::Declined(Declined { slot }))
+            }
+
+            /// The same decline in the two-phase mode: declared permanent
+            /// (`Error::Permanent`), recorded in `idem_call`.
+            #[idempotent(key = "decline_steps_<run>_<slot>", ttl = "1h", biz = "cron_decline_steps", steps)]
+            async fn decline_steps(
+                idem: &Idem<$db>,
+                steps: &mut Steps<$db>,
+                run: String,
+                slot: i64,
+                #[idem(skip)] instance: u32,
+            ) -> Result<(), JobError> {
+                *DECLINE_RUNS.lock().unwrap().get_or_insert_with(HashMap::new).entry(run.clone()).or_default() += 1;
+                let tx = steps.transaction().await?;
+                sqlx::query($insert).bind(&run).bind(slot).bind(instance as i64).execute(&mut **tx).await?;
+                Err(steps.permanent(&Declined { slot }).into())
             }
 
             /// The job with a ttl shorter than the catch-up window: its
@@ -699,7 +715,8 @@ macro_rules! runner_suite {
             /// runner (a restart resuming before S1, within its window)
             /// fires S1 again: the decline is replayed, `DeclinedElsewhere`,
             /// the body not run again. Each counted under its own label.
-            async fn declined_slot_is_done() {
+            /// With `steps`, the job declares its decline permanent.
+            async fn declined_slot_is_done(steps: bool) {
                 let Some(engines) = engines(REDIS).await else { return };
                 idempotency_testkit::counters::install();
                 let run = idempotency_testkit::unique("decline");
@@ -722,7 +739,12 @@ macro_rules! runner_suite {
                     };
                     tokio::spawn(runner.run(shutdown, move |slot| {
                         let (idem, run) = (idem.clone(), run.clone());
-                        async move { decline(&idem, run, slot.unix_secs(), i).await }
+                        async move {
+                            match steps {
+                                true => decline_steps(&idem, run, slot.unix_secs(), i).await,
+                                false => decline(&idem, run, slot.unix_secs(), i).await,
+                            }
+                        }
                     }))
                 };
                 let first = start(0, Runner::new(&engines[0], job.as_str(), "* * * * * *").unwrap());
@@ -748,14 +770,31 @@ macro_rules! runner_suite {
                     ],
                     "{seen:?}"
                 );
-                assert!(seen.iter().all(|r| r.5.as_deref().is_some_and(|e| e.contains("Declined"))), "{seen:?}");
+                let error = if steps { "Permanent" } else { "Declined" };
+                assert!(seen.iter().all(|r| r.5.as_deref().is_some_and(|e| e.contains(error))), "{seen:?}");
                 assert_eq!(decline_runs(&run), 1, "the body ran once");
                 let pool = engines[0].pool();
                 let rows: Vec<(i64, i64)> = sqlx::query_as($per_slot).bind(&run).fetch_all(pool).await.unwrap();
-                assert_eq!(rows, [], "the declined job's row rolled back");
-                let key = format!("decline_{run}_{}", t0 + 1);
                 let recorded = format!(r#"{{"slot":{}}}"#, t0 + 1);
-                assert_eq!(engines[0].status("cron_decline", &key).await.unwrap(), Status::Failed { error: recorded });
+                if steps {
+                    // A permanent failure commits with what its body wrote.
+                    assert_eq!(rows, [(t0 + 1, 1)]);
+                    let key = format!("decline_steps_{run}_{}", t0 + 1);
+                    let failure: (i16, String) = sqlx::query_as($call_answer)
+                        .bind("cron_decline_steps")
+                        .bind(&key)
+                        .fetch_one(pool)
+                        .await
+                        .unwrap();
+                    assert_eq!(failure, (2, recorded));
+                } else {
+                    assert_eq!(rows, [], "the declined job's row rolled back");
+                    let key = format!("decline_{run}_{}", t0 + 1);
+                    assert_eq!(
+                        engines[0].status("cron_decline", &key).await.unwrap(),
+                        Status::Failed { error: recorded }
+                    );
+                }
                 let counted = idempotency_testkit::counters::counted_by(
                     idempotency::metrics::CRON_SLOTS,
                     &[("job", &job)],
@@ -767,7 +806,13 @@ macro_rules! runner_suite {
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_declined_slot_is_done_and_never_run_again() {
-                let test = declined_slot_is_done();
+                let test = declined_slot_is_done(false);
+                tokio::time::timeout(Duration::from_secs(60), test).await.expect("the decline test hung");
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_steps_slot_failed_for_good_is_done_and_never_run_again() {
+                let test = declined_slot_is_done(true);
                 tokio::time::timeout(Duration::from_secs(60), test).await.expect("the decline test hung");
             }
 
@@ -878,6 +923,7 @@ runner_suite!(
     "SELECT slot, COUNT(*) FROM cron_ticks WHERE run = ? GROUP BY slot ORDER BY slot",
     "SELECT expires_at - updated_at FROM idem_record WHERE biz_type = ? AND idem_key = ?",
     "SELECT expires_at - updated_at FROM idem_call WHERE biz_type = ? AND idem_key = ?",
+    "SELECT status, response FROM idem_call WHERE biz_type = ? AND idem_key = ?",
     "UPDATE idem_record SET created_at = created_at - ?, updated_at = updated_at - ?, expires_at = expires_at - ? WHERE biz_type = ? AND idem_key = ?",
     "UPDATE idem_call SET created_at = created_at - ?, updated_at = updated_at - ?, expires_at = expires_at - ? WHERE biz_type = ? AND idem_key = ?"
 );
@@ -894,6 +940,7 @@ runner_suite!(
     "SELECT slot, COUNT(*) FROM cron_ticks WHERE run = $1 GROUP BY slot ORDER BY slot",
     "SELECT expires_at - updated_at FROM idem_record WHERE biz_type = $1 AND idem_key = $2",
     "SELECT expires_at - updated_at FROM idem_call WHERE biz_type = $1 AND idem_key = $2",
+    "SELECT status, response FROM idem_call WHERE biz_type = $1 AND idem_key = $2",
     "UPDATE idem_record SET created_at = created_at - $1, updated_at = updated_at - $2, expires_at = expires_at - $3 WHERE biz_type = $4 AND idem_key = $5",
     "UPDATE idem_call SET created_at = created_at - $1, updated_at = updated_at - $2, expires_at = expires_at - $3 WHERE biz_type = $4 AND idem_key = $5"
 );
