@@ -24,7 +24,7 @@
 //! | what happened | settlement |
 //! |---|---|
 //! | the handler returned `Ok` (its call executed or replayed, or it dealt with the failure) | ack |
-//! | `Err` whose error carries no `idempotency::Error` while the handler's last call answered with a recorded business error (a `record_errors` fn's declared error, executed now or replayed); or `Err` carrying `Error::Permanent` (a `steps` call's recorded failure) | ack, once ([`Action::AckRecorded`](crate::consumer::Action::AckRecorded)): that error is the message's final answer, which a retry would only replay |
+//! | `Err` whose error carries no `idempotency::Error` while the handler's last call answered with a recorded business error (a `record_errors` fn's declared error, executed now or replayed); or `Err` carrying `Error::Permanent` (a `steps` call's recorded failure) | ack, once ([`Action::AckRecorded`]): that error is the message's final answer, which a retry would only replay |
 //! | `Err` carrying `Error::Storage` (the database failed or is down) | nak with delay [`Consumer::storage_delay`] |
 //! | `Err` carrying `Error::StorageRefused` or `Error::NotMigrated` (a database failure that recurs) | a counted retry while the budget allows, then the dead letter |
 //! | `Err` carrying `Error::InProgress`, or outcome `InProgress` | nak with delay [`Consumer::in_progress_delay`] |

@@ -33,7 +33,7 @@
 //! | what happened | settlement |
 //! |---|---|
 //! | the handler returned `Ok` (its call executed or replayed, or it dealt with the failure) | settled: the partition's offset is committed up to the lowest message not yet settled (never past one still running or waiting) |
-//! | `Err` whose error carries no `idempotency::Error` while the handler's last call answered with a recorded business error (a `record_errors` fn's declared error, executed now or replayed); or `Err` carrying `Error::Permanent` (a `steps` call's recorded failure) | settled as an `Ok` is, once ([`Action::AckRecorded`](crate::consumer::Action::AckRecorded)): that error is the message's final answer, which a retry would only replay |
+//! | `Err` whose error carries no `idempotency::Error` while the handler's last call answered with a recorded business error (a `record_errors` fn's declared error, executed now or replayed); or `Err` carrying `Error::Permanent` (a `steps` call's recorded failure) | settled as an `Ok` is, once ([`Action::AckRecorded`]): that error is the message's final answer, which a retry would only replay |
 //! | `Err` carrying `Error::Storage` (the database failed or is down) | held in the runner for [`Consumer::storage_delay`], then handled again; not counted, its offset not committed past, its key's later messages waiting |
 //! | `Err` carrying `Error::InProgress`, or outcome `InProgress` | held for [`Consumer::in_progress_delay`] the same way, not counted |
 //! | `Err` carrying `Error::StorageRefused` or `Error::NotMigrated` (a database failure that recurs) | as the body's own `Err` below: counted retries, then the dead letter |
