@@ -74,7 +74,13 @@ macro_rules! test_db {
                     "CREATE TABLE IF NOT EXISTS {PAYMENT_TABLE} (id {}, idem_key VARCHAR(255) NOT NULL, charge_id VARCHAR(64) NOT NULL, amount BIGINT NOT NULL)",
                     $auto_id
                 );
-                sqlx::raw_sql(sqlx::AssertSqlSafe(ddl)).execute(pool).await.map(drop)
+                // Twice: PostgreSQL's concurrent `CREATE TABLE IF NOT EXISTS`
+                // can collide in the catalog (42P07, or 23505 on its type), and
+                // the loser gets its error once the winner committed the table.
+                match sqlx::raw_sql(sqlx::AssertSqlSafe(ddl.clone())).execute(pool).await {
+                    Ok(_) => Ok(()),
+                    Err(_) => sqlx::raw_sql(sqlx::AssertSqlSafe(ddl)).execute(pool).await.map(drop),
+                }
             }
 
             async fn insert_payment(
