@@ -22,17 +22,16 @@ use crate::outcome::{self, Observed, Outcome};
 use crate::retention;
 use crate::spec::Spec;
 use crate::store::opening::Opening;
-use crate::store::pooling::around_body;
-use crate::store::record::{Committed, Finished, Opened, RecordKey, Settled, rollback};
+use crate::store::record::{Committed, Finished, Opened, RecordKey, Settled};
 use crate::store::{Backend, StoredRecord};
 
 pub(crate) mod early_begin;
 pub(crate) mod joined;
-pub(crate) mod prebuilt;
-pub(crate) mod read_first;
+mod ran;
 pub(crate) mod typed;
 
-use typed::{BoxFuture, CallError, Failed, Typed, run_and_read};
+use ran::{Ran, run_body};
+use typed::{BoxFuture, CallError, Typed};
 
 /// The body as the flow runs it: handed the record's transaction.
 type DynBody<'a, DB> = dyn Typed<Transaction<'static, DB>> + 'a;
@@ -50,7 +49,7 @@ struct Done {
 /// calls this. `body` gets the transaction the record is written in and
 /// hands it back with its result's JSON (`call/typed.rs`). Generic over the
 /// backend alone: built once per backend (and, for the backends compiled
-/// in, in this crate: `call/prebuilt.rs`), not once per annotated fn.
+/// in, in this crate: `prebuilt.rs`), not once per annotated fn.
 pub fn run<'a, DB: Backend>(
     engine: &'a Idem<DB>,
     spec: &'static Spec,
@@ -246,9 +245,7 @@ impl Recorded {
     }
 }
 
-/// The body and its record, in one transaction. With `record_errors` the fn
-/// records its declared business errors, so the body starts after a
-/// savepoint, to roll back to while the record commits holding the error.
+/// The body and its record, in one transaction.
 async fn execute<DB: Backend>(
     engine: &Idem<DB>,
     spec: &Spec,
@@ -257,65 +254,28 @@ async fn execute<DB: Backend>(
     early: Option<Opening<DB>>,
     body: &mut DynBody<'_, DB>,
 ) -> Result<Recorded, CallError> {
-    let (records, record_errors) = (engine.records_for(spec), spec.record_errors);
-    let mut tx = match records.open(id, claimed, early).await? {
+    let records = engine.records_for(spec);
+    let tx = match records.open(id, claimed, early).await? {
         Opened::Go(tx) => tx,
         Opened::Taken(row) => return replay_row(id, row, body),
     };
-    if record_errors && let Err(e) = DB::mark_body(&mut tx).await {
-        rollback(tx).await;
-        return Err(Error::from_store(e).into());
-    }
-
-    let (mut tx, result) = around_body(engine.db().pooling, run_and_read(body, tx)).await;
-    let failed = matches!(result, Err(Failed::Recorded(_)));
-    let response = match result {
-        Ok(json) | Err(Failed::Recorded(json)) => json,
-        Err(Failed::Body) => {
-            rollback(tx).await;
-            // A body can fail on what a duplicate left (its lease ran out, or
-            // Redis lost the cached result, and it paid the order first), or
-            // lose a deadlock against a duplicate that takes its locks in the
-            // other order. If that duplicate committed, its result is the answer.
+    let ran = match run_body(engine, id.biz, tx, spec.record_errors, body).await {
+        Ok(ran) => ran,
+        // A body can fail on what a duplicate left (its lease ran out, or
+        // Redis lost the cached result, and it paid the order first), or
+        // lose a deadlock against a duplicate that takes its locks in the
+        // other order. If that duplicate committed, its result is the answer.
+        Err(CallError::Body) => {
             return match records.settle(id, claimed).await {
                 Settled::Replay(row) => replay_row(id, row, body),
                 Settled::Busy | Settled::Unknown => Err(CallError::Body),
             };
         }
-        Err(Failed::Serialize(e)) => {
-            rollback(tx).await;
-            return Err(Error::Serialize(e).into());
-        }
+        Err(e) => return Err(e),
     };
-    if let Err(e) = engine.check_result(id.biz, &response) {
-        rollback(tx).await;
-        return Err(e.into());
-    }
-    let finished = if failed {
-        // The body's own writes go; the record stays, holding its error. A
-        // transaction the database already ended (a deadlock) cannot keep
-        // the record: the error is the body's, unrecorded.
-        if DB::undo_body(&mut tx).await.is_err() {
-            rollback(tx).await;
-            return Err(CallError::Body);
-        }
-        Finished::Error(&response)
-    } else {
-        Finished::Value(&response)
-    };
-    match records.commit(tx, id, finished, claimed).await? {
-        Committed::Ours { expires_ms } => {
-            // The first caller gets its error as every replay will: read
-            // back from the record (its value was, by `run_and_read`).
-            if failed {
-                body.decode_failure(&response).map_err(|source| Error::Replay {
-                    biz: id.biz,
-                    key: id.key.to_owned(),
-                    source,
-                })?;
-            }
-            Ok(Recorded { response, failed, expires_ms, outcome: Outcome::Executed })
-        }
+    let Ran { tx, response, failed } = ran;
+    match records.commit(tx, id, Finished::of(&response, failed), claimed).await? {
+        Committed::Ours { expires_ms } => Ok(Recorded { response, failed, expires_ms, outcome: Outcome::Executed }),
         Committed::Theirs(row) => replay_row(id, row, body),
     }
 }

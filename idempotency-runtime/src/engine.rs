@@ -18,7 +18,14 @@ use crate::namespace::Namespace;
 use crate::status::Status;
 use crate::store::record::Records;
 use crate::store::{Backend, Db, Pooling};
-use crate::token::settings as token;
+
+#[cfg(feature = "outbox")]
+pub(crate) mod outbox_waker;
+pub(crate) mod read_first;
+pub(crate) mod token_settings;
+
+use read_first::ReadFirst;
+use token_settings as token;
 
 /// The idempotency engine for one database (and optionally one Redis).
 /// Cheap to clone; clones share the pool and the Redis connection.
@@ -32,14 +39,14 @@ struct Inner<DB: Backend> {
     clock: Arc<Clock>,
     gate: Gate,
     /// Which fns read their record before anything else (no claim held).
-    read_first: crate::call::read_first::ReadFirst,
+    read_first: ReadFirst,
     lock_wait: Duration,
     wait: Duration,
     max_result_bytes: usize,
     tokens: token::Settings,
     /// Wakes this engine's outbox relays when a call commits events.
     #[cfg(feature = "outbox")]
-    outbox: crate::outbox::waker::Waker,
+    outbox: outbox_waker::Waker,
 }
 
 impl<DB: Backend> Clone for Idem<DB> {
@@ -250,7 +257,7 @@ impl<DB: Backend> Builder<DB> {
                 max_result_bytes: self.max_result_bytes,
                 tokens: self.tokens,
                 #[cfg(feature = "outbox")]
-                outbox: crate::outbox::waker::Waker::default(),
+                outbox: outbox_waker::Waker::default(),
             }),
         }
     }
@@ -330,7 +337,7 @@ impl<DB: Backend> Idem<DB> {
         &self.inner.gate
     }
 
-    pub(crate) fn read_first(&self) -> &crate::call::read_first::ReadFirst {
+    pub(crate) fn read_first(&self) -> &ReadFirst {
         &self.inner.read_first
     }
 
@@ -349,7 +356,7 @@ impl<DB: Backend> Idem<DB> {
     }
 
     #[cfg(feature = "outbox")]
-    pub(crate) fn outbox_waker(&self) -> &crate::outbox::waker::Waker {
+    pub(crate) fn outbox_waker(&self) -> &outbox_waker::Waker {
         &self.inner.outbox
     }
 

@@ -39,6 +39,7 @@ mod namespace;
 #[cfg(feature = "outbox")]
 pub mod outbox;
 mod outcome;
+mod prebuilt;
 mod random;
 mod retention;
 mod spec;
@@ -120,11 +121,11 @@ pub mod redis_layout {
 #[doc(hidden)]
 pub mod __private {
     pub use crate::call::joined::run_joined;
-    pub use crate::call::prebuilt::flows as prebuilt_flows;
     pub use crate::call::run;
     pub use crate::call::typed::{Body, Replayable};
     pub use crate::fingerprint::Fingerprint;
     pub use crate::key::render;
+    pub use crate::prebuilt::flows as prebuilt_flows;
     pub use crate::spec::Spec;
     pub use crate::steps::run_steps;
 }

@@ -15,10 +15,10 @@
 use sqlx::Transaction;
 use tracing::Instrument;
 
-use super::typed::{BoxFuture, CallError, Failed, Typed, run_and_read};
+use super::ran::{Ran, run_body};
+use super::typed::{BoxFuture, CallError, Typed};
 use super::{Done, answer, replay, replay_row};
 use crate::engine::Idem;
-use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::key::{validate_biz_no, validate_key};
 use crate::metrics::{Source, Timer};
@@ -26,8 +26,7 @@ use crate::outcome::Outcome;
 use crate::retention;
 use crate::spec::Spec;
 use crate::store::Backend;
-use crate::store::pooling::around_body;
-use crate::store::record::{Finished, Joined, RecordKey, rollback};
+use crate::store::record::{Finished, Joined, RecordKey};
 
 /// The body as the flow runs it: handed a savepoint of the caller's transaction.
 type DynBody<'a, 't, DB> = dyn Typed<Transaction<'t, DB>> + 'a;
@@ -110,57 +109,19 @@ async fn call<'t, DB: Backend>(
 /// The body in its savepoint, then the finished record beside it: its
 /// value, or (`record_errors`, a declared business error) that error, the
 /// body's own writes rolled back to a savepoint of their own. `Ok(true)`:
-/// the error was recorded, and read back for the caller.
+/// the error was recorded, and read back for the caller. No settling after
+/// a failure, unlike a call of our own: a duplicate cannot have committed
+/// in between (our record holds the key), and a deadlock may have ended the
+/// caller's whole transaction, which only the body's own error tells the
+/// caller.
 async fn execute<'t, DB: Backend>(
     engine: &Idem<DB>,
     id: &RecordKey<'_>,
-    mut savepoint: Transaction<'t, DB>,
+    savepoint: Transaction<'t, DB>,
     record_errors: bool,
     body: &mut DynBody<'_, 't, DB>,
 ) -> Result<bool, CallError> {
-    if record_errors && let Err(e) = DB::mark_body(&mut savepoint).await {
-        rollback(savepoint).await;
-        return Err(Error::from_store(e).into());
-    }
-    // A panic or a drop here drops the savepoint, which sqlx rolls back on
-    // the connection's next use: the caller's own writes stay.
-    let (mut savepoint, result) = around_body(engine.db().pooling, run_and_read(body, savepoint)).await;
-    // No settling after a failure, unlike a call of our own: a duplicate
-    // cannot have committed in between (our record holds the key), and a
-    // deadlock may have ended the caller's whole transaction, which only
-    // the body's own error tells the caller.
-    let failed = matches!(result, Err(Failed::Recorded(_)));
-    let response = match result {
-        Ok(json) | Err(Failed::Recorded(json)) => json,
-        Err(Failed::Body) => {
-            rollback(savepoint).await;
-            return Err(CallError::Body);
-        }
-        Err(Failed::Serialize(e)) => {
-            rollback(savepoint).await;
-            return Err(Error::Serialize(e).into());
-        }
-    };
-    if let Err(e) = engine.check_result(id.biz, &response) {
-        rollback(savepoint).await;
-        return Err(e.into());
-    }
-    let finished = if failed {
-        if DB::undo_body(&mut savepoint).await.is_err() {
-            rollback(savepoint).await;
-            return Err(CallError::Body);
-        }
-        Finished::Error(&response)
-    } else {
-        Finished::Value(&response)
-    };
-    engine.records().finish_joined(savepoint, id, finished).await?;
-    if failed {
-        body.decode_failure(&response).map_err(|source| Error::Replay {
-            biz: id.biz,
-            key: id.key.to_owned(),
-            source,
-        })?;
-    }
+    let Ran { tx: savepoint, response, failed } = run_body(engine, id.biz, savepoint, record_errors, body).await?;
+    engine.records().finish_joined(savepoint, id, Finished::of(&response, failed)).await?;
     Ok(failed)
 }

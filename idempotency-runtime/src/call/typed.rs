@@ -2,7 +2,7 @@
 //! adds beside its own body. The flows ([`run`](super::run),
 //! [`run_joined`](super::joined::run_joined), the steps' `run_steps`) are
 //! generic over the backend alone, so they are built once per backend (and
-//! shared from this crate: [`prebuilt`](super::prebuilt)), not once per fn;
+//! shared from this crate: [`prebuilt`](crate::prebuilt)), not once per fn;
 //! what stays generic is the body, its value's JSON, and handing the caller
 //! its `Result<T, E>`, as async-trait boxes a method's future and tracing
 //! keeps its expansion thin.
@@ -82,14 +82,19 @@ pub trait Typed<H>: Send {
     fn decode_failure(&mut self, recorded: &str) -> Result<(), serde_json::Error>;
 }
 
-/// Runs the body and reads its value back from the JSON it gave: the first
-/// caller gets what every replay will (a skipped field, a float that JSON
-/// cannot hold), and a result that cannot replay fails before anything
-/// commits.
+/// Runs the body and reads its value (or its declared error) back from
+/// the JSON it gave: the first caller gets what every replay will (a
+/// skipped field, a float that JSON cannot hold), and an answer that cannot
+/// replay fails before anything commits, as a final error with nothing
+/// recorded.
 pub(crate) async fn run_and_read<H: Send>(body: &mut (dyn Typed<H> + '_), handed: H) -> (H, Result<String, Failed>) {
     let (handed, result) = body.run(handed).await;
     let result = match result {
         Ok(json) => body.decode(&json).map(|()| json).map_err(Failed::Serialize),
+        Err(Failed::Recorded(json)) => match body.decode_failure(&json) {
+            Ok(()) => Err(Failed::Recorded(json)),
+            Err(e) => Err(Failed::Serialize(e)),
+        },
         Err(failed) => Err(failed),
     };
     (handed, result)

@@ -71,7 +71,6 @@ pub mod nats;
 #[cfg(feature = "amqp")]
 pub mod rabbit;
 mod relay;
-pub(crate) mod waker;
 
 pub use relay::{BatchReport, Confirm, Message, Publisher, Relay, RelayStats};
 

@@ -345,6 +345,18 @@ where
     row.try_get(0)
 }
 
+/// `verb` and the savepoint a body that records its declared errors starts
+/// after, named by the transaction's nesting level: MariaDB and MySQL
+/// replace a savepoint of the same name (PostgreSQL and SQLite stack them),
+/// so a `record_errors` fn joined inside another's body would take the
+/// outer one's name and, released, lose it. sqlx names its own savepoints
+/// by level the same way.
+pub(crate) fn body_savepoint<DB: sqlx::Database>(verb: &str, tx: &Transaction<'_, DB>) -> String {
+    use sqlx_core::transaction::TransactionManager;
+    let level = DB::TransactionManager::get_transaction_depth(&**tx);
+    format!("{verb} idem_body_{level}")
+}
+
 /// SQL of the statements every backend runs in the same shape.
 pub(crate) struct Queries {
     pub insert: &'static str,
@@ -369,11 +381,13 @@ macro_rules! record_queries {
     ($q:expr) => {
         // The simple protocol: nothing prepared, behind a pooler too.
         async fn mark_body(tx: &mut ::sqlx::Transaction<'_, Self>) -> Result<(), ::sqlx::Error> {
-            ::sqlx::raw_sql("SAVEPOINT idem_body").execute(&mut **tx).await.map(drop)
+            let sql = $crate::store::body_savepoint("SAVEPOINT", tx);
+            ::sqlx::raw_sql(::sqlx::AssertSqlSafe(sql)).execute(&mut **tx).await.map(drop)
         }
 
         async fn undo_body(tx: &mut ::sqlx::Transaction<'_, Self>) -> Result<(), ::sqlx::Error> {
-            ::sqlx::raw_sql("ROLLBACK TO SAVEPOINT idem_body").execute(&mut **tx).await.map(drop)
+            let sql = $crate::store::body_savepoint("ROLLBACK TO SAVEPOINT", tx);
+            ::sqlx::raw_sql(::sqlx::AssertSqlSafe(sql)).execute(&mut **tx).await.map(drop)
         }
 
         async fn insert(

@@ -105,6 +105,11 @@ pub(crate) enum Finished<'r> {
 }
 
 impl<'r> Finished<'r> {
+    /// `response`, a declared business error's when `failed`.
+    pub(crate) fn of(response: &'r str, failed: bool) -> Self {
+        if failed { Finished::Error(response) } else { Finished::Value(response) }
+    }
+
     fn status(self) -> i16 {
         match self {
             Finished::Value(_) => SUCCEEDED,

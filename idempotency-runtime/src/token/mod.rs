@@ -42,7 +42,6 @@ use crate::store::{Backend, TokenId};
 mod database;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
-pub(crate) mod settings;
 
 /// Length of a token: 24 random bytes (192 bits) in base64url, unpadded.
 pub const TOKEN_LEN: usize = 32;
@@ -50,7 +49,7 @@ pub const TOKEN_LEN: usize = 32;
 const TOKEN_BYTES: usize = 24;
 /// Longest subject: the principal rule of `idempotency::http::check_principal`.
 pub const MAX_SUBJECT_LEN: usize = 64;
-pub use settings::DEFAULT_USED_FOR;
+pub use crate::engine::token_settings::DEFAULT_USED_FOR;
 
 /// How many times a token is drawn when the one drawn is already taken
 /// (never seen with 192 bits; bounded all the same).

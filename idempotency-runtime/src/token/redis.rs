@@ -27,8 +27,8 @@ use std::sync::{Arc, LazyLock};
 
 use redis::Script;
 
-use super::settings::Settings;
 use super::{Found, SpentToken, TokenError};
+use crate::engine::token_settings::Settings;
 use crate::gate::redis::{RedisGate, Reply};
 use crate::namespace::Namespace;
 use crate::store::{Backend, Db, TokenId};

@@ -25,8 +25,8 @@ pub fn flows() -> usize {
 }
 
 fn of<DB: Backend>() -> usize {
-    let plain: fn(_, _, _, _, _, _) -> _ = super::run::<DB>;
-    let joined: fn(_, _, _, _, _, _, _) -> _ = super::joined::run_joined::<DB>;
+    let plain: fn(_, _, _, _, _, _) -> _ = crate::call::run::<DB>;
+    let joined: fn(_, _, _, _, _, _, _) -> _ = crate::call::joined::run_joined::<DB>;
     let steps: fn(_, _, _, _, _, _) -> _ = crate::steps::run_steps::<DB>;
     plain as usize ^ joined as usize ^ steps as usize
 }
