@@ -114,10 +114,10 @@ with_and_without_redis!(
     a_declared_error_that_cannot_replay_is_refused_before_it_commits_with_redis => an_unreadable_decline
 );
 
-/// Which levels of a three-deep nesting decline: a call of its own (level
-/// 1) whose body calls a joined fn (2) whose body calls another (3); each
-/// writes its ledger row, calls the next, then declines or returns its
-/// level.
+/// Which levels of a three-deep nesting decline: level one is a call of
+/// its own whose body calls a joined fn (level two), whose body calls
+/// another (level three). Each writes its ledger row, calls the next, then
+/// declines or returns its level.
 #[derive(Debug, Clone, Copy)]
 struct Declining([bool; 3]);
 
