@@ -11,18 +11,21 @@ Examples:
   idem forget pay order_42_pay
   idem purge --batch 5000
   idem reconcile --biz pay --table payments --column order_no --record-field biz_no
+  idem doctor
 
-Exit codes: 0 done (reconcile: nothing found); 1 reconcile found something, or
-forget was not confirmed; 2 usage (including a refused table or column name, and
-a URL of a driver this build lacks); 3 the database or Redis failed.
+Exit codes: 0 done (reconcile: nothing found; doctor: no check failed); 1
+reconcile found something, a doctor's check failed, or forget was not
+confirmed; 2 usage (including a refused table or column name, and a URL of a
+driver this build lacks); 3 the database or Redis failed (doctor: never, it
+reports them as checks).
 
 Text from requests, the database or Redis is shown with control and bidi
 characters escaped (\\n, \\u{1b}, \\u{202e}; a backslash as \\\\); --json escapes
 them as JSON does (\\u001b).";
 
 /// Operate the records of `idempotency`: see where a call stands, forget one so it
-/// runs again, purge expired records, and reconcile records with a business
-/// table.
+/// runs again, purge expired records, reconcile records with a business
+/// table, and check a deployment.
 #[derive(Debug, Parser)]
 #[command(name = "idem", version, after_help = EXAMPLES)]
 pub struct Cli {
@@ -204,6 +207,57 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Checks a deployment against what the engines need, a line per check
+    /// (ok, warning or failure, what it found and the fix): the tables, a
+    /// transaction pooler, the clocks, the database's and Redis's settings,
+    /// expired records not purged, outbox events dead or stuck. Exits 1 when
+    /// a check fails (with --strict, also when one warns).
+    #[command(after_help = DOCTOR_EXAMPLES)]
+    Doctor(DoctorArgs),
+}
+
+const DOCTOR_EXAMPLES: &str = "\
+Examples:
+  idem doctor
+  idem doctor --json
+  idem doctor --max-result-bytes 4194304 --lock-wait 2s --lease 1m --purge-every 1h
+  idem --transaction-pooler doctor
+
+Redis is checked when --redis-url / IDEM_REDIS_URL is given; for a Redis Cluster,
+any node's URL (the doctor finds the others). The engines' own settings, which
+the servers' are compared with, are the flags above: give yours where they are
+not the defaults.";
+
+/// What `idem doctor` cannot read from the servers: the engines' own
+/// settings, which its checks compare the servers' with, and how old a
+/// backlog may grow.
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Warnings fail too (exit 1).
+    #[arg(long)]
+    pub strict: bool,
+    /// The engines' `Builder::max_result_bytes` (MySQL/MariaDB: checked
+    /// against `max_allowed_packet`).
+    #[arg(long, value_name = "BYTES", default_value_t = idempotency_runtime::DEFAULT_MAX_RESULT_BYTES)]
+    pub max_result_bytes: usize,
+    /// The engines' `Builder::lock_wait` (MySQL: checked against
+    /// `innodb_lock_wait_timeout`; PostgreSQL: against `lock_timeout`).
+    #[arg(long, value_name = "DURATION", default_value = "5s")]
+    pub lock_wait: String,
+    /// The longest `lease` of your fns (PostgreSQL: checked against
+    /// `idle_in_transaction_session_timeout`).
+    #[arg(long, value_name = "DURATION", default_value = "30s")]
+    pub lease: String,
+    /// How often your purge runs (`Idem::purge_expired`, `idem purge`):
+    /// records expired longer ago than this are a backlog.
+    #[arg(long, value_name = "DURATION", default_value = "1d")]
+    pub purge_every: String,
+    /// An outbox event pending longer than this is stuck.
+    #[arg(long, value_name = "DURATION", default_value = "10m")]
+    pub outbox_stuck_after: String,
 }
 
 /// One call: its biz and key.

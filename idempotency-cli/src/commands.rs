@@ -9,6 +9,7 @@ use idempotency_runtime::Status;
 use serde_json::{Value, json};
 
 use crate::cli::{CallId, Cli, Command, Given, RecordField, State};
+use crate::doctor::{self, Deployment, Expected};
 use crate::escape::{self, text};
 use crate::ident::Ident;
 use crate::out::{ask, say, tell};
@@ -43,7 +44,9 @@ fn settings(cli: &Cli) -> Result<Settings, String> {
     // Only the commands that look at Redis open it: a Redis URL set for the
     // applications does not stop `idem list` in a build without Redis.
     let redis = match &cli.command {
-        Command::Status { .. } | Command::Show { .. } | Command::Forget { .. } => global.redis_url()?,
+        Command::Status { .. } | Command::Show { .. } | Command::Forget { .. } | Command::Doctor(_) => {
+            global.redis_url()?
+        }
         _ => None,
     };
     if let Some(redis) = &redis {
@@ -61,6 +64,11 @@ pub async fn run(cli: Cli) -> Result<Done, Failure> {
         Ok(settings) => settings,
         Err(refused) => return Ok(Done::Usage(refused)),
     };
+    if let Command::Doctor(args) = &cli.command {
+        let deployment =
+            Deployment { url: s.url, dialect: s.dialect, redis: s.redis, namespace: s.namespace, pooler: s.pooler };
+        return doctor::run(deployment, args).await;
+    }
     let redis = redis_store::open(s.redis.as_ref())?;
     let store = Store::open(s.url, s.dialect, redis, s.namespace, s.pooler).await?;
     match cli.command {
@@ -89,6 +97,7 @@ pub async fn run(cli: Cli) -> Result<Done, Failure> {
             let stuck_after = parse_duration(&stuck_after)?;
             reconcile(&store, Reconcile { biz: &biz, table, column, record_field, stuck_after, limit }, json).await
         }
+        Command::Doctor(_) => unreachable!("answered before the store opened"),
     }
 }
 
@@ -108,6 +117,7 @@ fn check(command: &Command) -> Option<String> {
             biz_ok(biz).or_else(|| older_than.as_deref().and_then(|d| duration_ok("--older-than", d)))
         }
         Command::Purge { .. } | Command::Migrate => None,
+        Command::Doctor(args) => Expected::of(args).err(),
         Command::Reconcile { biz, table, column, stuck_after, .. } => biz_ok(biz)
             .or_else(|| Ident::parse("table", table, true).err().map(|e| e.to_string()))
             .or_else(|| Ident::parse("column", column, false).err().map(|e| e.to_string()))

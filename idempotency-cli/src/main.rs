@@ -1,13 +1,14 @@
 //! `idem`: the operators' tool for the records of the `idempotency` crate.
 //!
-//! `status`, `show`, `list`, `forget`, `migrate`, `purge` and `reconcile`
-//! against `IDEM_DATABASE_URL` (MySQL/MariaDB, PostgreSQL or SQLite) and
-//! optionally `IDEM_REDIS_URL`; see `idem --help`. Each driver is a cargo
+//! `status`, `show`, `list`, `forget`, `migrate`, `purge`, `reconcile` and
+//! `doctor` against `IDEM_DATABASE_URL` (MySQL/MariaDB, PostgreSQL or
+//! SQLite) and optionally `IDEM_REDIS_URL`; see `idem --help`. Each driver is a cargo
 //! feature (`drivers.rs`); everything printed goes through `out.rs`.
 
 mod cli;
 mod commands;
 mod dialect;
+mod doctor;
 mod drivers;
 mod escape;
 mod ident;
@@ -22,9 +23,10 @@ use clap::Parser;
 
 /// How a command ended, as its exit code says.
 pub enum Done {
-    /// 0: done; for `reconcile`, nothing found.
+    /// 0: done; for `reconcile`, nothing found; for `doctor`, no check failed.
     Ok,
-    /// 1: `reconcile` found something, or `forget` was not confirmed.
+    /// 1: `reconcile` found something, a `doctor` check failed, or `forget`
+    /// was not confirmed.
     Found,
     /// 2: the arguments were refused (clap's own usage errors exit 2 too).
     Usage(String),
