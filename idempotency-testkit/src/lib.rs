@@ -15,7 +15,8 @@
 //!   tests that kill, pause or spread Redis.
 //! - [`backend`]: the contract the behaviour suite (`tests/suite/`) runs on,
 //!   [`TestBackend`], implemented once per database.
-//! - [`galera`]: a private three-node MariaDB Galera cluster.
+//! - [`galera`]: a private three-node MariaDB Galera cluster; [`mariadb`]: a
+//!   private MariaDB set up as a test needs (a one-node Galera too).
 //! - [`kafka`]: a private Kafka-protocol broker (tansu).
 //! - [`pgbouncer`]: a private PgBouncer in transaction pooling mode.
 //! - [`pg_cluster`]: a private PostgreSQL primary and streaming standby, and
@@ -38,6 +39,7 @@ mod cron_clock;
 pub mod forwarder;
 pub mod galera;
 pub mod kafka;
+pub mod mariadb;
 #[cfg(all(feature = "redis", any(feature = "mysql", feature = "postgres")))]
 pub mod nemesis;
 pub mod pg_cluster;

@@ -191,7 +191,9 @@ pub async fn check(db: &mut Db, checks: &mut Vec<Check>) -> Facts {
     });
     checks.push(match clock(db, &mut facts).await {
         Ok(check) => check,
-        Err(e) => Check::failure("clock", format!("the database's clock could not be read: {}", quoted(&e.to_string())), ""),
+        Err(e) => {
+            Check::failure("clock", format!("the database's clock could not be read: {}", quoted(&e.to_string())), "")
+        }
     });
     facts
 }
@@ -222,7 +224,11 @@ async fn tables(db: &mut Db, facts: &mut Facts) -> Result<Check, sqlx::Error> {
         } else {
             format!("no column {}", lacking.join(", "))
         };
-        let unique = if uniques.is_empty() { "no unique index".to_owned() } else { format!("unique on ({})", uniques.join("), (")) };
+        let unique = if uniques.is_empty() {
+            "no unique index".to_owned()
+        } else {
+            format!("unique on ({})", uniques.join("), ("))
+        };
         return Ok(Check::failure(
             "tables",
             format!("idem_record is an earlier version's: {shape}, {unique}"),
@@ -230,7 +236,11 @@ async fn tables(db: &mut Db, facts: &mut Facts) -> Result<Check, sqlx::Error> {
         ));
     }
     if !missing.is_empty() {
-        return Ok(Check::failure("tables", format!("missing: {} (an earlier version's tables)", missing.join(", ")), MIGRATE));
+        return Ok(Check::failure(
+            "tables",
+            format!("missing: {} (an earlier version's tables)", missing.join(", ")),
+            MIGRATE,
+        ));
     }
     let Some(namespace) = &facts.namespace else {
         return Ok(Check::failure("tables", "idem_meta holds no namespace", MIGRATE));
@@ -239,7 +249,10 @@ async fn tables(db: &mut Db, facts: &mut Facts) -> Result<Check, sqlx::Error> {
     let parts = if parts.is_empty() { String::new() } else { format!("; also {}", parts.join(", ")) };
     Ok(Check::ok(
         "tables",
-        format!("idem_record (unique on key_digest), idem_meta, idem_token: this version's; namespace {}{parts}", quoted(namespace)),
+        format!(
+            "idem_record (unique on key_digest), idem_meta, idem_token: this version's; namespace {}{parts}",
+            quoted(namespace)
+        ),
     ))
 }
 
@@ -257,7 +270,10 @@ async fn clock(db: &mut Db, facts: &mut Facts) -> Result<Check, sqlx::Error> {
     let off = skew.abs() - within;
     let side = if skew >= 0 { "ahead of" } else { "behind" };
     if off < 1000 {
-        return Ok(Check::ok("clock", format!("the database's is within {} of this host's", duration(skew.abs() + within))));
+        return Ok(Check::ok(
+            "clock",
+            format!("the database's is within {} of this host's", duration(skew.abs() + within)),
+        ));
     }
     Ok(Check::warning(
         "clock",
@@ -278,7 +294,9 @@ pub async fn backlog(db: &mut Db, facts: &Facts, expected: &Expected, checks: &m
     if facts.records {
         checks.push(match expired(db, now, expected).await {
             Ok(check) => check,
-            Err(e) => Check::failure("expired_records", format!("could not be counted: {}", quoted(&e.to_string())), ""),
+            Err(e) => {
+                Check::failure("expired_records", format!("could not be counted: {}", quoted(&e.to_string())), "")
+            }
         });
     }
     if facts.outbox {
@@ -366,13 +384,16 @@ async fn outbox(db: &mut Db, now: i64, expected: &Expected) -> Result<Check, sql
             ),
             "run a relay (idem.outbox().relay(..)); refusals count in idem_outbox_messages_total{result=\"refused\"}",
         )),
-        Some(oldest) => Ok(Check::ok("outbox", format!("{pending} pending, the oldest for {}; none dead", duration(now - oldest)))),
+        Some(oldest) => {
+            Ok(Check::ok("outbox", format!("{pending} pending, the oldest for {}; none dead", duration(now - oldest))))
+        }
         None => Ok(Check::ok("outbox", "nothing pending, none dead")),
     }
 }
 
 /// How many of `digests` (of cached results in Redis) have a live record:
 /// the digests are written as hex literals, which this function formats.
+#[cfg(feature = "redis")]
 pub async fn live_records(db: &mut Db, digests: &[[u8; 16]], now: i64) -> Result<i64, sqlx::Error> {
     if digests.is_empty() {
         return Ok(0);

@@ -35,7 +35,10 @@ use crate::{Done, Failure};
 pub struct Deployment {
     pub url: Given,
     pub dialect: Dialect,
+    /// Read by the Redis checks only, built with the feature `redis`.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub redis: Option<Given>,
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub namespace: Option<Given>,
     pub pooler: bool,
 }
@@ -124,31 +127,41 @@ pub fn quoted(value: &str) -> String {
 pub async fn run(deployment: Deployment, args: &DoctorArgs) -> Result<Done, Failure> {
     let expected = Expected::of(args).map_err(|e| -> Failure { e.into() })?;
     let mut checks = Vec::new();
-    let db = database::open(&deployment, &mut checks).await;
-    let mut facts = database::Facts::default();
-    if let Some(mut db) = db {
-        facts = database::check(&mut db, &mut checks).await;
-        match deployment.dialect {
-            Dialect::Postgres => postgres::check(&mut db, &deployment, &expected, &mut checks).await,
-            Dialect::MySql => mysql::check(&mut db, &expected, &mut checks).await,
-            Dialect::Sqlite => {}
+    let mut db = database::open(&deployment, &mut checks).await;
+    let facts = match &mut db {
+        Some(db) => {
+            let facts = database::check(db, &mut checks).await;
+            match deployment.dialect {
+                Dialect::Postgres => postgres::check(db, &deployment, &expected, &mut checks).await,
+                Dialect::MySql => mysql::check(db, &expected, &mut checks).await,
+                Dialect::Sqlite => {}
+            }
+            database::backlog(db, &facts, &expected, &mut checks).await;
+            facts
         }
-        database::backlog(&mut db, &facts, &expected, &mut checks).await;
-        #[cfg(feature = "redis")]
-        if let Some(url) = &deployment.redis {
-            redis::check(url, &deployment, &facts, Some(&mut db), &mut checks).await;
-        }
+        None => database::Facts::default(),
+    };
+    redis_checks(&deployment, &facts, db.as_mut(), &mut checks).await;
+    if let Some(db) = db {
         db.close().await;
-    } else {
-        #[cfg(feature = "redis")]
-        if let Some(url) = &deployment.redis {
-            redis::check(url, &deployment, &facts, None, &mut checks).await;
-        }
-    }
-    if deployment.redis.is_none() {
-        checks.push(Check::ok("redis", "not checked: no --redis-url / IDEM_REDIS_URL (engines without Redis need none)"));
     }
     report(&checks, args)
+}
+
+const NO_REDIS: &str = "not checked: no --redis-url / IDEM_REDIS_URL (engines without Redis need none)";
+
+#[cfg(feature = "redis")]
+async fn redis_checks(d: &Deployment, facts: &database::Facts, db: Option<&mut database::Db>, checks: &mut Vec<Check>) {
+    match &d.redis {
+        Some(url) => redis::check(url, d, facts, db, checks).await,
+        None => checks.push(Check::ok("redis", NO_REDIS)),
+    }
+}
+
+/// Without the feature a Redis URL was refused before: nothing to check.
+#[cfg(not(feature = "redis"))]
+async fn redis_checks(_: &Deployment, _: &database::Facts, _: Option<&mut database::Db>, checks: &mut Vec<Check>) {
+    checks.push(Check::ok("redis", NO_REDIS));
 }
 
 fn report(checks: &[Check], args: &DoctorArgs) -> Result<Done, Failure> {
@@ -175,24 +188,26 @@ fn report(checks: &[Check], args: &DoctorArgs) -> Result<Done, Failure> {
     Ok(if failed { Done::Found } else { Done::Ok })
 }
 
-/// `ms` as people write it, in the largest unit that keeps two digits
-/// (rounded down): `250 ms`, `30 s`, `10 min`, `2 h`, `3 d`.
+/// `ms` as people write it, rounded to the largest unit that keeps two
+/// digits: `250 ms`, `30 s`, `10 min`, `2 h`, `3 d`.
 pub fn duration(ms: i64) -> String {
     let abs = ms.unsigned_abs();
-    match abs {
-        _ if abs < 10_000 && abs % 1000 != 0 => format!("{ms} ms"),
-        _ if abs < 120_000 => format!("{} s", ms / 1000),
-        _ if abs < 7_200_000 => format!("{} min", ms / 60_000),
-        _ if abs < 172_800_000 => format!("{} h", ms / 3_600_000),
-        _ => format!("{} d", ms / 86_400_000),
-    }
+    let sign = if ms < 0 { "-" } else { "" };
+    let (unit, name) = match abs {
+        _ if abs < 10_000 && !abs.is_multiple_of(1000) => return format!("{ms} ms"),
+        _ if abs < 119_500 => (1000, "s"),
+        _ if abs < 7_170_000 => (60_000, "min"),
+        _ if abs < 171_000_000 => (3_600_000, "h"),
+        _ => (86_400_000, "d"),
+    };
+    format!("{sign}{} {name}", (abs + unit / 2) / unit)
 }
 
 /// `bytes` as people write it: `512 B`, `64 KiB`, `16 MiB`.
 pub fn bytes(n: u64) -> String {
     match n {
-        _ if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
-        _ if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
+        _ if n >= 1 << 20 && n.is_multiple_of(1 << 20) => format!("{} MiB", n >> 20),
+        _ if n >= 1 << 10 && n.is_multiple_of(1 << 10) => format!("{} KiB", n >> 10),
         _ => format!("{n} B"),
     }
 }
@@ -207,6 +222,7 @@ mod tests {
         assert_eq!(duration(5_000), "5 s");
         assert_eq!(duration(90_000), "90 s");
         assert_eq!(duration(431_000), "7 min");
+        assert_eq!(duration(599_700), "10 min");
         assert_eq!(duration(600_000), "10 min");
         assert_eq!(duration(-600_000), "-10 min");
         assert_eq!(duration(3_600_000), "60 min");

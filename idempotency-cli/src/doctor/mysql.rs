@@ -167,7 +167,13 @@ mod tests {
     use super::*;
 
     fn expected() -> Expected {
-        Expected { max_result_bytes: 1 << 20, lock_wait_ms: 5000, lease_ms: 30_000, purge_every_ms: 0, outbox_stuck_ms: 0 }
+        Expected {
+            max_result_bytes: 1 << 20,
+            lock_wait_ms: 5000,
+            lease_ms: 30_000,
+            purge_every_ms: 0,
+            outbox_stuck_ms: 0,
+        }
     }
 
     #[test]

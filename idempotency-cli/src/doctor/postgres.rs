@@ -103,16 +103,22 @@ fn pooler(seen: Seen, d: &Deployment) -> Check {
                  PostgreSQL through a transaction pooler this host does not",
             );
         }
-        Seen::OneSession => return Check::ok("pooler", "no transaction pooler: one server session across transactions"),
+        Seen::OneSession => {
+            return Check::ok("pooler", "no transaction pooler: one server session across transactions");
+        }
         Seen::Changed(first, next) => {
-            format!("this connection's server session changed between two transactions (backend pid {first}, then {next})")
+            format!(
+                "this connection's server session changed between two transactions (backend pid {first}, then {next})"
+            )
         }
         Seen::Waited => "this connection waited for a server connection while another held a transaction".to_owned(),
     };
     if d.pooler {
         return Check::ok(
             "pooler",
-            format!("a transaction pooler, and --transaction-pooler says so ({found}): the engines need Builder::transaction_pooler(true)"),
+            format!(
+                "a transaction pooler, and --transaction-pooler says so ({found}): the engines need Builder::transaction_pooler(true)"
+            ),
         );
     }
     Check::failure(
@@ -121,7 +127,9 @@ fn pooler(seen: Seen, d: &Deployment) -> Check {
             "a transaction pooler in front of PostgreSQL ({found}), without the switch: statements the engines \
              prepare by name fail there (`prepared statement \"sqlx_s_1\" already exists`)"
         ),
-        format!("build the engines with Builder::transaction_pooler(true) and pass --transaction-pooler to idem ({POOLER_DOC})"),
+        format!(
+            "build the engines with Builder::transaction_pooler(true) and pass --transaction-pooler to idem ({POOLER_DOC})"
+        ),
     )
 }
 
@@ -134,7 +142,10 @@ fn lock_timeout(ms: i64, expected: &Expected) -> Check {
     if ms > 0 && ms < expected.lease_ms {
         return Check::ok(
             "lock_timeout",
-            format!("{}: a body's lock wait ends within the lease ({lease}; the engines bound their own)", duration(ms)),
+            format!(
+                "{}: a body's lock wait ends within the lease ({lease}; the engines bound their own)",
+                duration(ms)
+            ),
         );
     }
     let set = if ms == 0 { "0 (no bound)".to_owned() } else { duration(ms) };
@@ -157,10 +168,9 @@ fn idle_in_transaction(ms: i64, expected: &Expected) -> Check {
     let lease = duration(expected.lease_ms);
     match ms {
         0 => Check::ok("idle_in_transaction", "0 (off): a body may wait inside its transaction for its whole lease"),
-        ms if ms >= expected.lease_ms => Check::ok(
-            "idle_in_transaction",
-            format!("{}: not below the lease (--lease {lease})", duration(ms)),
-        ),
+        ms if ms >= expected.lease_ms => {
+            Check::ok("idle_in_transaction", format!("{}: not below the lease (--lease {lease})", duration(ms)))
+        }
         ms => Check::warning(
             "idle_in_transaction",
             format!(

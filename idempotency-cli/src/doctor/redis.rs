@@ -143,7 +143,9 @@ async fn cluster(client: &Client, seed: &mut MultiplexedConnection) -> Result<(C
     let check = if state == "ok" && assigned == "16384" && served == "16384" {
         Check::ok(
             "redis_cluster",
-            format!("a Redis Cluster, every slot (16384) served by {masters} masters: the engines need Builder::redis_cluster"),
+            format!(
+                "a Redis Cluster, every slot (16384) served by {masters} masters: the engines need Builder::redis_cluster"
+            ),
         )
     } else {
         Check::failure(
@@ -167,7 +169,13 @@ async fn memory(nodes: &mut [Node], cluster: bool) -> Check {
     for node in nodes.iter_mut() {
         let memory = match info(&mut node.conn, "memory").await {
             Ok(memory) => memory,
-            Err(e) => return Check::failure("redis_memory", format!("{}: INFO memory failed: {}", node.addr, quoted(&e)), ""),
+            Err(e) => {
+                return Check::failure(
+                    "redis_memory",
+                    format!("{}: INFO memory failed: {}", node.addr, quoted(&e)),
+                    "",
+                );
+            }
         };
         let max: u64 = field(&memory, "maxmemory").parse().unwrap_or(0);
         let policy = field(&memory, "maxmemory_policy");
@@ -212,6 +220,9 @@ async fn memory(nodes: &mut [Node], cluster: bool) -> Check {
     worst.unwrap_or_else(|| Check::failure("redis_memory", "no master to ask", ""))
 }
 
+/// A hash's field and value, as bytes.
+type Pair = (Vec<u8>, Vec<u8>);
+
 /// What a sample of the keyspace says of the namespaces in Redis.
 #[derive(Default)]
 struct Seen {
@@ -253,8 +264,14 @@ async fn sample(nodes: &mut [Node], namespace: &str) -> Result<Seen, String> {
             if seen.results.len() >= SAMPLE {
                 break;
             }
-            let (_, pairs): (u64, Vec<(Vec<u8>, Vec<u8>)>) =
-                redis::cmd("HSCAN").arg(&hash).arg(0).arg("COUNT").arg(SAMPLE).query_async(&mut node.conn).await.map_err(|e| e.to_string())?;
+            let (_, pairs): (u64, Vec<Pair>) = redis::cmd("HSCAN")
+                .arg(&hash)
+                .arg(0)
+                .arg("COUNT")
+                .arg(SAMPLE)
+                .query_async(&mut node.conn)
+                .await
+                .map_err(|e| e.to_string())?;
             for (field, value) in pairs {
                 let Ok(field) = <[u8; 16]>::try_from(field.as_slice()) else { continue };
                 if let Some((expires, ..)) = idempotency_runtime::redis_layout::parse_result(value) {
@@ -326,7 +343,9 @@ async fn namespace(nodes: &mut [Node], d: &Deployment, facts: &Facts, db: Option
     let live: Vec<[u8; 16]> = seen.results.iter().filter(|(_, expires)| *expires > now).map(|(d, _)| *d).collect();
     let found = match live_records(db, &live, now).await {
         Ok(found) => found,
-        Err(e) => return Check::failure("redis_namespace", format!("records unreadable: {}", quoted(&e.to_string())), ""),
+        Err(e) => {
+            return Check::failure("redis_namespace", format!("records unreadable: {}", quoted(&e.to_string())), "");
+        }
     };
     let missing = live.len() as i64 - found;
     if missing > 0 {
