@@ -7,8 +7,10 @@
 //! `promtool check rules` and their unit tests (`promtool test rules
 //! ops/prometheus/idem-rules.test.yml`). `promtool` comes with Debian's
 //! `prometheus`; without it the promtool tests skip, or fail under
-//! `IDEM_REQUIRE_SERVICES=1`. `tests/prometheus.rs` runs both in a real
-//! Prometheus.
+//! `IDEM_REQUIRE_SERVICES=1`. The picture of the dashboard in the
+//! operations guide (`docs/dashboard.svg`) is the one
+//! `ops/grafana/render.py` draws from it. `tests/prometheus.rs` runs the
+//! dashboard's queries and the rules in a real Prometheus.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -184,6 +186,21 @@ fn the_alert_rules_check_and_pass_their_unit_tests() {
     assert!(checked.contains("SUCCESS: 7 rules found"), "{checked}");
     let tested = run(promtool, &["test", "rules", "idem-rules.test.yml"], &dir);
     assert!(tested.contains("SUCCESS"), "{tested}");
+}
+
+/// The picture in docs/operations.md is the dashboard as it is:
+/// `ops/grafana/render.py --check` draws it again and compares.
+#[test]
+fn the_dashboard_picture_is_drawn_from_the_dashboard() {
+    let Ok(out) = Command::new("python3").arg("ops/grafana/render.py").arg("--check").current_dir(root()).output() else {
+        assert!(
+            std::env::var("IDEM_REQUIRE_SERVICES").map_or(true, |v| v != "1"),
+            "python3 not installed and IDEM_REQUIRE_SERVICES=1"
+        );
+        println!("skipped: python3 not installed");
+        return;
+    };
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 #[test]
