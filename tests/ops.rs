@@ -192,7 +192,8 @@ fn the_alert_rules_check_and_pass_their_unit_tests() {
 /// `ops/grafana/render.py --check` draws it again and compares.
 #[test]
 fn the_dashboard_picture_is_drawn_from_the_dashboard() {
-    let Ok(out) = Command::new("python3").arg("ops/grafana/render.py").arg("--check").current_dir(root()).output() else {
+    let Ok(out) = Command::new("python3").arg("ops/grafana/render.py").arg("--check").current_dir(root()).output()
+    else {
         assert!(
             std::env::var("IDEM_REQUIRE_SERVICES").map_or(true, |v| v != "1"),
             "python3 not installed and IDEM_REQUIRE_SERVICES=1"

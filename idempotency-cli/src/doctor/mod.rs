@@ -194,7 +194,7 @@ pub fn duration(ms: i64) -> String {
     let abs = ms.unsigned_abs();
     let sign = if ms < 0 { "-" } else { "" };
     let (unit, name) = match abs {
-        _ if abs < 10_000 && !abs.is_multiple_of(1000) => return format!("{ms} ms"),
+        _ if abs < 1000 || (abs < 10_000 && !abs.is_multiple_of(1000)) => return format!("{ms} ms"),
         _ if abs < 119_500 => (1000, "s"),
         _ if abs < 7_170_000 => (60_000, "min"),
         _ if abs < 171_000_000 => (3_600_000, "h"),
@@ -218,6 +218,7 @@ mod tests {
 
     #[test]
     fn durations_and_sizes_read_as_people_write_them() {
+        assert_eq!(duration(0), "0 ms");
         assert_eq!(duration(250), "250 ms");
         assert_eq!(duration(5_000), "5 s");
         assert_eq!(duration(90_000), "90 s");
