@@ -102,11 +102,13 @@ impl Check {
     }
 
     pub fn warning(name: &'static str, found: impl Into<String>, fix: impl Into<String>) -> Check {
-        Check { name, level: Level::Warning, found: found.into(), fix: Some(fix.into()) }
+        Check { name, level: Level::Warning, found: found.into(), fix: Some(fix.into()).filter(|f| !f.is_empty()) }
     }
 
+    /// A failure; an empty `fix` is none to give (the server's own error
+    /// says what failed).
     pub fn failure(name: &'static str, found: impl Into<String>, fix: impl Into<String>) -> Check {
-        Check { name, level: Level::Failure, found: found.into(), fix: Some(fix.into()) }
+        Check { name, level: Level::Failure, found: found.into(), fix: Some(fix.into()).filter(|f| !f.is_empty()) }
     }
 
     fn line(&self) -> String {
