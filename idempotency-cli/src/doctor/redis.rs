@@ -374,6 +374,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn versions_before_6_2_warn() {
+        let url = Given { value: "redis://h".into(), from: "IDEM_REDIS_URL" };
+        let level = |v: &str| version_check(v, "standalone", &url).level;
+        use super::super::Level::{Ok, Warning};
+        assert_eq!((level("7.0.15"), level("6.2.0"), level("10.0.1")), (Ok, Ok, Ok));
+        assert_eq!((level("6.0.20"), level("5.0.7"), level("")), (Warning, Warning, Warning));
+    }
+
+    #[test]
     fn keys_name_their_namespace() {
         assert_eq!(split_key(b"idem:{shop_1.41}:r2945040"), Some(("shop_1".to_owned(), &b"r2945040"[..])));
         assert_eq!(split_key(b"idem:{a.b.7}:pay:k1"), Some(("a.b".to_owned(), &b"pay:k1"[..])));
