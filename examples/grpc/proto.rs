@@ -99,20 +99,27 @@ impl<T: Payments> UnaryService<PayRequest> for Pay<T> {
     }
 }
 
-/// Calls `Payments` over a channel.
+/// Calls `Payments` over a channel, or over any service tonic clients call
+/// (a `Channel` wrapped in tower layers, say), as tonic-build's clients do.
 #[derive(Clone)]
-pub struct PaymentsClient {
-    inner: tonic::client::Grpc<tonic::transport::Channel>,
+pub struct PaymentsClient<T = tonic::transport::Channel> {
+    inner: tonic::client::Grpc<T>,
 }
 
-impl PaymentsClient {
-    pub fn new(channel: tonic::transport::Channel) -> Self {
-        PaymentsClient { inner: tonic::client::Grpc::new(channel) }
+impl<T> PaymentsClient<T>
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<StdError>,
+    T::ResponseBody: tonic::codegen::Body<Data = tonic::codegen::Bytes> + Send + 'static,
+    <T::ResponseBody as tonic::codegen::Body>::Error: Into<StdError> + Send,
+{
+    pub fn new(inner: T) -> Self {
+        PaymentsClient { inner: tonic::client::Grpc::new(inner) }
     }
 
     /// `rpc Pay`; metadata goes on the request (`request.metadata_mut()`).
     pub async fn pay(&mut self, request: impl tonic::IntoRequest<PayRequest>) -> Result<Response<PayReply>, Status> {
-        self.inner.ready().await.map_err(|e| Status::unknown(format!("the channel is not ready: {e}")))?;
+        self.inner.ready().await.map_err(|e| Status::unknown(format!("the channel is not ready: {}", e.into())))?;
         let path = http::uri::PathAndQuery::from_static(PAY);
         self.inner.unary(request.into_request(), path, ProstCodec::default()).await
     }

@@ -46,6 +46,26 @@ impl fmt::Display for Stop {
     }
 }
 
+/// A retry about to be made, as told to the hook of
+/// [`IdempotencyMiddleware::on_retry`](crate::IdempotencyMiddleware::on_retry)
+/// (and the gRPC layer's): to log it or count it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Retrying<'a> {
+    /// The key the next attempt carries, as every attempt did.
+    pub key: &'a str,
+    /// The attempt that is retried (1 for the first).
+    pub attempt: u32,
+    /// What it was answered: the HTTP status or the gRPC code; `None` when
+    /// it got no answer (refused, cut, timed out).
+    pub answered: Option<u16>,
+    /// How long until the next attempt.
+    pub wait: Duration,
+}
+
+/// The hook told of each retry.
+pub(crate) type OnRetry = std::sync::Arc<dyn Fn(&Retrying<'_>) + Send + Sync>;
+
 /// How one logical request went: the attempts made and why they stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Tally {
@@ -74,6 +94,9 @@ pub(crate) trait Transport {
 
     fn judge(&self, response: &Self::Response) -> Verdict;
 
+    /// The status (or code) a response answered, for [`Retrying`].
+    fn answered(&self, response: &Self::Response) -> Option<u16>;
+
     /// A failure to get an answer: the request may or may not have run.
     fn judge_error(&self, error: &Self::Error) -> Verdict;
 
@@ -81,8 +104,14 @@ pub(crate) trait Transport {
     fn discard(&mut self, response: Self::Response) -> impl Future<Output = ()> + Send + '_;
 }
 
-/// Makes the attempts; returns the last answer and how they went.
-pub(crate) async fn run<T: Transport>(retries: &Retries, transport: &mut T) -> (Answer<T::Response, T::Error>, Tally) {
+/// Makes the attempts of the request keyed `key`, telling `on_retry` of
+/// each retry; returns the last answer and how they went.
+pub(crate) async fn run<T: Transport>(
+    retries: &Retries,
+    transport: &mut T,
+    key: &str,
+    on_retry: Option<&OnRetry>,
+) -> (Answer<T::Response, T::Error>, Tally) {
     let deadline = Instant::now() + retries.total;
     let mut jitter = Jitter::seeded();
     let mut attempts = 0;
@@ -115,6 +144,13 @@ pub(crate) async fn run<T: Transport>(retries: &Retries, transport: &mut T) -> (
         let wait = after.unwrap_or_default().max(jitter.up_to(retries.ceiling(attempts)));
         if Instant::now() + wait >= deadline {
             return (answer, stop(Stop::Time));
+        }
+        if let Some(on_retry) = on_retry {
+            let answered = match &answer {
+                Answer::Response(response) => transport.answered(response),
+                Answer::Failed(_) | Answer::TimedOut(_) => None,
+            };
+            on_retry(&Retrying { key, attempt: attempts, answered, wait });
         }
         if let Answer::Response(response) = answer {
             let _ = tokio::time::timeout_at(deadline, transport.discard(response)).await;
@@ -167,6 +203,10 @@ mod tests {
             *response
         }
 
+        fn answered(&self, _: &Verdict) -> Option<u16> {
+            Some(503)
+        }
+
         fn judge_error(&self, _: &()) -> Verdict {
             Verdict::Retry { after: None }
         }
@@ -177,6 +217,7 @@ mod tests {
         }
     }
 
+    const KEY: &str = "order-42-pay";
     const RETRY: Option<Result<Verdict, ()>> = Some(Ok(Verdict::Retry { after: None }));
     const FINAL: Option<Result<Verdict, ()>> = Some(Ok(Verdict::Final));
 
@@ -189,16 +230,38 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn retries_until_a_final_answer() {
         let mut script = Script::new([RETRY, Some(Err(())), FINAL]);
-        let (answer, tally) = run(&Retries::default(), &mut script).await;
+        let (answer, tally) = run(&Retries::default(), &mut script, KEY, None).await;
         assert!(matches!(answer, Answer::Response(Verdict::Final)));
         assert_eq!(tally, Tally { attempts: 3, stop: Stop::Final });
         assert_eq!(script.discarded, 1, "the retried answer was let go; the failure had none");
     }
 
     #[tokio::test(start_paused = true)]
+    async fn the_hook_is_told_of_each_retry_before_its_wait() {
+        let told = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let hook: OnRetry = {
+            let told = told.clone();
+            std::sync::Arc::new(move |retrying: &Retrying<'_>| {
+                told.lock().unwrap().push((
+                    retrying.key.to_owned(),
+                    retrying.attempt,
+                    retrying.answered,
+                    retrying.wait,
+                ));
+            })
+        };
+        let mut script = Script::new([retry_after(1), Some(Err(())), FINAL]);
+        let retries = Retries::default().backoff(Duration::ZERO, Duration::ZERO);
+        let (_, tally) = run(&retries, &mut script, KEY, Some(&hook)).await;
+        assert_eq!(tally.attempts, 3);
+        let second = Duration::from_secs(1);
+        assert_eq!(*told.lock().unwrap(), [(KEY.into(), 1, Some(503), second), (KEY.into(), 2, None, Duration::ZERO)]);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn stops_at_the_attempts_allowed() {
         let mut script = Script::new([RETRY, RETRY, RETRY]);
-        let (_, tally) = run(&Retries::default().max_attempts(3), &mut script).await;
+        let (_, tally) = run(&Retries::default().max_attempts(3), &mut script, KEY, None).await;
         assert_eq!(tally, Tally { attempts: 3, stop: Stop::Attempts });
     }
 
@@ -206,7 +269,7 @@ mod tests {
     async fn waits_at_least_what_the_server_asked_and_within_the_backoff_otherwise() {
         let retries = Retries::default().backoff(Duration::from_millis(100), Duration::from_secs(1));
         let mut script = Script::new([retry_after(2), RETRY, RETRY, FINAL]);
-        let (_, tally) = run(&retries, &mut script).await;
+        let (_, tally) = run(&retries, &mut script, KEY, None).await;
         assert_eq!(tally.attempts, 4);
         let gaps: Vec<Duration> = script.sent.windows(2).map(|w| w[1] - w[0]).collect();
         assert!(gaps[0] >= Duration::from_secs(2) && gaps[0] <= Duration::from_secs(2), "{gaps:?}");
@@ -217,7 +280,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_retry_after_past_the_allowed_is_handed_back() {
         let mut script = Script::new([retry_after(60)]);
-        let (_, tally) = run(&Retries::default(), &mut script).await;
+        let (_, tally) = run(&Retries::default(), &mut script, KEY, None).await;
         assert_eq!(tally, Tally { attempts: 1, stop: Stop::RetryAfterTooLong(Duration::from_secs(60)) });
     }
 
@@ -227,11 +290,11 @@ mod tests {
         let retries = Retries::default().total(Duration::from_secs(5)).max_retry_after(Duration::from_secs(10));
         let mut script = Script::new([retry_after(6)]);
         let started = Instant::now();
-        let (_, tally) = run(&retries, &mut script).await;
+        let (_, tally) = run(&retries, &mut script, KEY, None).await;
         assert_eq!((tally, started.elapsed()), (Tally { attempts: 1, stop: Stop::Time }, Duration::ZERO));
         // An attempt that never answers: abandoned at the total's end.
         let mut script = Script::new([retry_after(1), None]);
-        let (answer, tally) = run(&retries, &mut script).await;
+        let (answer, tally) = run(&retries, &mut script, KEY, None).await;
         assert!(matches!(answer, Answer::TimedOut(t) if t == Duration::from_secs(5)));
         assert_eq!((tally, started.elapsed()), (Tally { attempts: 2, stop: Stop::Time }, Duration::from_secs(5)));
     }
@@ -240,7 +303,7 @@ mod tests {
     async fn an_attempt_that_hangs_is_tried_again_after_its_timeout() {
         let retries = Retries::default().attempt_timeout(Duration::from_secs(2));
         let mut script = Script::new([None, FINAL]);
-        let (answer, tally) = run(&retries, &mut script).await;
+        let (answer, tally) = run(&retries, &mut script, KEY, None).await;
         assert!(matches!(answer, Answer::Response(Verdict::Final)));
         assert_eq!(tally, Tally { attempts: 2, stop: Stop::Final });
         assert!(script.sent[1] - script.sent[0] >= Duration::from_secs(2));
@@ -250,7 +313,7 @@ mod tests {
     async fn a_body_sent_once_is_never_retried() {
         let mut script = Script::new([RETRY]);
         script.resendable = false;
-        let (_, tally) = run(&Retries::default(), &mut script).await;
+        let (_, tally) = run(&Retries::default(), &mut script, KEY, None).await;
         assert_eq!(tally, Tally { attempts: 1, stop: Stop::NotResendable });
         assert_eq!(script.discarded, 0, "the answer is handed back whole");
     }

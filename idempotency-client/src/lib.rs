@@ -88,7 +88,7 @@ mod outcome;
 mod retries;
 mod verdict;
 
-pub use attempts::Stop;
+pub use attempts::{Retrying, Stop};
 pub use key::{InvalidKey, check as check_key, new_key};
 pub use middleware::{Failure, GaveUp, IdempotencyMiddleware};
 pub use outcome::Outcome;

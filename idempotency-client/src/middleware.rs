@@ -8,7 +8,7 @@ use http::{Extensions, HeaderValue, Method};
 use reqwest::{Request, Response};
 use reqwest_middleware::{Error, Middleware, Next};
 
-use crate::attempts::{self, Answer, Stop, Transport};
+use crate::attempts::{self, Answer, OnRetry, Retrying, Stop, Transport};
 use crate::header::IDEMPOTENCY_KEY;
 use crate::key;
 use crate::outcome::Outcome;
@@ -41,16 +41,31 @@ use crate::verdict::{self, Verdict};
 /// (`.with_extension(Retries::none())`). A failure to get any answer comes
 /// back as [`GaveUp`], which names the key, so the request can be sent again
 /// later and answered with what it did.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct IdempotencyMiddleware {
     retries: Retries,
     methods: Vec<Method>,
+    on_retry: Option<OnRetry>,
+}
+
+impl std::fmt::Debug for IdempotencyMiddleware {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyMiddleware").field("retries", &self.retries).field("methods", &self.methods).finish()
+    }
 }
 
 impl IdempotencyMiddleware {
     /// Keys POST and PATCH requests and retries them within `retries`.
     pub fn new(retries: Retries) -> Self {
-        IdempotencyMiddleware { retries, methods: vec![Method::POST, Method::PATCH] }
+        IdempotencyMiddleware { retries, methods: vec![Method::POST, Method::PATCH], on_retry: None }
+    }
+
+    /// Tells `hook` of every retry before its wait: the key, the attempt
+    /// retried, its status (or none) and the wait. To log retries or count
+    /// them; it runs on the request's task, so it must not block.
+    pub fn on_retry(mut self, hook: impl Fn(&Retrying<'_>) + Send + Sync + 'static) -> Self {
+        self.on_retry = Some(std::sync::Arc::new(hook));
+        self
     }
 
     /// Keys requests of `method` too (`Method::PUT`, `Method::DELETE`: a
@@ -151,7 +166,7 @@ impl Middleware for IdempotencyMiddleware {
         };
         let retries = extensions.get::<Retries>().copied().unwrap_or(self.retries);
         let mut http = Http { request: Some(request), resendable: true, next, extensions };
-        let (answer, tally) = attempts::run(&retries, &mut http).await;
+        let (answer, tally) = attempts::run(&retries, &mut http, &key, self.on_retry.as_ref()).await;
         let gave_up =
             |last| Error::middleware(GaveUp { key: key.clone(), attempts: tally.attempts, stop: tally.stop, last });
         match answer {
@@ -219,6 +234,10 @@ impl Transport for Http<'_> {
 
     fn judge(&self, response: &Response) -> Verdict {
         verdict::of_http(response.status(), response.headers())
+    }
+
+    fn answered(&self, response: &Response) -> Option<u16> {
+        Some(response.status().as_u16())
     }
 
     fn judge_error(&self, error: &Error) -> Verdict {

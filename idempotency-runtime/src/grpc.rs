@@ -27,9 +27,10 @@
 //!
 //! What callers see (every refusal carries the problem's `code` in the
 //! metadata `idem-code` and opens its message with it, e.g.
-//! `IDEMPOTENCY_KEY_REUSED: this idempotency key was already used ...`;
-//! the message never repeats the key or a byte the caller sent that is not
-//! visible ASCII):
+//! `IDEMPOTENCY_KEY_REUSED: this idempotency key was already used ...`,
+//! and `idempotency-should-retry: true` on the `UNAVAILABLE` rows below,
+//! `false` on every other; the message never repeats the key or a byte the
+//! caller sent that is not visible ASCII):
 //!
 //! | situation | status | `idem-code` |
 //! |---|---|---|
@@ -77,7 +78,7 @@ use crate::error::Error;
 use crate::http::{IdempotencyKey, IdempotencyToken, KeyOrToken, ProblemDetails, header, observe_replay};
 use crate::token::TokenError;
 
-pub use crate::http::header::{IDEMPOTENCY_KEY, IDEMPOTENCY_TOKEN, IDEMPOTENT_REPLAYED, REPLAYED};
+pub use crate::http::header::{IDEMPOTENCY_KEY, IDEMPOTENCY_TOKEN, IDEMPOTENT_REPLAYED, REPLAYED, SHOULD_RETRY};
 
 /// The response metadata naming a refusal's stable code
 /// (`IDEMPOTENCY_KEY_REUSED`, ...), for clients that branch on it.
@@ -217,11 +218,14 @@ fn refusal(problem: &ProblemDetails) -> Status {
 }
 
 /// The problem as a status: its code and detail as the message, its code
-/// in `idem-code`, and the retry hints when asking again may help.
+/// in `idem-code`, `idempotency-should-retry`, and the retry hints when
+/// asking again may help.
 fn status(problem: &ProblemDetails, code: Code) -> Status {
     let mut status = Status::new(code, problem.to_string());
     let metadata = status.metadata_mut();
     metadata.insert(IDEM_CODE, AsciiMetadataValue::from_static(problem.code));
+    let retry = if problem.should_retry() { "true" } else { "false" };
+    metadata.insert(SHOULD_RETRY, AsciiMetadataValue::from_static(retry));
     if let Some(seconds) = problem.retry_after {
         metadata.insert(RETRY_AFTER, seconds.into());
         metadata.insert(RETRY_PUSHBACK_MS, (u64::from(seconds) * 1000).into());
@@ -245,6 +249,9 @@ mod tests {
 
     fn shown(status: &Status) -> (Code, &str, Option<&str>, Option<&str>) {
         let header = |name| status.metadata().get(name).map(|v| v.to_str().unwrap());
+        // Said on every refusal: to retry exactly when the pushback says when.
+        let retry = if header(RETRY_PUSHBACK_MS).is_some() { "true" } else { "false" };
+        assert_eq!(header(SHOULD_RETRY), Some(retry), "{status:?}");
         (status.code(), header(IDEM_CODE).unwrap(), header(RETRY_AFTER), header(RETRY_PUSHBACK_MS))
     }
 

@@ -13,8 +13,10 @@
 //!   [`Hold::Everything`] nothing moves until the hold ends.
 //!
 //! Bytes already read when a hold begins are held too, so nothing crosses a
-//! held direction after [`Forwarder::hold`] returns. Needs a tokio runtime;
-//! dropping the forwarder cuts everything.
+//! held direction after [`Forwarder::hold`] returns; [`Forwarder::held_replies`]
+//! counts the reply bytes a hold caught (the event "the server answered",
+//! for a test that then loses the answer). Needs a tokio runtime; dropping
+//! the forwarder cuts everything.
 
 use std::time::Duration;
 
@@ -67,6 +69,7 @@ struct Route {
 pub struct Forwarder {
     port: u16,
     route: watch::Sender<Route>,
+    held: watch::Sender<u64>,
     accept: JoinHandle<()>,
 }
 
@@ -76,8 +79,16 @@ impl Forwarder {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind forwarder");
         let port = listener.local_addr().expect("forwarder addr").port();
         let (route, watching) = watch::channel(Route { target: Some(target), hold: Hold::Nothing, epoch: 0 });
-        let accept = tokio::spawn(accept_loop(listener, watching));
-        Forwarder { port, route, accept }
+        let held = watch::Sender::new(0);
+        let accept = tokio::spawn(accept_loop(listener, watching, held.clone()));
+        Forwarder { port, route, held, accept }
+    }
+
+    /// The reply bytes caught by a hold so far, server to client, on every
+    /// connection (never reset): `wait_for(|n| *n > before)` waits for a
+    /// server to answer behind [`Hold::Replies`].
+    pub fn held_replies(&self) -> watch::Receiver<u64> {
+        self.held.subscribe()
     }
 
     /// The port clients connect to.
@@ -109,7 +120,7 @@ impl Drop for Forwarder {
     }
 }
 
-async fn accept_loop(listener: TcpListener, route: watch::Receiver<Route>) {
+async fn accept_loop(listener: TcpListener, route: watch::Receiver<Route>, held: watch::Sender<u64>) {
     loop {
         let Ok((client, _)) = listener.accept().await else { continue };
         let now = *route.borrow();
@@ -117,11 +128,17 @@ async fn accept_loop(listener: TcpListener, route: watch::Receiver<Route>) {
             drop(client);
             continue;
         };
-        tokio::spawn(connection(client, target, route.clone(), now.epoch));
+        tokio::spawn(connection(client, target, route.clone(), now.epoch, held.clone()));
     }
 }
 
-async fn connection(client: TcpStream, target: u16, route: watch::Receiver<Route>, epoch: u64) {
+async fn connection(
+    client: TcpStream,
+    target: u16,
+    route: watch::Receiver<Route>,
+    epoch: u64,
+    held: watch::Sender<u64>,
+) {
     let Ok(Ok(server)) = tokio::time::timeout(CONNECT, TcpStream::connect(("127.0.0.1", target))).await else {
         return;
     };
@@ -132,23 +149,31 @@ async fn connection(client: TcpStream, target: u16, route: watch::Receiver<Route
     // Either side ending (or a cut) ends both: dropping the halves closes
     // the sockets, and the peers see the connection gone.
     tokio::select! {
-        () = pump(client_read, server_write, Direction::Requests, route.clone(), epoch) => {}
-        () = pump(server_read, client_write, Direction::Replies, route, epoch) => {}
+        () = pump(client_read, server_write, Direction::Requests, route.clone(), epoch, None) => {}
+        () = pump(server_read, client_write, Direction::Replies, route, epoch, Some(held)) => {}
     }
 }
 
 /// Copies bytes one way while the route lets them, until either side ends
-/// or the connection's epoch is over.
+/// or the connection's epoch is over; with `held`, reads while the
+/// direction is held too and counts there the bytes caught.
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     direction: Direction,
     mut route: watch::Receiver<Route>,
     epoch: u64,
+    held: Option<watch::Sender<u64>>,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
-        if !flowing(&mut route, direction, epoch).await {
+        // A counting pump reads on while held (one buffer's worth, kept
+        // until the hold ends), so that a hold sees what it catches.
+        let open = match held {
+            Some(_) => route.borrow_and_update().epoch == epoch,
+            None => flowing(&mut route, direction, epoch).await,
+        };
+        if !open {
             return;
         }
         let n = tokio::select! {
@@ -162,6 +187,11 @@ async fn pump(
                 Err(_) => return,
             },
         };
+        if let Some(held) = &held
+            && route.borrow().hold.blocks(direction)
+        {
+            held.send_modify(|bytes| *bytes += n as u64);
+        }
         if !flowing(&mut route, direction, epoch).await {
             return;
         }

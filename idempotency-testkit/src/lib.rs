@@ -19,6 +19,8 @@
 //!   private MariaDB set up as a test needs (a one-node Galera too).
 //! - [`kafka`]: a private Kafka-protocol broker (tansu).
 //! - [`pgbouncer`]: a private PgBouncer in transaction pooling mode.
+//! - [`example`]: one of the workspace's examples, run as a process
+//!   (`tests/client_http.rs`, `tests/client_grpc.rs`).
 //! - [`pg_cluster`]: a private PostgreSQL primary and streaming standby, and
 //!   [`forwarder`]: a TCP path between clients and a server that a test can
 //!   switch, cut and hold (`tests/failover/`).
@@ -36,6 +38,7 @@ pub mod backend;
 pub mod counters;
 #[cfg(feature = "cron")]
 mod cron_clock;
+pub mod example;
 pub mod forwarder;
 pub mod galera;
 pub mod kafka;

@@ -251,6 +251,7 @@ struct Answer {
     status: u16,
     replayed: Option<String>,
     retry_after: Option<String>,
+    should_retry: Option<String>,
     content_type: String,
     body: Vec<u8>,
 }
@@ -271,6 +272,7 @@ impl Answer {
         assert_eq!(body, expected.body());
         assert_eq!(self.content_type, "application/problem+json");
         assert_eq!(self.retry_after, expected.retry_after.map(|s| s.to_string()));
+        assert_eq!(self.should_retry, Some(expected.should_retry().to_string()), "{body}");
         assert_eq!(self.replayed, None);
     }
 }
@@ -286,15 +288,19 @@ async fn send_raw(client: &reqwest::Client, base: &str, order: i64, headers: &[(
     }
     let response = request.send().await.expect("request");
     let header = |name: &str| response.headers().get(name).map(|v| v.to_str().unwrap().to_owned());
-    let (status, replayed, retry_after) =
-        (response.status().as_u16(), header("idempotent-replayed"), header("retry-after"));
+    let (status, replayed, retry_after, should_retry) = (
+        response.status().as_u16(),
+        header("idempotent-replayed"),
+        header("retry-after"),
+        header("idempotency-should-retry"),
+    );
     let content_type = header("content-type").unwrap_or_default();
     let body = response.bytes().await.expect("body").to_vec();
     if content_type == "application/problem+json" {
         // No problem ever carries a control byte or a byte above ASCII.
         assert!(body.iter().all(|b| (b' '..=b'~').contains(b)), "{:?}", String::from_utf8_lossy(&body));
     }
-    Answer { status, replayed, retry_after, content_type, body }
+    Answer { status, replayed, retry_after, should_retry, content_type, body }
 }
 
 async fn send(

@@ -56,7 +56,7 @@ use tonic::body::Body;
 use tonic::metadata::MetadataMap;
 use tower_service::Service;
 
-use crate::attempts::{self, Answer, Transport};
+use crate::attempts::{self, Answer, OnRetry, Retrying, Transport};
 use crate::header::IDEMPOTENCY_KEY;
 use crate::outcome::Outcome;
 use crate::retries::Retries;
@@ -68,15 +68,29 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The layer: wraps a channel (or any service tonic clients call) in
 /// [`Idempotent`].
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub struct IdempotencyLayer {
     retries: Retries,
+    on_retry: Option<OnRetry>,
 }
 
 impl IdempotencyLayer {
     /// Keys every call and retries it within `retries`.
     pub fn new(retries: Retries) -> Self {
-        IdempotencyLayer { retries }
+        IdempotencyLayer { retries, on_retry: None }
+    }
+
+    /// Tells `hook` of every retry before its wait (`answered` is the gRPC
+    /// code), as [`IdempotencyMiddleware::on_retry`](crate::IdempotencyMiddleware::on_retry) does.
+    pub fn on_retry(mut self, hook: impl Fn(&Retrying<'_>) + Send + Sync + 'static) -> Self {
+        self.on_retry = Some(Arc::new(hook));
+        self
+    }
+}
+
+impl std::fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayer").field("retries", &self.retries).finish()
     }
 }
 
@@ -84,16 +98,23 @@ impl<S> tower_layer::Layer<S> for IdempotencyLayer {
     type Service = Idempotent<S>;
 
     fn layer(&self, inner: S) -> Idempotent<S> {
-        Idempotent { inner, retries: self.retries }
+        Idempotent { inner, retries: self.retries, on_retry: self.on_retry.clone() }
     }
 }
 
 /// A service (a tonic `Channel`, say) whose calls are keyed and retried;
 /// made by [`IdempotencyLayer`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Idempotent<S> {
     inner: S,
     retries: Retries,
+    on_retry: Option<OnRetry>,
+}
+
+impl<S: std::fmt::Debug> std::fmt::Debug for Idempotent<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Idempotent").field("inner", &self.inner).field("retries", &self.retries).finish()
+    }
 }
 
 impl<S, B> Service<http::Request<Body>> for Idempotent<S>
@@ -116,11 +137,16 @@ where
         let clone = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, clone);
         let retries = request.extensions().get::<Retries>().copied().unwrap_or(self.retries);
-        Box::pin(call(ready, retries, request))
+        Box::pin(call(ready, retries, self.on_retry.clone(), request))
     }
 }
 
-async fn call<S, B>(service: S, retries: Retries, request: http::Request<Body>) -> Result<http::Response<B>, BoxError>
+async fn call<S, B>(
+    service: S,
+    retries: Retries,
+    on_retry: Option<OnRetry>,
+    request: http::Request<Body>,
+) -> Result<http::Response<B>, BoxError>
 where
     S: Service<http::Request<Body>, Response = http::Response<B>> + Send,
     S::Future: Send,
@@ -137,16 +163,16 @@ where
         Err(invalid) => return Err(Box::new(refusal(&invalid))),
     };
     let copy = tee::Shared::default();
-    let first = Body::new(tee::Tee::new(body, Arc::clone(&copy)));
+    let first = tee::prepare(body, &copy);
     let mut grpc = Grpc { service, head, first: Some(first), copy };
-    let (answer, tally) = attempts::run(&retries, &mut grpc).await;
+    let (answer, tally) = attempts::run(&retries, &mut grpc, &key, on_retry.as_ref()).await;
     match answer {
         Answer::Response(mut response) => {
             metadata::write(response.headers_mut(), &key, tally);
             Ok(response)
         }
         Answer::Failed(error) => {
-            let mut status = Status::from_error(error);
+            let mut status = no_answer(error, tally.attempts);
             metadata::write(status.metadata_mut().as_mut(), &key, tally);
             Err(Box::new(status))
         }
@@ -157,6 +183,20 @@ where
             metadata::write(status.metadata_mut().as_mut(), &key, tally);
             Err(Box::new(status))
         }
+    }
+}
+
+/// The last failure as the caller's status: a status made on this side
+/// as it is; anything else (refused, reset, closed before the reply)
+/// `UNAVAILABLE`, gRPC's code for "the server could not be reached", which
+/// tonic would answer for some of them only (`CANCELLED` for a connection
+/// closed under the call, say).
+fn no_answer(error: BoxError, attempts: u32) -> Status {
+    match error.downcast::<Status>() {
+        Ok(status) => *status,
+        Err(error) => Status::unavailable(format!(
+            "no reply after {attempts} attempt(s); the call may have run, send it again with its key: {error}"
+        )),
     }
 }
 
@@ -217,6 +257,10 @@ where
 
     fn judge(&self, response: &http::Response<B>) -> Verdict {
         verdict::of_grpc(response.headers())
+    }
+
+    fn answered(&self, response: &http::Response<B>) -> Option<u16> {
+        response.headers().get("grpc-status")?.to_str().ok()?.parse().ok()
     }
 
     fn judge_error(&self, error: &BoxError) -> Verdict {

@@ -1,11 +1,14 @@
-//! A request body sent as it comes and copied on the way, so the request
-//! can be sent again: gRPC's own retry design buffers this way, and gives
-//! up retrying once the copy would grow past a limit. A unary call's
-//! message is copied whole; a stream longer than the limit is sent once.
+//! A request body kept so the call can be sent again. What the body has
+//! ready at once is read before the first attempt: a unary call's whole
+//! message, which every attempt then sends from the copy, even when the
+//! first never got its connection. A stream still open goes out as it
+//! comes, copied on the way; gRPC's own retry design buffers this way, and
+//! gives up retrying once the copy would pass a limit.
 
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll, Waker, ready};
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body as HttpBody, Frame, SizeHint};
@@ -33,7 +36,7 @@ enum State {
 }
 
 impl Copy {
-    /// The whole body again, once it was sent to its end.
+    /// The whole body again, once it was read to its end.
     pub(super) fn again(&self) -> Option<Body> {
         (self.state == State::Whole).then(|| Body::new(http_body_util::Full::new(self.bytes.clone().freeze())))
     }
@@ -41,6 +44,15 @@ impl Copy {
     fn ended(&mut self) {
         if self.state == State::Copying {
             self.state = State::Whole;
+        }
+    }
+
+    fn record(&mut self, frame: &Result<Frame<Bytes>, Status>) {
+        match frame.as_ref().map(Frame::data_ref) {
+            Ok(Some(data)) if self.state == State::Copying && self.bytes.len() + data.len() <= COPY_LIMIT => {
+                self.bytes.extend_from_slice(data);
+            }
+            _ => self.state = State::Lost,
         }
     }
 }
@@ -51,19 +63,42 @@ pub(super) fn lock(copy: &Shared) -> std::sync::MutexGuard<'_, Copy> {
     copy.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// The body as sent the first time, copying into `copy`.
-pub(super) struct Tee {
-    inner: Body,
-    copy: Shared,
+/// Reads what `body` has ready into `copy` and returns what the first
+/// attempt sends: the copy itself when the body ended, else what was read
+/// followed by the rest, copied on the way.
+pub(super) fn prepare(body: Body, copy: &Shared) -> Body {
+    let mut tee = Tee { read: VecDeque::new(), inner: body, copy: Arc::clone(copy) };
+    let mut cx = Context::from_waker(Waker::noop());
+    {
+        let mut copy = lock(copy);
+        while copy.state == State::Copying {
+            if tee.inner.is_end_stream() {
+                copy.ended();
+                break;
+            }
+            match Pin::new(&mut tee.inner).poll_frame(&mut cx) {
+                Poll::Ready(Some(frame)) => {
+                    copy.record(&frame);
+                    tee.read.push_back(frame);
+                }
+                Poll::Ready(None) => copy.ended(),
+                // A stream the caller goes on writing: sent as it comes.
+                Poll::Pending => break,
+            }
+        }
+        if let Some(whole) = copy.again() {
+            return whole;
+        }
+    }
+    Body::new(tee)
 }
 
-impl Tee {
-    pub(super) fn new(inner: Body, copy: Shared) -> Self {
-        if inner.is_end_stream() {
-            lock(&copy).ended();
-        }
-        Tee { inner, copy }
-    }
+/// The body as sent the first time: what was read already, then the rest,
+/// copied into `copy`.
+struct Tee {
+    read: VecDeque<Result<Frame<Bytes>, Status>>,
+    inner: Body,
+    copy: Shared,
 }
 
 impl HttpBody for Tee {
@@ -71,16 +106,13 @@ impl HttpBody for Tee {
     type Error = Status;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        if let Some(frame) = self.read.pop_front() {
+            return Poll::Ready(Some(frame));
+        }
         let polled = ready!(Pin::new(&mut self.inner).poll_frame(cx));
         let mut copy = lock(&self.copy);
         match &polled {
-            Some(Ok(frame)) => match frame.data_ref() {
-                Some(data) if copy.state == State::Copying && copy.bytes.len() + data.len() <= COPY_LIMIT => {
-                    copy.bytes.extend_from_slice(data);
-                }
-                _ => copy.state = State::Lost,
-            },
-            Some(Err(_)) => copy.state = State::Lost,
+            Some(frame) => copy.record(frame),
             None => copy.ended(),
         }
         if polled.is_some() && self.inner.is_end_stream() {
@@ -91,7 +123,7 @@ impl HttpBody for Tee {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.read.is_empty() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -105,19 +137,19 @@ mod tests {
 
     use super::*;
 
-    async fn send(body: Body) -> (Bytes, Shared) {
-        let copy = Shared::default();
-        let sent = Tee::new(body, copy.clone()).collect().await.expect("a body").to_bytes();
-        (sent, copy)
+    async fn bytes(body: Body) -> Bytes {
+        body.collect().await.expect("a body").to_bytes()
     }
 
     #[tokio::test]
-    async fn a_whole_body_can_be_sent_again() {
-        let (sent, copy) = send(Body::new(http_body_util::Full::new(Bytes::from_static(b"\0\0\0\0\x02hi")))).await;
-        let again = lock(&copy).again().expect("copied whole");
-        let again = again.collect().await.unwrap().to_bytes();
-        assert_eq!((sent.as_ref(), again.as_ref()), (&b"\0\0\0\0\x02hi"[..], &b"\0\0\0\0\x02hi"[..]));
-        let (_, copy) = send(Body::empty()).await;
+    async fn a_body_ready_whole_is_copied_before_the_first_attempt() {
+        let message = Bytes::from_static(b"\0\0\0\0\x02hi");
+        let copy = Shared::default();
+        let first = prepare(Body::new(http_body_util::Full::new(message.clone())), &copy);
+        let again = lock(&copy).again().expect("copied whole before any attempt");
+        assert_eq!((bytes(first).await, bytes(again).await), (message.clone(), message));
+        let copy = Shared::default();
+        let _ = prepare(Body::empty(), &copy);
         let empty = lock(&copy).again();
         assert!(empty.is_some(), "an empty body too");
     }
@@ -125,21 +157,25 @@ mod tests {
     #[tokio::test]
     async fn a_body_past_the_limit_is_sent_once() {
         let big = Bytes::from(vec![7u8; COPY_LIMIT + 1]);
-        let (sent, copy) = send(Body::new(http_body_util::Full::new(big))).await;
+        let copy = Shared::default();
+        let sent = bytes(prepare(Body::new(http_body_util::Full::new(big)), &copy)).await;
         assert_eq!(sent.len(), COPY_LIMIT + 1, "sent whole all the same");
-        assert!(lock(&copy).again().is_none());
+        let again = lock(&copy).again();
+        assert!(again.is_none());
     }
 
     #[tokio::test]
-    async fn a_body_not_sent_to_its_end_cannot_be_sent_again() {
+    async fn a_stream_still_open_is_sent_as_it_comes_and_cannot_be_sent_again() {
         let copy = Shared::default();
-        let mut tee = Tee::new(Body::new(Endless(Some(Bytes::from_static(b"part")))), copy.clone());
-        let first = tee.frame().await.expect("a frame").expect("data");
-        assert_eq!(first.into_data().unwrap(), "part");
-        assert!(lock(&copy).again().is_none(), "the stream goes on");
+        let mut first = prepare(Body::new(Endless(Some(Bytes::from_static(b"part")))), &copy);
+        let frame = first.frame().await.expect("a frame").expect("data");
+        assert_eq!(frame.into_data().unwrap(), "part");
+        let again = lock(&copy).again();
+        assert!(again.is_none(), "the stream goes on");
     }
 
-    /// A stream of one frame that never ends (a client stream still open).
+    /// A stream that has one frame ready, then waits (a client stream
+    /// still open): polled once more, it is pending for ever.
     struct Endless(Option<Bytes>);
 
     impl HttpBody for Endless {

@@ -61,6 +61,8 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static(super::heade
 /// The request header carrying a token the server issued
 /// ([`Idem::tokens`](crate::Idem::tokens)).
 pub const IDEMPOTENCY_TOKEN: HeaderName = HeaderName::from_static(super::header::IDEMPOTENCY_TOKEN);
+/// `Idempotency-Should-Retry`, on every problem answered.
+const SHOULD_RETRY: HeaderName = HeaderName::from_static(super::header::SHOULD_RETRY);
 
 /// An `application/problem+json` error response (RFC 9457) with a stable
 /// `code`, as actix-web answers it (`ResponseError`, `Responder`). Built
@@ -180,13 +182,15 @@ impl<T: DeserializeOwned> FromRequest for Path<T> {
 }
 
 /// The response a problem makes: its status, the JSON body as
-/// `application/problem+json`, and `Retry-After` when asking again may help.
+/// `application/problem+json`, `Retry-After` when asking again may help,
+/// and `Idempotency-Should-Retry` saying whether it can.
 fn respond(problem: &Problem) -> HttpResponse {
     let mut response = HttpResponse::build(problem.status);
     response.insert_header((header::CONTENT_TYPE, PROBLEM_JSON));
     if let Some(seconds) = problem.retry_after {
         response.insert_header((header::RETRY_AFTER, seconds));
     }
+    response.insert_header((SHOULD_RETRY, if problem.should_retry() { "true" } else { "false" }));
     response.body(problem.body())
 }
 
@@ -315,6 +319,8 @@ mod tests {
                 headers_of(&response),
                 (core.status, Some(PROBLEM_JSON.to_owned()), retry_after.map(str::to_owned))
             );
+            let should_retry = response.headers().get(SHOULD_RETRY).map(|v| v.to_str().unwrap());
+            assert_eq!(should_retry, Some(if retry_after.is_some() { "true" } else { "false" }), "{error:?}");
             assert_eq!(core.status, status);
         }
         use crate::token::Refusal;

@@ -44,6 +44,8 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static(super::heade
 /// The request header carrying a token the server issued
 /// ([`Idem::tokens`](crate::Idem::tokens)).
 pub const IDEMPOTENCY_TOKEN: HeaderName = HeaderName::from_static(super::header::IDEMPOTENCY_TOKEN);
+/// `Idempotency-Should-Retry`, on every problem answered.
+const SHOULD_RETRY: HeaderName = HeaderName::from_static(super::header::SHOULD_RETRY);
 
 /// An `application/problem+json` error response (RFC 9457) with a stable
 /// `code`, as axum answers it. Built from an [`Error`]
@@ -145,6 +147,7 @@ impl IntoResponse for Problem {
         if let Some(seconds) = self.retry_after {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
+        headers.insert(SHOULD_RETRY, HeaderValue::from_static(if self.should_retry() { "true" } else { "false" }));
         response
     }
 }
@@ -326,6 +329,7 @@ mod tests {
         let (status, body, headers) = parts(Error::InProgress { biz: "pay", key: "k".into() });
         assert_eq!((status, body["code"].as_str()), (StatusCode::CONFLICT, Some("IDEMPOTENCY_KEY_IN_PROGRESS")));
         assert_eq!(headers[header::RETRY_AFTER], "1");
+        assert_eq!(headers[SHOULD_RETRY], "true");
         assert_eq!(body["type"], "urn:idem:problem:idempotency-key-in-progress");
 
         let cases = [
@@ -344,8 +348,9 @@ mod tests {
         for (error, status, code) in cases {
             let (got, body, headers) = parts(error);
             assert_eq!((got.as_u16(), body["code"].as_str()), (status, Some(code)));
-            // Only a failure that passes says when to come back.
+            // Only a failure that passes says when to come back, and to come back at all.
             assert_eq!(headers.get(header::RETRY_AFTER).is_some(), status == 503, "{code}");
+            assert_eq!(headers[SHOULD_RETRY], if status == 503 { "true" } else { "false" }, "{code}");
         }
     }
 

@@ -8,7 +8,7 @@
 //! principal check ([`validate_principal`]), [`Error`](crate::Error) and
 //! [`TokenError`](crate::TokenError) as problem details
 //! ([`ProblemDetails`]: status, `type`, `title`, `code`, `detail`,
-//! `Retry-After`), and the replay marker ([`observe_replay`], the
+//! `Retry-After`, `Idempotency-Should-Retry`), and the replay marker ([`observe_replay`], the
 //! [`header`] names). Each rule runs on raw bytes (`from_header_values`), so
 //! any transport can call it; an adapter only reads its framework's
 //! headers and writes its framework's responses.
@@ -79,7 +79,9 @@
 //! | the token store (Redis, or the database without it) unreachable | 503, `Retry-After: 1` | `IDEMPOTENCY_STORAGE_UNAVAILABLE` |
 //!
 //! Error bodies are `application/problem+json` (RFC 9457) with `type`,
-//! `title`, `status`, `code` and `detail`. The detail never repeats the key
+//! `title`, `status`, `code` and `detail`, and every one carries
+//! `Idempotency-Should-Retry: true` (the 409 and 503 rows, with
+//! `Retry-After`) or `false` (every other row). The detail never repeats the key
 //! or the principal, and never carries a byte the caller sent that is not
 //! visible ASCII: an offending character shows as `':'`, or as its code
 //! point (`U+0009`, `U+00E9`) when it is a control or non-ASCII character.
@@ -150,4 +152,10 @@ pub mod header {
     pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
     /// The value of [`IDEMPOTENT_REPLAYED`] on a replayed response.
     pub const REPLAYED: &str = "true";
+    /// The response header on every problem an adapter answers: `true`
+    /// when asking again with the same key can help, `false` when it
+    /// cannot ([`ProblemDetails::should_retry`](super::ProblemDetails::should_retry)).
+    /// A client reads it before the status (a 409 or a 500 of the
+    /// handler's own says `false`); `idempotency-client` does.
+    pub const SHOULD_RETRY: &str = "idempotency-should-retry";
 }

@@ -41,6 +41,7 @@ pub struct ProblemDetails<S = u16> {
     /// What happened this time (never the key itself).
     pub detail: String,
     /// Seconds for a `Retry-After` header, when asking again may help.
+    /// It also decides `Idempotency-Should-Retry` ([`should_retry`](Self::should_retry)).
     pub retry_after: Option<u32>,
 }
 
@@ -72,6 +73,17 @@ impl<S: HttpStatus> ProblemDetails<S> {
              ask for a new one; nothing was written"
                 .into(),
         )
+    }
+
+    /// Whether asking again with the same key can help: what the
+    /// `Idempotency-Should-Retry` header says (`true` or `false`), on every
+    /// problem an adapter answers. True exactly when the problem says when
+    /// to come back (`retry_after`): a request still running, a database
+    /// that is down. A refusal, or a failure that recurs, says `false`, so
+    /// a client does not retry a 500 or a business 409 of the handler's
+    /// own by its status alone.
+    pub fn should_retry(&self) -> bool {
+        self.retry_after.is_some()
     }
 
     /// The `type` URI: `urn:idem:problem:` and the code in kebab case.
@@ -307,12 +319,16 @@ fn of_token_error(error: &TokenError) -> ProblemDetails {
                     .into(),
             )
         },
-        TokenError::Random(_) => ProblemDetails::new(
-            SERVICE_UNAVAILABLE,
-            "IDEMPOTENCY_TOKEN_UNAVAILABLE",
-            "Idempotency token cannot be issued",
-            "no idempotency token could be issued right now; ask again later".into(),
-        ),
+        // The system's randomness failing passes too: it says when to ask again.
+        TokenError::Random(_) => ProblemDetails {
+            retry_after: Some(1),
+            ..ProblemDetails::new(
+                SERVICE_UNAVAILABLE,
+                "IDEMPOTENCY_TOKEN_UNAVAILABLE",
+                "Idempotency token cannot be issued",
+                "no idempotency token could be issued right now; ask again later".into(),
+            )
+        },
         // `biz` or ttl: the server's code, not the request.
         TokenError::InvalidBiz | TokenError::InvalidTtl => ProblemDetails::new(
             INTERNAL_SERVER_ERROR,
@@ -368,6 +384,37 @@ mod tests {
             assert!(!problem.detail.contains("key") && !problem.title.contains("key"), "{problem:?}");
             assert!(!problem.detail.contains("amount"), "{problem:?}");
         }
+    }
+
+    /// What `Idempotency-Should-Retry` says for each answer: `true` for
+    /// the failures that pass (503) and a request still running (409),
+    /// `false` for every refusal and every failure that recurs.
+    #[test]
+    fn only_what_passes_says_retry() {
+        let json_error = || serde_json::from_str::<u8>("x").unwrap_err();
+        let errors = [
+            (Error::InProgress { biz: "pay", key: "k".into() }, true),
+            (Error::Storage(sqlx::Error::PoolTimedOut), true),
+            (Error::KeyReused { biz: "pay", key: "k".into() }, false),
+            (Error::InvalidKey(KeyError::Missing), false),
+            (Error::BizNoTooLong { len: 65, max: 64 }, false),
+            (Error::StorageRefused(sqlx::Error::RowNotFound), false),
+            (Error::NotMigrated(sqlx::Error::RowNotFound), false),
+            (Error::ResultTooLarge { biz: "pay", len: 2, max: 1 }, false),
+            (Error::Replay { biz: "pay", key: "k".into(), source: json_error() }, false),
+            (Error::Serialize(json_error()), false),
+            (Error::InvalidBiz, false),
+            (Error::NonFiniteFloat { arg: "amount" }, false),
+        ];
+        for (error, retry) in errors {
+            let problem = ProblemDetails::<u16>::from(&error);
+            assert_eq!((problem.should_retry(), problem.retry_after.is_some()), (retry, retry), "{error:?}");
+            assert_eq!(problem.should_retry(), problem.status == SERVICE_UNAVAILABLE || problem.status == CONFLICT);
+        }
+        let random = ProblemDetails::<u16>::from(&TokenError::Random(std::io::Error::other("no entropy")));
+        assert_eq!((random.status, random.should_retry(), random.retry_after), (503, true, Some(1)));
+        assert!(!ProblemDetails::<u16>::token_invalid().should_retry());
+        assert!(!ProblemDetails::missing_key().should_retry());
     }
 
     #[test]
