@@ -34,9 +34,9 @@
 //! metadata `idem-client-key`, `idem-client-attempts` and
 //! `idem-client-stop`, which [`outcome`] reads with the server's
 //! `idempotent-replayed` (gRPC's errors carry metadata only). A call that
-//! got no answer at all is the `Status` tonic makes of the last failure
-//! (`UNAVAILABLE` for a connection that could not be made), or
-//! `DEADLINE_EXCEEDED` for an attempt abandoned by
+//! got no answer at all is `UNAVAILABLE` (a status made on this side, by
+//! an interceptor say, stays as it is), or `DEADLINE_EXCEEDED` for an
+//! attempt abandoned by
 //! [`Retries::attempt_timeout`](crate::Retries::attempt_timeout) or
 //! [`Retries::total`](crate::Retries::total), with the same metadata. Per
 //! call, other bounds go in the request's extensions
