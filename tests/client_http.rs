@@ -392,6 +392,24 @@ async fn a_callers_key_is_kept_across_a_client_restart() {
     shop.close().await;
 }
 
+/// The guide's example (`examples/client.rs`, both halves in one process
+/// and a network that loses the first answer) pays twice and charges
+/// once, as docs/client.md shows it.
+#[tokio::test]
+async fn the_guides_example_pays_twice_and_charges_once() {
+    let printed = Example::run("client", &["examples/client.rs"], "axum,sqlite", &[]).await;
+    let lines: Vec<&str> = printed.lines().collect();
+    let receipt = r#"200 {"order_id":42,"amount":1999,"payment_id":1}"#;
+    assert_eq!(
+        lines,
+        [
+            format!("pay:       {receipt} after 2 attempts, replayed: true (the first answer was lost)"),
+            format!("pay again: {receipt} after 1 attempt, replayed: true"),
+            "charges:   1".to_owned(),
+        ]
+    );
+}
+
 /// The client's header names are the server's.
 #[test]
 fn both_halves_name_the_headers_alike() {

@@ -36,15 +36,7 @@ impl Example {
         marker: &str,
     ) -> (Example, String) {
         let binary = binary(name, sources, features);
-        let mut command = Command::new(&binary);
-        // The test's own settings (`IDEM_REDIS_URL`, ...) are not the example's.
-        for (var, _) in std::env::vars_os() {
-            if var.to_string_lossy().starts_with("IDEM_") {
-                command.env_remove(var);
-            }
-        }
-        let mut child = command
-            .envs(env.iter().copied())
+        let mut child = command(&binary, env)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -80,6 +72,41 @@ impl Example {
     pub fn id(&self) -> u32 {
         self.child.id()
     }
+
+    /// Runs example `name` (as [`start`](Self::start) finds it) to its end
+    /// and returns what it printed; one that fails, or runs past a minute
+    /// (then killed), fails the test.
+    pub async fn run(name: &str, sources: &[&str], features: &str, env: &[(&str, &str)]) -> String {
+        let binary = binary(name, sources, features);
+        let child = command(&binary, env).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn();
+        let child = child.unwrap_or_else(|e| panic!("starting {}: {e}", binary.display()));
+        let pid = child.id();
+        // Waited for off the runtime's thread, which may serve the example.
+        let output =
+            tokio::time::timeout(Duration::from_secs(60), tokio::task::spawn_blocking(|| child.wait_with_output()));
+        let Ok(output) = output.await else {
+            // SAFETY: a signal to the child this call started and has not reaped.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            panic!("the example {name} ran past a minute");
+        };
+        let output = output.expect("waited for").expect("its output");
+        let printed = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(output.status.success(), "the example {name} failed ({}):\n{printed}", output.status);
+        printed
+    }
+}
+
+/// The example's command: the test's environment less its own settings
+/// (`IDEM_REDIS_URL`, ...), which are not the example's, plus `env`.
+fn command(binary: &Path, env: &[(&str, &str)]) -> Command {
+    let mut command = Command::new(binary);
+    for (var, _) in std::env::vars_os() {
+        if var.to_string_lossy().starts_with("IDEM_") {
+            command.env_remove(var);
+        }
+    }
+    command.envs(env.iter().copied());
+    command
 }
 
 impl Drop for Example {
