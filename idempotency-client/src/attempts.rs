@@ -113,7 +113,8 @@ pub(crate) async fn run<T: Transport>(
     on_retry: Option<&OnRetry>,
 ) -> (Answer<T::Response, T::Error>, Tally) {
     let deadline = Instant::now() + retries.total;
-    let mut jitter = Jitter::seeded();
+    // Seeded at the first retry: most requests never need one.
+    let mut jitter: Option<Jitter> = None;
     let mut attempts = 0;
     loop {
         attempts += 1;
@@ -141,7 +142,8 @@ pub(crate) async fn run<T: Transport>(
         if let Some(after) = after.filter(|after| *after > retries.max_retry_after) {
             return (answer, stop(Stop::RetryAfterTooLong(after)));
         }
-        let wait = after.unwrap_or_default().max(jitter.up_to(retries.ceiling(attempts)));
+        let backoff = jitter.get_or_insert_with(Jitter::seeded).up_to(retries.ceiling(attempts));
+        let wait = after.unwrap_or_default().max(backoff);
         if Instant::now() + wait >= deadline {
             return (answer, stop(Stop::Time));
         }
