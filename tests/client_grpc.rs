@@ -40,7 +40,7 @@ impl Shop {
         let (server, serving) = Example::start(
             "grpc",
             &["examples/grpc.rs", "examples/grpc"],
-            "tonic,sqlite",
+            &idempotency_testkit::facade_features!(),
             &[("IDEM_GRPC_ADDR", "127.0.0.1:0"), ("IDEM_SQLITE_URL", &url)],
             "serving idem.example.Payments on ",
         )

@@ -64,16 +64,12 @@ impl Shop {
         let db = Arc::new(Forwarder::start(mysql_port).await);
         let through_db = server.replace(&format!(":{mysql_port}"), &format!(":{}", db.port()));
         let example_url = format!("{through_db}/{database}");
+        let features = idempotency_testkit::facade_features!();
         let mut env = vec![("IDEM_HTTP_ADDR", "127.0.0.1:0"), ("IDEM_MYSQL_URL", example_url.as_str())];
         env.extend(redis.map(|url| ("IDEM_REDIS_URL", url)));
-        let (example, listening) = Example::start(
-            "http",
-            &["examples/http.rs", "examples/shop"],
-            "axum,mysql,sqlite,redis",
-            &env,
-            "listening on http://",
-        )
-        .await;
+        let (example, listening) =
+            Example::start("http", &["examples/http.rs", "examples/shop"], &features, &env, "listening on http://")
+                .await;
         let addr = listening.split_whitespace().next().expect("an address");
         let server_port = addr.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).expect("a port");
         let front = Forwarder::start(server_port).await;
@@ -397,7 +393,7 @@ async fn a_callers_key_is_kept_across_a_client_restart() {
 /// once, as docs/client.md shows it.
 #[tokio::test]
 async fn the_guides_example_pays_twice_and_charges_once() {
-    let printed = Example::run("client", &["examples/client.rs"], "axum,sqlite", &[]).await;
+    let printed = Example::run("client", &["examples/client.rs"], &idempotency_testkit::facade_features!(), &[]).await;
     let lines: Vec<&str> = printed.lines().collect();
     let receipt = r#"200 {"order_id":42,"amount":1999,"payment_id":1}"#;
     assert_eq!(

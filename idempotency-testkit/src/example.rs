@@ -1,12 +1,13 @@
-//! One of this workspace's examples, run as the process a user runs:
-//! `cargo test` (and nextest) build every example beside the test
-//! binaries, in `<target>/debug/examples/`, and a test starts the one it
-//! needs with its environment, reads where it listens from its output, and
-//! kills it when done.
+//! One of this workspace's examples, run as the process a user runs: a
+//! test starts the one it needs with its environment, reads where it
+//! listens from its output, and kills it when done.
 //!
-//! A test run with `--test` builds no example: the binary is then missing
-//! or older than its sources, and the test fails saying which `cargo build`
-//! makes it (never a stale server tested in silence).
+//! `cargo test` (and nextest) build every example beside the test binaries,
+//! in `<target>/<profile>/examples/`; that binary is used when it is newer
+//! than its sources. Otherwise (a run narrowed with `--test`, a source
+//! changed since) the test has cargo build it with the test's own features
+//! ([`facade_features!`](crate::facade_features)), as its own build would:
+//! never a stale server tested in silence.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -26,16 +27,17 @@ impl Example {
     /// output holds `marker`; returns the example and the rest of that line
     /// after the marker (`"listening on "` → `"http://127.0.0.1:PORT ..."`).
     /// `sources` are the example's own files and folders, relative to the
-    /// workspace (its binary must be newer than them and than the library's
-    /// sources); `features` only name what builds it, for the message.
+    /// workspace (a binary older than them or than the library's sources is
+    /// built again); `features` are the test's own, which build it
+    /// (`idempotency_testkit::facade_features!()`).
     pub async fn start(
         name: &str,
         sources: &[&str],
-        features: &str,
+        features: &[&str],
         env: &[(&str, &str)],
         marker: &str,
     ) -> (Example, String) {
-        let binary = binary(name, sources, features);
+        let binary = located(name, sources, features).await;
         let mut child = command(&binary, env)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -76,8 +78,8 @@ impl Example {
     /// Runs example `name` (as [`start`](Self::start) finds it) to its end
     /// and returns what it printed; one that fails, or runs past a minute
     /// (then killed), fails the test.
-    pub async fn run(name: &str, sources: &[&str], features: &str, env: &[(&str, &str)]) -> String {
-        let binary = binary(name, sources, features);
+    pub async fn run(name: &str, sources: &[&str], features: &[&str], env: &[(&str, &str)]) -> String {
+        let binary = located(name, sources, features).await;
         let child = command(&binary, env).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn();
         let child = child.unwrap_or_else(|e| panic!("starting {}: {e}", binary.display()));
         let pid = child.id();
@@ -121,26 +123,84 @@ fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the testkit sits in the workspace").to_owned()
 }
 
-/// The built example `name`, checked to be newer than its sources.
-fn binary(name: &str, sources: &[&str], features: &str) -> PathBuf {
+/// [`binary`] off the runtime's thread (cargo may build for a minute).
+async fn located(name: &str, sources: &[&str], features: &[&str]) -> PathBuf {
+    let (name, features) = (name.to_owned(), features.iter().map(|f| f.to_string()).collect::<Vec<_>>());
+    let sources = sources.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    tokio::task::spawn_blocking(move || binary(&name, &sources, &features)).await.expect("the example located")
+}
+
+/// The example `name` as cargo built it beside this test, or, missing or
+/// older than its sources, as cargo builds it now.
+fn binary(name: &str, sources: &[String], features: &[String]) -> PathBuf {
     let exe = std::env::current_exe().expect("the test binary");
     // `<target>/<profile>/deps/<test>` → `<target>/<profile>/examples/<name>`.
     let profile = exe.parent().and_then(Path::parent).expect("a test binary in <target>/<profile>/deps");
-    let binary = profile.join("examples").join(name);
-    let build = format!("cargo build --example {name} --features {features} (a whole `cargo test` builds it)");
-    let built = std::fs::metadata(&binary)
-        .and_then(|m| m.modified())
-        .unwrap_or_else(|_| panic!("the example {name} is not built at {}: {build}", binary.display()));
-    let root = workspace();
-    let library = ["src", "idempotency-runtime/src", "idempotency-macros/src", "idempotency-rules/src"];
-    for source in sources.iter().chain(&library) {
-        if let Some((path, changed)) = newest(&root.join(source))
-            && changed > built
-        {
-            panic!("the example {name} is older than {}: {build}", path.display());
+    let beside = profile.join("examples").join(name);
+    if let Ok(built) = std::fs::metadata(&beside).and_then(|m| m.modified()) {
+        let root = workspace();
+        let library = ["src", "idempotency-runtime/src", "idempotency-macros/src", "idempotency-rules/src"];
+        let sources = sources.iter().map(String::as_str).chain(library);
+        if sources.filter_map(|source| newest(&root.join(source))).all(|(_, changed)| changed <= built) {
+            return beside;
         }
     }
-    binary
+    build(name, features)
+}
+
+/// Every feature of the `idempotency` package: all of them on is CI's
+/// `--workspace --all-features` build.
+const FACADE_FEATURES: usize = 14;
+
+/// Has cargo build example `name` with `features` (the test's) and returns
+/// the executable it names.
+fn build(name: &str, features: &[String]) -> PathBuf {
+    let list = features.join(",");
+    let mut args = vec!["build", "--example", name, "--message-format=json-render-diagnostics"];
+    if features.len() == FACADE_FEATURES {
+        args.extend(["--workspace", "--all-features"]);
+    } else {
+        args.extend(["-p", "idempotency", "--features", &list]);
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out =
+        Command::new(cargo).args(&args).current_dir(workspace()).stderr(Stdio::inherit()).output().expect("cargo runs");
+    assert!(out.status.success(), "cargo {args:?} failed");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .find_map(|m| {
+            let example = m["reason"] == "compiler-artifact"
+                && m["target"]["name"] == name
+                && m["target"]["kind"][0] == "example";
+            example.then(|| m["executable"].as_str().map(PathBuf::from)).flatten()
+        })
+        .unwrap_or_else(|| panic!("cargo named no executable for the example {name}"))
+}
+
+/// The `idempotency` features the calling test was built with, for
+/// [`Example::start`] (expanded in the test's crate, where they are set).
+#[macro_export]
+macro_rules! facade_features {
+    () => {{
+        let all = [
+            ("sqlite", cfg!(feature = "sqlite")),
+            ("mysql", cfg!(feature = "mysql")),
+            ("postgres", cfg!(feature = "postgres")),
+            ("redis", cfg!(feature = "redis")),
+            ("axum", cfg!(feature = "axum")),
+            ("actix", cfg!(feature = "actix")),
+            ("tonic", cfg!(feature = "tonic")),
+            ("amqp", cfg!(feature = "amqp")),
+            ("outbox", cfg!(feature = "outbox")),
+            ("nats", cfg!(feature = "nats")),
+            ("redis-streams", cfg!(feature = "redis-streams")),
+            ("kafka", cfg!(feature = "kafka")),
+            ("cron", cfg!(feature = "cron")),
+            ("metrics", cfg!(feature = "metrics")),
+        ];
+        all.into_iter().filter(|(_, on)| *on).map(|(name, _)| name).collect::<::std::vec::Vec<&'static str>>()
+    }};
 }
 
 /// The most recently changed file under `path` (or `path` itself).
