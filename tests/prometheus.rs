@@ -1,6 +1,6 @@
 //! End to end with a real Prometheus (Debian's `prometheus`): a Prometheus
 //! of the test's own (its port, its data folder, a scrape and an evaluation
-//! every second) scrapes `examples/http.rs` built by cargo with the
+//! every second) scrapes `examples/http.rs` as users build it, with the
 //! feature `metrics` (SQLite in memory, a private Redis behind a proxy the
 //! test can cut), with a copy of
 //! `ops/prometheus/idem-rules.yml` whose every `for:` is `1s`. Known calls
@@ -12,11 +12,11 @@
 //! under `IDEM_REQUIRE_SERVICES=1`.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use idempotency_testkit::example::Example;
 use idempotency_testkit::forwarder::Forwarder;
 use idempotency_testkit::servers::RedisServer;
 use serde_json::Value;
@@ -34,81 +34,17 @@ impl Drop for Killed {
     }
 }
 
-/// The root package's features this test was built with.
-fn features() -> Vec<&'static str> {
-    let all = [
-        ("sqlite", cfg!(feature = "sqlite")),
-        ("mysql", cfg!(feature = "mysql")),
-        ("postgres", cfg!(feature = "postgres")),
-        ("redis", cfg!(feature = "redis")),
-        ("axum", cfg!(feature = "axum")),
-        ("actix", cfg!(feature = "actix")),
-        ("tonic", cfg!(feature = "tonic")),
-        ("amqp", cfg!(feature = "amqp")),
-        ("outbox", cfg!(feature = "outbox")),
-        ("nats", cfg!(feature = "nats")),
-        ("redis-streams", cfg!(feature = "redis-streams")),
-        ("kafka", cfg!(feature = "kafka")),
-        ("cron", cfg!(feature = "cron")),
-        ("metrics", cfg!(feature = "metrics")),
-    ];
-    all.into_iter().filter(|(_, on)| *on).map(|(name, _)| name).collect()
-}
-
-/// `examples/http.rs` built by cargo with this test's features (`metrics`
-/// among them), so that what runs is the example as users build it. Built
-/// as this test's own build would: in CI (`--workspace --all-features`,
-/// which built the example already) nothing is left to build.
-fn example_binary() -> PathBuf {
-    let features = features();
-    let mut args = vec!["build", "--example", "http", "--message-format=json-render-diagnostics"];
-    let list = features.join(",");
-    if features.len() == 14 {
-        args.extend(["--workspace", "--all-features"]);
-    } else {
-        args.extend(["-p", "idempotency", "--features", &list]);
-    }
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = Command::new(cargo)
-        .args(&args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("cargo builds the example");
-    assert!(out.status.success(), "cargo {args:?} failed");
-    let built = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find_map(|m| {
-            let example = m["reason"] == "compiler-artifact"
-                && m["target"]["name"] == "http"
-                && m["target"]["kind"][0] == "example";
-            example.then(|| m["executable"].as_str().map(PathBuf::from)).flatten()
-        });
-    built.expect("cargo named the example's executable")
-}
-
-/// Starts the example with its Redis at `redis_port`; its address.
-fn start_example(binary: &std::path::Path, redis_port: u16) -> (Killed, String) {
-    let mut child = Command::new(binary)
-        .env("IDEM_HTTP_ADDR", "127.0.0.1:0")
-        .env("IDEM_REDIS_URL", format!("redis://127.0.0.1:{redis_port}"))
-        .env_remove("IDEM_MYSQL_URL")
-        .env_remove("IDEM_SQLITE_URL")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("the example's process");
-    let stdout = child.stdout.take().unwrap();
-    let child = Killed(child);
-    for line in BufReader::new(stdout).lines() {
-        let line = line.expect("the example's output");
-        if let Some(rest) = line.strip_prefix("listening on http://") {
-            let addr = rest.split_whitespace().next().unwrap().to_owned();
-            return (child, addr);
-        }
-    }
-    panic!("the example ended before it listened");
+/// Starts `examples/http.rs` as users build it (with this test's features,
+/// `metrics` among them), its Redis at `redis_port`: the example, and its
+/// address.
+async fn start_example(redis_port: u16) -> (Example, String) {
+    let redis = format!("redis://127.0.0.1:{redis_port}");
+    let env = [("IDEM_HTTP_ADDR", "127.0.0.1:0"), ("IDEM_REDIS_URL", redis.as_str())];
+    let features = idempotency_testkit::facade_features!();
+    let sources = ["examples/http.rs", "examples/shop"];
+    let (example, listening) = Example::start("http", &sources, &features, &env, "listening on http://").await;
+    let addr = listening.split_whitespace().next().expect("an address").to_owned();
+    (example, addr)
 }
 
 /// The alert rules with every `for:` shortened to a second.
@@ -284,14 +220,8 @@ where
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prometheus_sees_the_calls_and_the_cut() {
     let Some(redis) = tokio::task::spawn_blocking(RedisServer::start).await.unwrap() else { return };
-    let binary = tokio::task::spawn_blocking(example_binary).await.unwrap();
     let proxy = Forwarder::start(redis.port()).await;
-    let (_example, base) = tokio::task::spawn_blocking({
-        let port = proxy.port();
-        move || start_example(&binary, port)
-    })
-    .await
-    .unwrap();
+    let (_example, base) = start_example(proxy.port()).await;
     let Some(prometheus) = Prometheus::start(&base, &rules_for_the_test()).await else { return };
     let client = reqwest::Client::new();
 
