@@ -137,7 +137,7 @@ async fn call<DB: Backend>(
     let wait = engine.wait_for(spec);
     // Counted from when the call is first told the key is busy: most calls
     // never are, and need not read the clock for it.
-    let mut deadline = None;
+    let mut waited = false;
     let gate = engine.gate();
     // A fn whose calls are mostly replays reads before it claims: one
     // `HGET` in Redis, or its record without Redis (`read_first`).
@@ -176,15 +176,17 @@ async fn call<DB: Backend>(
                     gate.remember(spec.biz, key, &answer);
                     return Ok(Done { outcome, source: Some(Source::Database), failed: answer.failed });
                 }
-                if wait.is_zero() {
+                if wait.is_zero() || waited {
                     return Err(id_in_progress(&id).into());
                 }
-                let deadline = *deadline.get_or_insert_with(|| tokio::time::Instant::now() + wait);
-                entry =
-                    match Box::pin(gate.wait_running(engine.db(), id.row(), fingerprint, spec.lease, deadline)).await {
-                        Some(entry) => entry,
-                        None => return Err(id_in_progress(&id).into()),
-                    };
+                // `Duration::MAX` waits with no bound.
+                let deadline = crate::clock::deadline_in(wait);
+                waited = true;
+                // Still running at the deadline (or Redis cannot tell): the
+                // record is read once more before `InProgress`, as no publish
+                // comes for a commit whose cache write did not land.
+                let waited_on = gate.wait_running(engine.db(), id.row(), fingerprint, spec.lease, deadline);
+                entry = Box::pin(waited_on).await.unwrap_or(Entry::Busy { may_have_committed: true });
             }
         }
     };

@@ -33,6 +33,30 @@ const SKEW_WARNING: Duration = Duration::from_secs(1);
 /// `measured_at_us` before the first reading.
 const NEVER: i64 = i64::MIN;
 
+/// The longest wait, lease or expiry set from a user's duration: a century
+/// (the longest duration an attribute takes). A longer one, up to
+/// `Duration::MAX`, means "no bound", and is this: past the life of any
+/// process or record, and within what every clock, timer and server counts
+/// (`Instant + Duration::MAX` panics; Redis refuses an expiry past 2^63 ms,
+/// NATS a delay past 2^63 ns).
+pub(crate) const NO_BOUND: Duration = Duration::from_millis(idempotency_rules::MAX_DURATION_MS);
+
+/// `d`, at most [`NO_BOUND`].
+pub(crate) fn bounded(d: Duration) -> Duration {
+    d.min(NO_BOUND)
+}
+
+/// The instant `d` after `from` on the monotonic clock, at most [`NO_BOUND`]
+/// after it: a deadline from a user's duration never overflows.
+pub(crate) fn after(from: tokio::time::Instant, d: Duration) -> tokio::time::Instant {
+    from + bounded(d)
+}
+
+/// The instant `d` from now (see [`after`]).
+pub(crate) fn deadline_in(d: Duration) -> tokio::time::Instant {
+    after(tokio::time::Instant::now(), d)
+}
+
 /// Microseconds on this process's monotonic clock, from a fixed start.
 pub(crate) fn monotonic_us() -> i64 {
     static START: OnceLock<Instant> = OnceLock::new();

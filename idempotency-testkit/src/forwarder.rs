@@ -11,6 +11,11 @@
 //!   without closing anything (a stalled network): with [`Hold::Replies`]
 //!   requests still arrive and run, their answers never come back; with
 //!   [`Hold::Everything`] nothing moves until the hold ends.
+//! - [`Forwarder::silence_subscribers`]: a Redis connection that subscribes
+//!   (its client sent `SUBSCRIBE`) goes silent for good from then on, both
+//!   ways, closing nothing: what a NAT or a load balancer that dropped an
+//!   idle connection, or a host gone, looks like to a pub/sub client.
+//!   Connections that never subscribe flow as before.
 //!
 //! Bytes already read when a hold begins are held too, so nothing crosses a
 //! held direction after [`Forwarder::hold`] returns; [`Forwarder::held_replies`]
@@ -18,6 +23,8 @@
 //! for a test that then loses the answer). Needs a tokio runtime; dropping
 //! the forwarder cuts everything.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -63,7 +70,18 @@ struct Route {
     target: Option<u16>,
     hold: Hold,
     epoch: u64,
+    /// Connections that subscribed are held both ways.
+    silence_subscribers: bool,
 }
+
+impl Route {
+    fn blocks(&self, direction: Direction, subscriber: bool) -> bool {
+        self.hold.blocks(direction) || (self.silence_subscribers && subscriber)
+    }
+}
+
+/// The Redis command whose sight makes a connection a subscriber.
+const SUBSCRIBE: &[u8] = b"SUBSCRIBE";
 
 /// The forwarder: a listener on `127.0.0.1:port()` and its connections.
 pub struct Forwarder {
@@ -71,6 +89,8 @@ pub struct Forwarder {
     route: watch::Sender<Route>,
     held: watch::Sender<u64>,
     accept: JoinHandle<()>,
+    /// Connections seen subscribing so far.
+    subscribers: Arc<AtomicUsize>,
 }
 
 impl Forwarder {
@@ -78,10 +98,12 @@ impl Forwarder {
     pub async fn start(target: u16) -> Forwarder {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind forwarder");
         let port = listener.local_addr().expect("forwarder addr").port();
-        let (route, watching) = watch::channel(Route { target: Some(target), hold: Hold::Nothing, epoch: 0 });
+        let (route, watching) =
+            watch::channel(Route { target: Some(target), hold: Hold::Nothing, epoch: 0, silence_subscribers: false });
         let held = watch::Sender::new(0);
-        let accept = tokio::spawn(accept_loop(listener, watching, held.clone()));
-        Forwarder { port, route, held, accept }
+        let subscribers = Arc::new(AtomicUsize::new(0));
+        let accept = tokio::spawn(accept_loop(listener, watching, held.clone(), Arc::clone(&subscribers)));
+        Forwarder { port, route, held, accept, subscribers }
     }
 
     /// The reply bytes caught by a hold so far, server to client, on every
@@ -98,18 +120,30 @@ impl Forwarder {
 
     /// Cuts every open connection and sends new ones to `target`, flowing.
     pub fn switch(&self, target: u16) {
-        self.route.send_modify(|r| *r = Route { target: Some(target), hold: Hold::Nothing, epoch: r.epoch + 1 });
+        self.route.send_modify(|r| *r = Route { target: Some(target), hold: Hold::Nothing, epoch: r.epoch + 1, ..*r });
     }
 
     /// Cuts every open connection; new ones are closed as soon as accepted.
     pub fn cut(&self) {
-        self.route.send_modify(|r| *r = Route { target: None, hold: Hold::Nothing, epoch: r.epoch + 1 });
+        self.route.send_modify(|r| *r = Route { target: None, hold: Hold::Nothing, epoch: r.epoch + 1, ..*r });
     }
 
     /// Holds (or, with [`Hold::Nothing`], releases) bytes on every open and
     /// new connection, closing none.
     pub fn hold(&self, hold: Hold) {
         self.route.send_modify(|r| r.hold = hold);
+    }
+
+    /// From now on, every connection that has subscribed, or subscribes,
+    /// goes silent both ways (its `SUBSCRIBE` held too), closing nothing.
+    pub fn silence_subscribers(&self) {
+        self.route.send_modify(|r| r.silence_subscribers = true);
+    }
+
+    /// How many connections were seen sending `SUBSCRIBE` so far (the
+    /// proxy's own view: a test waits for a subscription it silenced).
+    pub fn subscribers(&self) -> usize {
+        self.subscribers.load(Ordering::SeqCst)
     }
 }
 
@@ -120,7 +154,12 @@ impl Drop for Forwarder {
     }
 }
 
-async fn accept_loop(listener: TcpListener, route: watch::Receiver<Route>, held: watch::Sender<u64>) {
+async fn accept_loop(
+    listener: TcpListener,
+    route: watch::Receiver<Route>,
+    held: watch::Sender<u64>,
+    subscribers: Arc<AtomicUsize>,
+) {
     loop {
         let Ok((client, _)) = listener.accept().await else { continue };
         let now = *route.borrow();
@@ -128,7 +167,36 @@ async fn accept_loop(listener: TcpListener, route: watch::Receiver<Route>, held:
             drop(client);
             continue;
         };
-        tokio::spawn(connection(client, target, route.clone(), now.epoch, held.clone()));
+        let seen = Seen { subscriber: Arc::default(), subscribers: Arc::clone(&subscribers) };
+        tokio::spawn(connection(client, target, route.clone(), now.epoch, held.clone(), seen));
+    }
+}
+
+/// What a connection has shown of itself: whether it subscribed.
+#[derive(Clone)]
+struct Seen {
+    subscriber: Arc<AtomicBool>,
+    subscribers: Arc<AtomicUsize>,
+}
+
+impl Seen {
+    fn subscriber(&self) -> bool {
+        self.subscriber.load(Ordering::SeqCst)
+    }
+
+    /// Looks for `SUBSCRIBE` in what the client sent (`tail`: the end of
+    /// what it sent before, as a command may straddle two reads).
+    fn look(&self, tail: &mut Vec<u8>, read: &[u8]) {
+        if self.subscriber() {
+            return;
+        }
+        tail.extend_from_slice(read);
+        if tail.windows(SUBSCRIBE.len()).any(|w| w.eq_ignore_ascii_case(SUBSCRIBE)) {
+            self.subscriber.store(true, Ordering::SeqCst);
+            self.subscribers.fetch_add(1, Ordering::SeqCst);
+        }
+        let keep = tail.len().saturating_sub(SUBSCRIBE.len() - 1);
+        tail.drain(..keep);
     }
 }
 
@@ -138,6 +206,7 @@ async fn connection(
     route: watch::Receiver<Route>,
     epoch: u64,
     held: watch::Sender<u64>,
+    seen: Seen,
 ) {
     let Ok(Ok(server)) = tokio::time::timeout(CONNECT, TcpStream::connect(("127.0.0.1", target))).await else {
         return;
@@ -149,8 +218,8 @@ async fn connection(
     // Either side ending (or a cut) ends both: dropping the halves closes
     // the sockets, and the peers see the connection gone.
     tokio::select! {
-        () = pump(client_read, server_write, Direction::Requests, route.clone(), epoch, None) => {}
-        () = pump(server_read, client_write, Direction::Replies, route, epoch, Some(held)) => {}
+        () = pump(client_read, server_write, Direction::Requests, route.clone(), epoch, None, seen.clone()) => {}
+        () = pump(server_read, client_write, Direction::Replies, route, epoch, Some(held), seen) => {}
     }
 }
 
@@ -164,14 +233,16 @@ async fn pump(
     mut route: watch::Receiver<Route>,
     epoch: u64,
     held: Option<watch::Sender<u64>>,
+    seen: Seen,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
+    let mut tail = Vec::new();
     loop {
         // A counting pump reads on while held (one buffer's worth, kept
         // until the hold ends), so that a hold sees what it catches.
         let open = match held {
             Some(_) => route.borrow_and_update().epoch == epoch,
-            None => flowing(&mut route, direction, epoch).await,
+            None => flowing(&mut route, direction, epoch, &seen).await,
         };
         if !open {
             return;
@@ -192,7 +263,10 @@ async fn pump(
         {
             held.send_modify(|bytes| *bytes += n as u64);
         }
-        if !flowing(&mut route, direction, epoch).await {
+        if direction == Direction::Requests {
+            seen.look(&mut tail, &buf[..n]);
+        }
+        if !flowing(&mut route, direction, epoch, &seen).await {
             return;
         }
         let mut watching = route.clone();
@@ -204,13 +278,13 @@ async fn pump(
 }
 
 /// Waits until `direction` may flow; `false` once the epoch is over.
-async fn flowing(route: &mut watch::Receiver<Route>, direction: Direction, epoch: u64) -> bool {
+async fn flowing(route: &mut watch::Receiver<Route>, direction: Direction, epoch: u64, seen: &Seen) -> bool {
     loop {
         let now = *route.borrow_and_update();
         if now.epoch != epoch {
             return false;
         }
-        if !now.hold.blocks(direction) {
+        if !now.blocks(direction, seen.subscriber()) {
             return true;
         }
         if route.changed().await.is_err() {

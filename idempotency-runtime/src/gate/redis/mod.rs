@@ -44,19 +44,11 @@ use later::Unanswered;
 use layout::parse_result;
 use layout::{Place, ResultsName, claim_value, read_result, result_value, results_ttl_ms, window_of};
 use scripts::{Scripts, evalsha};
+use waiters::Heard;
 
 /// How long a finished result stays in Redis for fast replays unless set
 /// otherwise: between one and two of these ([`layout`]).
 pub const DEFAULT_HOT_WINDOW: Duration = Duration::from_secs(10 * 60);
-
-/// How a wait for a running call ended.
-enum Told {
-    /// It ended (or, polling, it is time to ask again).
-    Ended,
-    /// The pub/sub connection went.
-    ConnectionLost,
-    Deadline,
-}
 
 /// What the claim found.
 #[derive(Debug)]
@@ -113,13 +105,13 @@ impl RedisGate {
         clock: Arc<Clock>,
     ) -> Self {
         let waiters = match &target {
-            Target::Single(client) => Some(waiters::Waiters::new(client.clone())),
+            Target::Single(client) => Some(waiters::Waiters::new(client.clone(), timeout)),
             Target::Cluster(_) => None,
         };
         Self {
             link: Link::new(target, timeout),
             namespace: NamespaceSlot::new(namespace),
-            hot_window: hot_window.max(Duration::from_secs(1)),
+            hot_window: hot_window.clamp(Duration::from_secs(1), clock::NO_BOUND),
             background: AtomicUsize::new(0),
             scripts: Scripts::new(),
             waiters,
@@ -176,36 +168,33 @@ impl RedisGate {
     ) -> Option<Entry<'static>> {
         let namespace = self.namespace.get(db).await?;
         let claim = Place::at(&namespace, id.biz, id.key, id.digest_bytes()).claim;
-        let mut subscription = match &self.waiters {
-            Some(waiters) => waiters.subscribe(&claim).await,
-            None => None,
+        let mut subscription = self.waiters.as_ref().map(|waiters| waiters.subscribe(&claim));
+        // Confirmed by Redis first: an end after the question below is heard.
+        let mut listening = match &mut subscription {
+            Some(subscription) => subscription.confirmed(deadline).await,
+            None => false,
         };
         let mut pause = Duration::from_millis(10);
         loop {
-            // Subscribed first: an end after this question is told.
             match self.enter(db, id, fingerprint, lease, false).await? {
                 Entry::Busy { .. } => {}
                 settled => return Some(settled),
             }
-            let told = match &mut subscription {
-                Some(subscription) => match tokio::time::timeout_at(deadline, subscription.told.changed()).await {
-                    Ok(Ok(())) => Told::Ended,
-                    Ok(Err(_closed)) => Told::ConnectionLost,
-                    Err(_elapsed) => Told::Deadline,
-                },
-                None => {
+            let heard = match &mut subscription {
+                Some(subscription) if listening => subscription.heard(deadline).await,
+                _ => {
                     let at = (tokio::time::Instant::now() + pause).min(deadline);
                     pause = (pause * 2).min(Duration::from_millis(500));
                     tokio::time::sleep_until(at).await;
-                    if at >= deadline { Told::Deadline } else { Told::Ended }
+                    if at >= deadline { Heard::Deadline } else { Heard::Ended }
                 }
             };
-            match told {
-                Told::Ended => {}
+            match heard {
+                Heard::Ended => {}
                 // Ask at intervals from here.
-                Told::ConnectionLost => subscription = None,
+                Heard::Lost => listening = false,
                 // One last question: it may have ended just now.
-                Told::Deadline => {
+                Heard::Deadline => {
                     return match self.enter(db, id, fingerprint, lease, false).await? {
                         Entry::Busy { .. } => None,
                         settled => Some(settled),
