@@ -384,3 +384,97 @@ impl Driver {
         self.with_shared(|shared| shared.lose(self.number));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client of the test Redis, or `None` (skipped) when none answers,
+    /// unless `IDEM_REQUIRE_SERVICES` is set.
+    async fn test_client() -> Option<redis::Client> {
+        let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let client = redis::Client::open(url).expect("redis url");
+        if let Err(e) = client.get_multiplexed_async_connection().await {
+            assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "redis unreachable: {e}");
+            eprintln!("skipped: redis unreachable ({e})");
+            return None;
+        }
+        Some(client)
+    }
+
+    async fn ask<T: redis::FromRedisValue>(client: &redis::Client, cmd: &redis::Cmd) -> T {
+        let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+        cmd.query_async(&mut conn).await.expect("redis")
+    }
+
+    /// Subscribers Redis counts on `channel`.
+    async fn subscribers(client: &redis::Client, channel: &str) -> i64 {
+        let counts: Vec<(String, i64)> = ask(client, redis::cmd("PUBSUB").arg("NUMSUB").arg(channel)).await;
+        counts.first().map_or(0, |(_, n)| *n)
+    }
+
+    /// Every waiter of a channel, a later one as the first, is confirmed
+    /// before it listens and hears an end published after that. The last
+    /// waiter's unsubscribe and a newer subscribe of the same channel land
+    /// in the order they were given, round after round: Redis counts the
+    /// newer subscriber, and it hears the next end.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_waiter_is_confirmed_and_an_unsubscribe_never_lands_after_a_newer_subscribe() {
+        let Some(client) = test_client().await else { return };
+        let waiters = Waiters::new(client.clone(), Duration::from_secs(5));
+        let channel = format!("idem:t_waiters:{}", crate::random::token());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let publish = redis::cmd("PUBLISH").arg(&channel).arg("1").clone();
+
+        let mut first = waiters.subscribe(&channel);
+        // Joins while the first's subscribe is on its way.
+        let mut later = waiters.subscribe(&channel);
+        assert!(later.confirmed(deadline).await, "the later waiter waits for the confirmation");
+        assert!(first.confirmed(deadline).await);
+        assert_eq!(subscribers(&client, &channel).await, 1, "one subscription, shared");
+        let _: i64 = ask(&client, &publish).await;
+        assert!(matches!(first.heard(deadline).await, Heard::Ended));
+        assert!(matches!(later.heard(deadline).await, Heard::Ended));
+        drop((first, later));
+
+        for round in 0..50 {
+            let mut newer = waiters.subscribe(&channel);
+            assert!(newer.confirmed(deadline).await, "round {round}");
+            assert_eq!(subscribers(&client, &channel).await, 1, "round {round}: subscribed after the unsubscribe");
+            let _: i64 = ask(&client, &publish).await;
+            assert!(matches!(newer.heard(deadline).await, Heard::Ended), "round {round}");
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while subscribers(&client, &channel).await != 0 {
+            assert!(Instant::now() < deadline, "the last waiter's unsubscribe never landed");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Nothing answers: connecting times out within the Redis timeout, the
+    /// waiter is told at once (it asks at intervals), and the next waiters
+    /// for a back-off do not try again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_that_is_never_answered_is_given_up_within_the_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let hole = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket); // read nothing, answer nothing
+            }
+        });
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("client");
+        let waiters = Waiters::new(client, Duration::from_millis(200));
+        let started = Instant::now();
+        let mut waiter = waiters.subscribe("idem:t_hole");
+        assert!(!waiter.confirmed(started + Duration::from_secs(60)).await);
+        assert!(started.elapsed() < Duration::from_secs(30), "given up after {:?}", started.elapsed());
+        assert!(matches!(waiter.heard(started + Duration::from_secs(60)).await, Heard::Lost));
+        let made = waiters.shared().made;
+        let mut next = waiters.subscribe("idem:t_hole");
+        assert!(!next.confirmed(Instant::now() + Duration::from_secs(60)).await, "told at once");
+        assert_eq!(waiters.shared().made, made, "no new connection during the back-off");
+        hole.abort();
+    }
+}
