@@ -35,6 +35,7 @@ mod statements;
 mod status;
 mod storms;
 mod trait_methods;
+mod unbounded;
 mod upgrade;
 mod waits;
 

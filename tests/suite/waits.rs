@@ -313,3 +313,22 @@ async fn at_its_bound_a_waiter_replays_a_record_committed_without_a_publish() {
     assert_eq!((probe.runs(), ledger_rows(&waiter, &k).await), (1, 1));
     redis_del(&fleet.redis, &claim).await;
 }
+
+/// Regression (issue 52.4): `wait(Duration::MAX)` panicked ("overflow when
+/// adding duration to instant"). It means no bound: the duplicate waits
+/// until the first call ends, and replays its result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_of_duration_max_has_no_bound() {
+    let Some(fleet) = Fleet::shared().await else { return };
+    let (a, b) = (fleet.instance(Duration::ZERO), fleet.instance(Duration::MAX));
+    let (probe, k) = (Arc::new(Probe::default()), unique("wait-max"));
+    let first = hold_first(&a, &k, &probe, Mode::HeldThenOk, false).await;
+    let waiting = duplicate(&b, &k, &probe, false);
+    until_waiting(&fleet.redis, &a, "t_pay", &k, 1).await;
+    assert!(!waiting.is_finished(), "the duplicate answered while the first ran");
+    probe.open();
+    let first = first.await.unwrap().expect("the first call");
+    let ((answered, outcome), _) = answer(waiting).await;
+    assert_eq!((answered.expect("waited"), outcome), (first, Some(Outcome::Replayed)));
+    assert_eq!(probe.runs(), 1);
+}

@@ -187,7 +187,8 @@ impl Consumer {
     /// message again (for a consumer created here). Default 30 s; keep it
     /// above the handler's longest run.
     pub fn ack_wait(mut self, wait: Duration) -> Self {
-        self.transport.ack_wait = wait;
+        // JetStream counts in nanoseconds, at most 2^63: `Duration::MAX` is a century.
+        self.transport.ack_wait = crate::clock::bounded(wait);
         self
     }
 }
@@ -264,11 +265,11 @@ impl Settle for Jet {
     /// A nak with the delay: the message holds no slot while it waits (the
     /// nak counts as a delivery, as JetStream counts every one).
     async fn requeue(&self, message: &jetstream::Message, delay: Duration) -> Result<(), async_nats::Error> {
-        message.ack_with(AckKind::Nak(Some(delay))).await
+        message.ack_with(AckKind::Nak(Some(crate::clock::bounded(delay)))).await
     }
 
     async fn retry(&self, message: &jetstream::Message, delay: Duration, _: u64) -> Retried<async_nats::Error> {
-        Retried::Done(message.ack_with(AckKind::Nak(Some(delay))).await)
+        Retried::Done(message.ack_with(AckKind::Nak(Some(crate::clock::bounded(delay)))).await)
     }
 
     /// A copy to the dead-letter subject, stored by JetStream, then `+TERM`.

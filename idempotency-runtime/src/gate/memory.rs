@@ -37,9 +37,8 @@ impl MemoryGate {
     pub(crate) async fn enter(&self, biz: &str, key: &str, wait: Duration) -> Entry<'_> {
         // `biz` has no `:`, so the id is unambiguous.
         let id = format!("{biz}:{key}");
-        // A wait too long to add to now never ends: a year stands for it.
-        let now = tokio::time::Instant::now();
-        let deadline = now.checked_add(wait).unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600));
+        // `Duration::MAX` waits with no bound.
+        let deadline = crate::clock::deadline_in(wait);
         loop {
             let mut running = {
                 let mut calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);

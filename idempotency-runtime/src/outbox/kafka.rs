@@ -109,7 +109,7 @@ impl Publisher for KafkaPublisher {
                 Err((e, _)) => Err(Confirm::Unconfirmed(format!("produce: {e}"))),
             });
         }
-        let deadline = tokio::time::Instant::now() + self.ack_timeout + Duration::from_secs(1);
+        let deadline = crate::clock::deadline_in(self.ack_timeout.saturating_add(Duration::from_secs(1)));
         let mut answers = Vec::with_capacity(batch.len());
         for sent in pending {
             answers.push(match sent {

@@ -71,7 +71,7 @@ fn answered(kind: PublishErrorKind) -> bool {
 
 impl Publisher for NatsPublisher {
     async fn publish(&mut self, batch: &[Message]) -> Vec<Confirm> {
-        let deadline = tokio::time::Instant::now() + self.ack_timeout;
+        let deadline = crate::clock::deadline_in(self.ack_timeout);
         // All sent first, then all acknowledgements awaited.
         let mut pending = Vec::with_capacity(batch.len());
         for message in batch {

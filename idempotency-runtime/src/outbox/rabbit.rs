@@ -116,7 +116,7 @@ impl Publisher for RabbitPublisher {
         };
         let exchange = ShortString::from(self.exchange.as_str());
         let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
-        let deadline = tokio::time::Instant::now() + self.confirm_timeout;
+        let deadline = crate::clock::deadline_in(self.confirm_timeout);
         // All published first, then all confirms awaited: one round trip's
         // wait for the whole batch.
         let mut pending = Vec::with_capacity(batch.len());

@@ -335,7 +335,7 @@ impl<DB: Backend, P: Publisher> Relay<DB, P> {
             }
             if tokio::time::Instant::now() >= next_purge {
                 purge_sent(&self.engine, self.retention, self.purge_batch, &self.stats).await;
-                next_purge = tokio::time::Instant::now() + self.purge_interval;
+                next_purge = crate::clock::deadline_in(self.purge_interval);
             }
             // Seen before the batch: a commit after it wakes the wait below.
             wake.borrow_and_update();

@@ -112,7 +112,8 @@ async fn call<DB: Backend>(
     // A duplicate of a running call waits for its answer this long, as in
     // the single-transaction flow (`crate::call`).
     let wait = engine.wait_for(spec);
-    let deadline = tokio::time::Instant::now() + wait;
+    // `Duration::MAX` waits with no bound.
+    let deadline = crate::clock::deadline_in(wait);
     let gate = engine.gate();
     let mut entry = gate.enter(engine.db(), row, &fingerprint, spec.lease, engine.lock_wait().max(wait), false).await;
     loop {

@@ -169,7 +169,8 @@ async fn take(gate: &RedisGate, settings: &Settings, key: &str) -> Result<Option
 /// key says "issued" until it expires: a resubmission meanwhile is still
 /// taken as already used.
 async fn mark_used(gate: &RedisGate, settings: &Settings, owner: &str, subject: &str, expires_at_ms: u64, now_ms: u64) {
-    let used_for = u64::try_from(settings.used_for.as_millis()).unwrap_or(u64::MAX);
+    // Redis refuses an expiry past 2^63 ms: a longer one is a century.
+    let used_for = u64::try_from(crate::clock::bounded(settings.used_for).as_millis()).unwrap_or(u64::MAX);
     let keep = used_for.max(expires_at_ms.saturating_sub(now_ms)).max(1);
     let mut used = redis::cmd("SET");
     used.arg(owner).arg(owner_value(Owner::Used, expires_at_ms, subject)).arg("PX").arg(keep);

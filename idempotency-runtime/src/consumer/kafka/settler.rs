@@ -13,7 +13,6 @@ use rdkafka::Message as _;
 use rdkafka::consumer::{CommitMode, Consumer as _};
 use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use tokio::time::Instant;
 
 use super::book::Received;
 use super::reader::{GroupConsumer, Shared, offsets};
@@ -79,7 +78,7 @@ impl Settle for Group {
     /// Held back in the book: it starts again once the delay has passed,
     /// its offset uncommitted and its key's later messages waiting.
     async fn requeue(&self, received: &Received, delay: Duration) -> Result<(), KafkaError> {
-        self.shared.book().requeue(received.clone(), Instant::now() + delay);
+        self.shared.book().requeue(received.clone(), crate::clock::deadline_in(delay));
         self.shared.ready.notify_one();
         Ok(())
     }

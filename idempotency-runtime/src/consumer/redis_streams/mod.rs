@@ -98,6 +98,9 @@ pub use super::{Action, AsIdemError, Reason};
 pub const PAYLOAD_FIELD: &str = "payload";
 /// The field an entry's message id is read from, unless [`Consumer::message_id_field`] says otherwise.
 pub const MESSAGE_ID_FIELD: &str = "message_id";
+
+/// The longest [`Consumer::claim_idle`] (see there).
+const LONGEST_CLAIM_IDLE: Duration = Duration::from_secs(10 * 365 * 86_400);
 /// On a dead-letter copy: why ([`Reason::as_str`]: `poison`, `key_reused`, ...).
 pub const DEAD_REASON_FIELD: &str = "idem_dead_reason";
 /// On a dead-letter copy: the stream the entry was in.
@@ -253,16 +256,19 @@ impl Consumer {
     /// takes it over (`XAUTOCLAIM`'s min-idle-time): a consumer that died
     /// holds its entries this long. Default 30 s; keep it above the
     /// handler's longest run, and above the delays (a longer delay waits
-    /// this long). At least 1 ms.
+    /// this long). At least 1 ms; at most ten years (`Duration::MAX`: an
+    /// entry is never taken over): a delay is given as the entry's idle time,
+    /// `claim_idle - delay`, which Redis counts back from now and resets to
+    /// now before 1970.
     pub fn claim_idle(mut self, idle: Duration) -> Self {
-        self.transport.claim_idle = idle.max(Duration::from_millis(1));
+        self.transport.claim_idle = idle.clamp(Duration::from_millis(1), LONGEST_CLAIM_IDLE);
         self
     }
 
     /// How often this consumer looks for entries to take over (and so how
     /// late, at most, a delayed entry comes back). Default 1 s.
     pub fn claim_interval(mut self, interval: Duration) -> Self {
-        self.transport.claim_interval = interval.max(Duration::from_millis(1));
+        self.transport.claim_interval = crate::clock::bounded(interval.max(Duration::from_millis(1)));
         self
     }
 }
