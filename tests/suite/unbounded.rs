@@ -1,17 +1,18 @@
 //! `Duration::MAX` for an engine's settings means "no bound", never a
 //! panic (an instant past what the clock counts) nor an expiry Redis
 //! refuses: `lock_wait`, `redis_timeout`, the hot window, the local cache's
-//! age and the tokens' `used_for` each do what the longest setting does.
-//! (`wait` is in `waits.rs`.)
+//! age and the tokens' `used_for` each do what the longest setting does, as
+//! does `wait` for a call in steps mode. (`wait` for a plain call is in
+//! `waits.rs`.)
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::{Consumption, Idem, LocalCache, Outcome};
+use idempotency::{Consumption, Idem, LocalCache, Outcome, Steps, idempotent};
 use idempotency_testkit::servers::RedisServer;
 use idempotency_testkit::{TestBackend, redis_cached_response, redis_client, redis_pause, unique};
 
-use super::fixture::{Mode, Probe, ledger_rows, lent, pay, redis_location, until, until_held};
+use super::fixture::{Mode, Probe, TestError, ledger_rows, lent, pay, redis_location, until, until_held};
 use super::{B, Db};
 
 /// `lock_wait(Duration::MAX)`: a duplicate on this engine waits in memory,
@@ -137,4 +138,39 @@ async fn tokens_used_for_duration_max_are_marked_used() {
     let pttl: i64 = redis::cmd("PTTL").arg(&owners[0]).query_async(&mut conn).await.unwrap();
     assert!(pttl > 50 * 365 * 86_400_000, "kept for a century: {pttl} ms");
     assert!(matches!(tokens.consume("t_tok", "alice", &issued.token).await, Ok(Consumption::AlreadyUsed)));
+}
+
+/// A call in steps mode, its one step counted.
+#[idempotent(key = "<k>", ttl = "1h", biz = "t_steps_max", steps)]
+async fn charge(
+    idem: &Idem<Db>,
+    steps: &mut Steps<Db>,
+    k: String,
+    #[idem(skip)] probe: &Probe,
+) -> Result<usize, TestError> {
+    let _ = &k;
+    let run = steps
+        .step("charge", |_| async {
+            Ok::<_, TestError>(probe.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1)
+        })
+        .await?;
+    Ok(run)
+}
+
+/// Regression (issue 52.4): in steps mode every call on an engine with
+/// `wait(Duration::MAX)` panicked ("overflow when adding duration to
+/// instant"): the call runs its step once, and a second call replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steps_call_with_a_wait_of_duration_max_runs_and_replays() {
+    let Some(client) = redis_client().await else { return };
+    let Some(pool) = B::open(&unique("db"), 4).await else { return };
+    B::prepare(&pool).await;
+    let idem = Idem::builder(pool).redis(client).wait(Duration::MAX).build();
+    idem.migrate().await.expect("migrate");
+    let (probe, k) = (Probe::default(), unique("steps-max"));
+    let (first, outcome) = idempotency::observe(charge(&idem, k.clone(), &probe)).await;
+    assert_eq!((first.expect("ran"), outcome), (1, Some(Outcome::Executed)));
+    let (again, outcome) = idempotency::observe(charge(&idem, k.clone(), &probe)).await;
+    assert_eq!((again.expect("replayed"), outcome), (1, Some(Outcome::Replayed)));
+    assert_eq!(probe.runs(), 1);
 }
