@@ -1,12 +1,13 @@
 //! `Duration::MAX` for the settings of the entry points around the engine
 //! means "no bound", never a panic (an instant past what the clock counts)
-//! nor a value the server refuses: an outbox relay and its NATS publisher
-//! (`ack_timeout`, `poll_interval`, `retry_backoff`, `retention`, `purge`),
-//! a NATS consumer (`ack_wait` and the three delays) and a Redis Streams
-//! consumer (`claim_idle`, `claim_interval` and the delays) each carry an
-//! event end to end. The engine's own settings are in the behaviour suite
-//! (`tests/suite/unbounded.rs`, `waits.rs`). NATS JetStream
-//! (`IDEM_NATS_URL`) and the shared Redis; the engines on SQLite in memory.
+//! nor a value the server refuses: an outbox relay and its NATS, RabbitMQ
+//! and Kafka publishers (`ack_timeout`, `confirm_timeout`, `poll_interval`,
+//! `retry_backoff`, `retention`, `purge`), and NATS, Redis Streams and
+//! Kafka consumers (`ack_wait`, `claim_idle`, `claim_interval`, the three
+//! delays) each carry an event end to end. The engine's own settings are in
+//! the behaviour suite (`tests/suite/unbounded.rs`, `waits.rs`). NATS
+//! JetStream (`IDEM_NATS_URL`), RabbitMQ (`IDEM_AMQP_URL`), the shared Redis
+//! and a private tansu broker; the engines on SQLite in memory.
 
 use std::time::Duration;
 
@@ -200,4 +201,97 @@ async fn redis_streams_consumer_with_every_duration_at_max() {
     let _ = stop.send(());
     within("the consumer stops", consumer).await.unwrap().expect("the consumer ends cleanly");
     let _: i64 = redis::cmd("DEL").arg(&stream).query_async(&mut conn).await.unwrap();
+}
+
+/// Regression (issue 52.4): a RabbitMQ outbox publisher with
+/// `confirm_timeout(Duration::MAX)` panicked at its first batch. The event
+/// is published and confirmed; the relay stops when told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_relay_with_a_confirm_timeout_at_max() {
+    use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+    use lapin::types::FieldTable;
+    use lapin::{Connection, ConnectionProperties};
+    let url = std::env::var("IDEM_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672".into());
+    let Some(conn) = idempotency_testkit::reach("rabbitmq", || async {
+        Connection::connect(&url, ConnectionProperties::default()).await.ok()
+    })
+    .await
+    else {
+        return;
+    };
+    let channel = conn.create_channel().await.unwrap();
+    let queue = unique("t.unbounded");
+    channel.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    let payments = Idem::sqlite_memory().await.unwrap();
+    let publisher = idempotency::outbox::rabbit::RabbitPublisher::new(url.clone()).confirm_timeout(Duration::MAX);
+    let relay = Relay::new(&payments, publisher).purge(Duration::MAX, 100);
+    let stats = relay.stats();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let relay = tokio::spawn(relay.run(async move {
+        let _ = stopped.await;
+    }));
+    pay(&payments, unique("order"), &queue).await.expect("paid");
+    within("the event published", async {
+        while stats.published() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let _ = stop.send(());
+    within("the relay stops", relay).await.expect("the relay did not panic");
+    let held = channel.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    assert_eq!(held, 1, "the queue held the event");
+}
+
+/// Regression (issue 52.4): a Kafka consumer with
+/// `in_progress_delay(Duration::MAX)` panicked when it held a delivery
+/// back, and a Kafka outbox publisher with an `ack_timeout` of
+/// `Duration::MAX` at its first batch. The event is produced and
+/// confirmed; its delivery, answered `InProgress`, is held back (settled
+/// `Requeue`, not delivered again); the consumer and the relay stop when
+/// told. A private tansu broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_relay_and_consumer_with_delays_at_max() {
+    use idempotency::kafka::rdkafka::ClientConfig;
+    let Some(broker) = idempotency_testkit::kafka::Tansu::start() else { return };
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", broker.bootstrap());
+    idempotency::kafka::declare_with_dead_letter(&config, "orders", "stock", 1, 1).await.expect("topics");
+    let payments = Idem::sqlite_memory().await.unwrap();
+    let publisher = idempotency::outbox::kafka::KafkaPublisher::with_ack_timeout(&config, Duration::MAX).unwrap();
+    let relay = Relay::new(&payments, publisher).purge(Duration::MAX, 100);
+    let stats = relay.stats();
+    let (stop_relay, relay_stopped) = oneshot::channel::<()>();
+    let relay = tokio::spawn(relay.run(async move {
+        let _ = relay_stopped.await;
+    }));
+
+    let (settled, mut settlements) = mpsc::unbounded_channel();
+    let (stop_consumer, consumer_stopped) = oneshot::channel::<()>();
+    let consumer = tokio::spawn(
+        idempotency::kafka::Consumer::new(config.clone(), "orders", "stock")
+            .in_progress_delay(Duration::MAX)
+            .storage_delay(Duration::MAX)
+            .retry_delay(Duration::MAX)
+            .on_settle(move |s| {
+                let _ = settled.send(s.action);
+            })
+            .run(
+                async move {
+                    let _ = consumer_stopped.await;
+                },
+                |_: Paid| async {
+                    Err::<(), _>(AppError::Idem(idempotency::Error::InProgress { biz: "t", key: "k".into() }))
+                },
+            ),
+    );
+    pay(&payments, unique("order"), "orders").await.expect("paid");
+    let action = within("the delivery settled", settlements.recv()).await.expect("a settlement");
+    assert_eq!(action, idempotency::consumer::Action::Requeue);
+    assert!(stats.published() >= 1, "the relay counts it published");
+    let _ = stop_consumer.send(());
+    within("the consumer stops", consumer).await.unwrap().expect("the consumer ends cleanly");
+    assert!(settlements.try_recv().is_err(), "held back, not delivered again");
+    let _ = stop_relay.send(());
+    within("the relay stops", relay).await.expect("the relay did not panic");
 }
