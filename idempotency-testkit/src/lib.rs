@@ -23,7 +23,8 @@
 //!   (`tests/client_http.rs`, `tests/client_grpc.rs`).
 //! - [`pg_cluster`]: a private PostgreSQL primary and streaming standby, and
 //!   [`forwarder`]: a TCP path between clients and a server that a test can
-//!   switch, cut and hold (`tests/failover/`).
+//!   switch, cut and hold (`tests/failover/`), or silence once a client
+//!   subscribes (`tests/suite/waits.rs`).
 //! - [`soak`]: the fault-injection soak with reconciliation, and the storm
 //!   (`tests/soak.rs`, `tests/cluster.rs`).
 //! - [`nemesis`]: partitions on a schedule between engine processes and
