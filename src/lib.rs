@@ -69,15 +69,23 @@
 //!    final truth —
 //!    with the serialized result. Commit, then the result is cached in Redis.
 //! 4. A body that returns `Err`, panics or is dropped rolls back: nothing is
-//!    recorded, and the next call with the key executes.
+//!    recorded, and the next call with the key executes. A fn marked
+//!    `record_errors` records the errors its type declares final
+//!    ([`BusinessError`]: "declined") like values, and replays them.
 //!
 //! Redis is an accelerator: down, slow or flushed, every guarantee holds
 //! through the database; only speed is lost.
 //!
 //! A fn marked `join` runs inside a transaction its caller holds instead
 //! (a savepoint around the body, the record committing with the caller),
-//! and `#[idempotent]` works on methods of `#[async_trait]` impls: see
-//! [`idempotent`].
+//! and `#[idempotent]` works on methods of `#[async_trait]` impls.
+//!
+//! The attribute's reference is [`idempotent`]: a row for every argument
+//! and parameter option (`#[idem(skip)]`, `#[idem(skip_if_default)]`), key
+//! templates, durations, the return type, and the code it writes. The engine's settings are
+//! on [`Builder`]. Until the crate is on docs.rs, `cargo doc -p idempotency
+//! --open` (with the features you use, e.g. `--features mysql,redis,axum`)
+//! renders this reference from a checkout.
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

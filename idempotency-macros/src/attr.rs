@@ -11,8 +11,10 @@ use syn::{Expr, Ident, LitStr, Path, Token};
 use crate::key::{Piece, Template, parse_template};
 use crate::ttl::duration;
 
-const ARGUMENTS: &str =
-    "`key`, `ttl`, `biz`, `lease`, `biz_no`, `engine`, `crate`, `steps`, `join`, `wait`, `record_errors`";
+/// Every argument the parser takes: the reference (`idempotent`'s docs in
+/// `lib.rs`) has a row for each, and a test there holds the two together.
+pub const ARGUMENT_NAMES: [&str; 11] =
+    ["key", "ttl", "biz", "lease", "biz_no", "engine", "crate", "steps", "join", "wait", "record_errors"];
 /// A Redis claim outlives most bodies by far, and a body outliving it still
 /// commits once (the record decides), so a generous default costs nothing.
 const DEFAULT_LEASE_MS: u64 = 30_000;
@@ -56,24 +58,24 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
     let mut record_errors = None;
 
     let parser = syn::meta::parser(|meta| {
-        let name = meta.path.get_ident().map(ToString::to_string).unwrap_or_default();
+        // Only a listed name reaches its arm: an arm the list lacks is never taken.
+        let Some(name) = ARGUMENT_NAMES.into_iter().find(|name| meta.path.is_ident(name)) else {
+            return Err(unknown(&meta));
+        };
         let value = || meta.value()?.parse::<LitStr>();
-        match name.as_str() {
-            "key" => set(&mut key, &meta, &name, || template(value()?, MAX_KEY_LEN)),
-            "ttl" => set(&mut ttl, &meta, &name, || duration(value()?, "ttl")),
-            "biz" => set(&mut biz, &meta, &name, || biz_name(value()?)),
-            "lease" => set(&mut lease, &meta, &name, || Ok((duration(value()?, "lease")?, meta.path.span()))),
-            "biz_no" => set(&mut biz_no, &meta, &name, || template(value()?, MAX_BIZ_NO_LEN)),
-            "engine" => set(&mut engine, &meta, &name, || meta.value()?.parse::<Expr>()),
-            "crate" => set(&mut krate, &meta, &name, || crate_path(value()?)),
-            "steps" => set(&mut steps, &meta, &name, || flag(&meta)),
-            "join" => set(&mut join, &meta, &name, || flag(&meta)),
-            "wait" => set(&mut wait, &meta, &name, || wait_ms(value()?)),
-            "record_errors" => set(&mut record_errors, &meta, &name, || flag(&meta)),
-            _ => {
-                let shown = meta.path.to_token_stream().to_string().replace(' ', "");
-                Err(meta.error(format!("unknown argument `{shown}`; expected one of {ARGUMENTS}")))
-            }
+        match name {
+            "key" => set(&mut key, &meta, name, || template(value()?, MAX_KEY_LEN)),
+            "ttl" => set(&mut ttl, &meta, name, || duration(value()?, "ttl")),
+            "biz" => set(&mut biz, &meta, name, || biz_name(value()?)),
+            "lease" => set(&mut lease, &meta, name, || Ok((duration(value()?, "lease")?, meta.path.span()))),
+            "biz_no" => set(&mut biz_no, &meta, name, || template(value()?, MAX_BIZ_NO_LEN)),
+            "engine" => set(&mut engine, &meta, name, || meta.value()?.parse::<Expr>()),
+            "crate" => set(&mut krate, &meta, name, || crate_path(value()?)),
+            "steps" => set(&mut steps, &meta, name, || flag(&meta)),
+            "join" => set(&mut join, &meta, name, || flag(&meta)),
+            "wait" => set(&mut wait, &meta, name, || wait_ms(value()?)),
+            "record_errors" => set(&mut record_errors, &meta, name, || flag(&meta)),
+            _ => Err(unknown(&meta)),
         }
     });
     parser.parse2(tokens)?;
@@ -124,6 +126,14 @@ pub fn parse(tokens: TokenStream) -> syn::Result<Args> {
         wait_ms: wait,
         record_errors,
     })
+}
+
+/// "unknown argument `tll`; expected one of `key`, `ttl`, ...": the valid
+/// names, as tokio's macros list theirs.
+fn unknown(meta: &ParseNestedMeta<'_>) -> syn::Error {
+    let shown = meta.path.to_token_stream().to_string().replace(' ', "");
+    let expected: Vec<String> = ARGUMENT_NAMES.iter().map(|name| format!("`{name}`")).collect();
+    meta.error(format!("unknown argument `{shown}`; expected one of {}", expected.join(", ")))
 }
 
 /// `wait`'s milliseconds: a duration as `ttl` takes it, or zero (`"0s"`:
@@ -233,6 +243,24 @@ mod tests {
         assert!(err(quote!(key = "a", ttl = "1h")).contains("missing argument `biz`"));
         assert!(err(quote!(key = "a", ttl = "0s", biz = "x")).contains("greater than zero"));
         assert!(err(quote!(key = "a", ttl = "1h", biz = "Pay")).contains("[a-z0-9_]{1,32}"));
+    }
+
+    /// Guards the list the reference is held to: every listed name reaches
+    /// its own arm (a bare word or a value is asked of it, never "unknown").
+    #[test]
+    fn every_listed_argument_is_parsed() {
+        for name in ARGUMENT_NAMES {
+            let word: TokenStream = name.parse().unwrap();
+            let message = match parse(quote!(key = "k", ttl = "1s", biz = "b", #word)) {
+                Ok(_) => String::new(),
+                Err(e) => e.to_string(),
+            };
+            assert!(!message.contains("unknown argument"), "{name}: {message}");
+        }
+        let listed = err(quote!(nope));
+        for name in ARGUMENT_NAMES {
+            assert!(listed.contains(&format!("`{name}`")), "{listed}");
+        }
     }
 
     #[test]

@@ -30,17 +30,56 @@ mod ttl;
 ///
 /// # Arguments
 ///
+/// Written `name = "value"`, or a bare word for the flags (`steps`, `join`,
+/// `record_errors`), in any order, each at most once.
+///
 /// | argument | required | meaning |
 /// |---|---|---|
-/// | `key = "..."` | yes | the key template, rendered per call (see below) |
-/// | `ttl = "24h"` | yes | how long the record protects the key; afterwards the next call executes again |
+/// | `key = "order_<order_id>_pay"` | yes | the key template, rendered per call (see [Key templates](#key-templates)) |
+/// | `ttl = "24h"` | yes | how long the record protects the key (see [Durations](#durations)); afterwards the next call executes again |
 /// | `biz = "pay"` | yes | the business action, `[a-z0-9_]{1,32}`; keys are unique per `(biz, key)` |
-/// | `lease = "30s"` | no | how long the Redis claim lives while the body runs (default 30 s) |
-/// | `biz_no = "<order_id>"` | no | a business number stored with the record, for reconciliation (at most 64 bytes, else `idempotency::Error::BizNoTooLong` and nothing is written) |
-/// | `engine = <expr>` | no | where the engine comes from when it is not a parameter: `self.idem`, `app.idem` |
-/// | `crate = "path"` | no | the path to the `idempotency` crate, when it is renamed or re-exported (default `::idempotency`; see below) |
-/// | `steps` | no | the two-phase mode for calls to outside services: the body takes the step context `steps: &mut idempotency::Steps<DB>` in place of the transaction (see below) |
-/// | `join` | no | the body joins the transaction the *caller* passes, in a savepoint; the record commits when the caller commits (see below). Not with `steps` or `lease` |
+/// | `lease = "30s"` | no | how long the Redis claim (or, with `steps`, the phase-one lease) lives while the body runs; default 30 s. Not with `join` |
+/// | `biz_no = "<order_id>"` | no | a business number stored with the record, for reconciliation (`idem reconcile`): a template like `key`'s, at most 64 bytes rendered, else `idempotency::Error::BizNoTooLong` and nothing is written |
+/// | `engine = self.idem` | no | where the engine comes from when it is not a parameter of type `&Idem<DB>`: any expression that is, or derefs through `AsRef` to, an `Idem<DB>` (`app.idem`, `self.idem`, an `Arc<Idem<DB>>`) |
+/// | `crate = "my_idem"` | no | the path to the `idempotency` crate, when it is renamed or re-exported; default `::idempotency` (see [below](#reaching-idempotency-by-another-path)) |
+/// | `wait = "5s"` | no | how long a duplicate that meets this fn's call still running waits for its answer (that call's value, or its recorded error) before `idempotency::Error::InProgress` (HTTP 409); `"0s"`: not at all. Default: the engine's, `Builder::wait` (zero unless set) |
+/// | `record_errors` | no | the errors the fn's error type declares final (it implements `idempotency::BusinessError`: "declined", "insufficient funds") are recorded like a value, and every duplicate gets the same `Err` (see [Return type](#return-type)). Not with `steps` |
+/// | `steps` | no | the two-phase mode for calls to outside services: the body takes the step context `steps: &mut idempotency::Steps<DB>` in place of the transaction (see [below](#calls-to-outside-services-steps)). Not with `join` or `record_errors` |
+/// | `join` | no | the body joins the transaction the *caller* passes, in a savepoint; the record commits when the caller commits (see [below](#joining-the-callers-transaction-join)). Not with `steps` or `lease` |
+///
+/// And on a parameter of the fn:
+///
+/// | parameter option | meaning |
+/// |---|---|
+/// | `#[idem(skip)]` | the parameter is left out of the fingerprint (a client, a clock, a trace id): the same key with another value of it replays; it need not implement `Serialize` |
+/// | `#[idem(skip_if_default)]` | the parameter is left out of the fingerprint while its JSON is that of its `Default` (`None`, `0`, `false`, `""`, empty), and counts otherwise: for a parameter *added* to a fn that calls were already made with (see [Deploying changes](#deploying-changes)). Its type is `Serialize + Default`; not with `skip` |
+///
+/// A full call, every optional argument used (`steps` and `join` are modes
+/// of their own, below):
+///
+/// ```ignore
+/// #[idempotent(
+///     key = "<user>:<idem_key>",  // rendered from the parameters below
+///     ttl = "24h",
+///     biz = "http_pay",
+///     biz_no = "<order_id>",      // stored beside the key, for `idem reconcile`
+///     lease = "10s",
+///     engine = app.idem,          // the engine is in the handler's state
+///     wait = "5s",                // a double click gets the first call's answer, not a 409
+///     record_errors,              // a declined payment is an answer: recorded, replayed
+///     crate = "idempotency",      // the default, written out
+/// )]
+/// async fn pay(
+///     State(app): State<App>,
+///     tx: &mut Transaction<'_, MySql>,          // the engine's: callers never pass it
+///     UserId(user): UserId,
+///     IdempotencyKey(idem_key): IdempotencyKey,
+///     Path(order_id): Path<i64>,
+///     Json(req): Json<PayReq>,
+///     #[idem(skip)] trace: TraceId,             // not part of the fingerprint
+///     #[idem(skip_if_default)] coupon: Option<Coupon>, // added later: `None` hashes as before it existed
+/// ) -> Result<PayResponse, PayError> { ... }    // PayError: BusinessError
+/// ```
 ///
 /// # Key templates
 ///
@@ -123,8 +162,45 @@ mod ttl;
 /// # Return type
 ///
 /// `Result<T, E>` with `T: Serialize + DeserializeOwned` (stored as JSON and
-/// replayed to duplicates) and `E: From<idempotency::Error>`. An `Err` from the body
-/// rolls everything back and records nothing.
+/// replayed to duplicates) and `E: From<idempotency::Error>` (the engine's
+/// answers: `InProgress`, `KeyReused`, `Storage`, ...).
+///
+/// An `Err` from the body rolls its writes back and records nothing: the
+/// next call with the key runs the body again. With `record_errors`, an `Err`
+/// that `E`'s `idempotency::BusinessError` impl declares final (its `recorded`
+/// answers `Some`) is the call's answer instead: the body's own writes roll
+/// back, the record commits holding that error, and every duplicate gets the
+/// same `Err` (over HTTP, the same status and body, marked
+/// `Idempotent-Replayed: true`) without the body running again. Every other
+/// `Err` (a database failure, anything `recorded` answers `None` for) is
+/// not recorded, as without `record_errors`.
+///
+/// ```ignore
+/// #[derive(Clone, Serialize, Deserialize)]
+/// struct Declined { reason: String }
+///
+/// enum PayError { Declined(Declined), Idem(idempotency::Error) } // + From<idempotency::Error>
+///
+/// impl idempotency::BusinessError for PayError {
+///     type Record = Declined; // what is stored and replayed
+///     fn recorded(&self) -> Option<Declined> {
+///         match self { PayError::Declined(d) => Some(d.clone()), PayError::Idem(_) => None }
+///     }
+///     fn replayed(record: Declined) -> Self { PayError::Declined(record) }
+/// }
+///
+/// #[idempotent(key = "order_<order_id>_pay", ttl = "24h", biz = "pay", record_errors)]
+/// async fn pay(idem: &Idem<MySql>, tx: &mut Transaction<'_, MySql>, order_id: u64, amount: i64)
+///     -> Result<Receipt, PayError>
+/// {
+///     if amount > LIMIT { return Err(PayError::Declined(Declined { reason: "over the limit".into() })); }
+///     ...
+/// }
+/// ```
+///
+/// Without the impl, `record_errors` is refused at compile time on the
+/// return type. A whole HTTP handler that declines (its 402 and the replay):
+/// the HTTP guide, "A declined payment".
 ///
 /// The body's future must be `Send`, as `#[async_trait]` asks by default
 /// (and tokio's `spawn`, axum and tonic after it): the call flow takes it
@@ -275,4 +351,64 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
 #[proc_macro_derive(State, attributes(state))]
 pub fn derive_state(input: TokenStream) -> TokenStream {
     state::derive(input.into()).into()
+}
+
+/// The reference (`idempotent`'s docs, as rustdoc renders them) against the
+/// parser: a row for every argument and parameter option it takes, and
+/// none for one it refuses.
+#[cfg(test)]
+mod reference {
+    use std::collections::BTreeSet;
+
+    /// The doc comment on `idempotent`, without its `///`.
+    fn reference() -> Vec<&'static str> {
+        let source = include_str!("lib.rs");
+        let item = source.find("#[proc_macro_attribute]\npub fn idempotent").expect("the attribute's item");
+        let mut lines: Vec<&str> = source[..item]
+            .lines()
+            .rev()
+            .take_while(|line| line.starts_with("///"))
+            .map(|line| line.trim_start_matches("///").strip_prefix(' ').unwrap_or_default())
+            .collect();
+        lines.reverse();
+        lines
+    }
+
+    /// What the first cell of each table row under `# heading` names: `key`
+    /// for `` `key = "..."` ``, `skip` for `` `#[idem(skip)]` ``.
+    fn rows(heading: &str) -> Vec<String> {
+        let doc = reference();
+        let start = doc.iter().position(|line| *line == heading).unwrap_or_else(|| panic!("no `{heading}`"));
+        doc[start + 1..]
+            .iter()
+            .take_while(|line| !line.starts_with("# "))
+            .filter_map(|line| line.strip_prefix("| `"))
+            .map(|cell| {
+                let cell = cell.strip_prefix("#[idem(").unwrap_or(cell);
+                cell.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect()
+            })
+            .collect()
+    }
+
+    fn set<'a>(names: impl IntoIterator<Item = &'a str>) -> BTreeSet<&'a str> {
+        names.into_iter().collect()
+    }
+
+    #[test]
+    fn every_argument_and_parameter_option_has_its_row() {
+        let rows = rows("# Arguments");
+        let (options, arguments): (Vec<&String>, Vec<&String>) =
+            rows.iter().partition(|name| crate::sig::PARAMETER_OPTIONS.contains(&name.as_str()));
+        assert_eq!(
+            set(arguments.iter().map(|name| name.as_str())),
+            set(crate::attr::ARGUMENT_NAMES),
+            "the rows of `# Arguments` and the arguments `attr.rs` parses"
+        );
+        assert_eq!(
+            set(options.iter().map(|name| name.as_str())),
+            set(crate::sig::PARAMETER_OPTIONS),
+            "the parameter options' rows and the options `sig.rs` parses"
+        );
+        assert_eq!(rows.len(), crate::attr::ARGUMENT_NAMES.len() + crate::sig::PARAMETER_OPTIONS.len(), "{rows:?}");
+    }
 }

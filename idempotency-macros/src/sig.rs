@@ -41,6 +41,11 @@ pub struct Fingerprinted {
     pub unless_default: bool,
 }
 
+/// Every option `#[idem(...)]` takes on a parameter: the reference
+/// (`idempotent`'s docs in `lib.rs`) has a row for each, and a test there
+/// holds the two together.
+pub const PARAMETER_OPTIONS: [&str; 2] = ["skip", "skip_if_default"];
+
 /// What a parameter's `#[idem(...)]` says about the fingerprint.
 #[derive(Clone, Copy)]
 enum Marker {
@@ -283,17 +288,23 @@ fn take_idem_attrs(param: &mut PatType) -> syn::Result<Marker> {
             return true;
         }
         let parsed = attr.parse_nested_meta(|meta| {
-            if meta.path.is_ident("skip") {
-                skip = true;
-                Ok(())
-            } else if meta.path.is_ident("skip_if_default") {
-                if let Marker::SkipIfDefault(_) = marker {
-                    return Err(meta.error("duplicate parameter option `skip_if_default`"));
+            // Only a listed option reaches its arm, as for the attribute's arguments.
+            let option = PARAMETER_OPTIONS.into_iter().find(|option| meta.path.is_ident(option));
+            match option {
+                Some("skip") => {
+                    skip = true;
+                    Ok(())
                 }
-                marker = Marker::SkipIfDefault(meta.path.span());
-                Ok(())
-            } else {
-                Err(meta.error("unknown parameter option; expected `#[idem(skip)]` or `#[idem(skip_if_default)]`"))
+                Some("skip_if_default") => {
+                    if let Marker::SkipIfDefault(_) = marker {
+                        return Err(meta.error("duplicate parameter option `skip_if_default`"));
+                    }
+                    marker = Marker::SkipIfDefault(meta.path.span());
+                    Ok(())
+                }
+                _ => {
+                    Err(meta.error("unknown parameter option; expected `#[idem(skip)]` or `#[idem(skip_if_default)]`"))
+                }
             }
         });
         if let Err(e) = parsed {
