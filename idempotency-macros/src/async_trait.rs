@@ -33,10 +33,9 @@ use syn::{
     Type, TypeParamBound, WherePredicate,
 };
 
-/// What [`unbox`] took off: the boxed return type and the original body.
+/// What [`unbox`] took off: the boxed return type.
 pub struct Boxed {
     output: ReturnType,
-    block: Box<Block>,
 }
 
 /// Makes async-trait's expansion of a method an `async fn` again, or
@@ -48,7 +47,7 @@ pub fn unbox(func: &mut ItemFn) -> Option<Boxed> {
     let ReturnType::Type(arrow, ty) = &func.sig.output else { return None };
     let output = ReturnType::Type(*arrow, Box::new(future_output(ty)?.clone()));
     let inner = boxed_async_block(&func.block)?.clone();
-    let boxed = Boxed { output: std::mem::replace(&mut func.sig.output, output), block: func.block.clone() };
+    let boxed = Boxed { output: std::mem::replace(&mut func.sig.output, output) };
     func.sig.asyncness = Some(Token![async](func.sig.fn_token.span));
     *func.block = inner;
     Some(boxed)
@@ -61,13 +60,6 @@ pub fn rebox(func: &mut ItemFn, boxed: Boxed) {
     let body = &func.block;
     func.block = syn::parse_quote!({ ::std::boxed::Box::pin(async move #body) });
     drop_unnamed_lifetimes(&mut func.sig);
-}
-
-/// The fn as async-trait wrote it, for the copy emitted beside an error.
-pub fn restore(func: &mut ItemFn, boxed: Boxed) {
-    func.sig.asyncness = None;
-    func.sig.output = boxed.output;
-    func.block = boxed.block;
 }
 
 /// `R` in `Pin<Box<dyn Future<Output = R> + ..>>`, whatever paths lead to
@@ -239,15 +231,6 @@ mod tests {
             assert!(unbox(&mut func).is_none(), "{before}");
             assert_eq!(shown(&func), before);
         }
-    }
-
-    #[test]
-    fn restore_gives_back_what_async_trait_wrote() {
-        let mut func = expanded_by_async_trait();
-        let before = shown(&func);
-        let boxed = unbox(&mut func).unwrap();
-        restore(&mut func, boxed);
-        assert_eq!(shown(&func), before);
     }
 
     #[test]

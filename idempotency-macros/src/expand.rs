@@ -75,7 +75,7 @@
 //! `Pin<Box<dyn Future<..>>>`: `async_trait` unboxes it before the rewrite
 //! and boxes the result again (its own Input/Output at its top).
 
-use proc_macro2::{Span, TokenStream};
+use proc_macro2::{Span, TokenStream, TokenTree};
 use quote::{ToTokens, quote, quote_spanned};
 use syn::ItemFn;
 
@@ -102,6 +102,7 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     };
     // A method of an `#[async_trait]` impl arrives expanded already.
     let boxed = async_trait::unbox(&mut func);
+    let join = names_flag(&args, "join");
     let checked = attr::parse(args).and_then(|args| sig::check(&mut func, &args).map(|c| (args, c)));
     match checked {
         Ok((args, checked)) => {
@@ -112,27 +113,60 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
             quote!(#func)
         }
         Err(e) => {
-            // Emit the fn as written beside the error, so callers still
-            // type-check; minus `#[idem(..)]`, which only this macro knows.
-            // `allow`: the engine parameter goes unused in the fn as written.
+            // Beside the error, the fn as its callers see it, so that they
+            // (and axum's `debug_handler`, the router, the trait) still
+            // type-check and report nothing more.
+            as_called(&mut func, join);
             if let Some(boxed) = boxed {
-                async_trait::restore(&mut func, boxed);
+                async_trait::rebox(&mut func, boxed);
             }
-            let func = strip_param_attrs(func);
             let mut out = e.into_compile_error();
-            out.extend(quote!(#[allow(unused_variables)] #func));
+            out.extend(quote!(#[allow(unused_variables, unreachable_code)] #func));
             out
         }
     }
 }
 
-fn strip_param_attrs(mut func: ItemFn) -> ItemFn {
-    for input in &mut func.sig.inputs {
-        if let syn::FnArg::Typed(p) = input {
-            p.attrs.retain(|a| !a.path().is_ident("idem"));
+/// Whether the attribute's arguments hold the bare word `flag`, read
+/// without parsing them (they may not parse).
+fn names_flag(args: &TokenStream, flag: &str) -> bool {
+    let tokens: Vec<TokenTree> = args.clone().into_iter().collect();
+    tokens.iter().enumerate().any(|(at, token)| {
+        let bare = match tokens.get(at + 1) {
+            None => true,
+            Some(TokenTree::Punct(punct)) => punct.as_char() == ',',
+            Some(_) => false,
+        };
+        matches!(token, TokenTree::Ident(ident) if ident == flag) && bare
+    })
+}
+
+/// The fn a failed expansion emits: its signature as the attribute would
+/// have left it (without the engine's transaction, unless `join`, and
+/// without the step context: parameters callers never pass), and its own
+/// body, which gets them as values that never exist (the error stops the
+/// build before anything runs), so the body is still type-checked. Minus
+/// `#[idem(..)]`, which only this macro knows.
+fn as_called(func: &mut ItemFn, join: bool) {
+    let mut handed = Vec::new();
+    let inputs = std::mem::take(&mut func.sig.inputs);
+    for mut input in inputs {
+        if let syn::FnArg::Typed(param) = &mut input {
+            param.attrs.retain(|a| !a.path().is_ident("idem"));
+            let supplied =
+                (!join && sig::is_ref_to(&param.ty, "Transaction", true)) || sig::is_ref_to(&param.ty, "Steps", true);
+            if supplied && let syn::Pat::Ident(_) = &*param.pat {
+                let (pat, ty) = (&param.pat, sig::elide_lifetimes((*param.ty).clone()));
+                handed.push(quote!(let #pat: #ty = ::core::unreachable!();));
+                continue;
+            }
         }
+        func.sig.inputs.push(input);
     }
-    func
+    if !handed.is_empty() {
+        let block = &func.block;
+        func.block = syn::parse_quote!({ #(#handed)* #block });
+    }
 }
 
 fn rewrite(func: &mut ItemFn, args: &Args, checked: Checked) {
@@ -377,6 +411,45 @@ mod tests {
         // In the document's key order, not the parameters'.
         assert_eq!(calls, [("arg", "amount"), ("arg_unless_default", "coupon"), ("arg", "order_id")], "{out:?}");
         assert!(!out.iter().any(|i| i == "skip_if_default" || i == "compile_error"), "{out:?}");
+    }
+
+    /// Regression: beside an attribute's error, the fn as written (with the
+    /// transaction callers never pass) made axum's `debug_handler` report
+    /// E0637 and the router a missing `Handler`, and callers too many
+    /// arguments. It is emitted as callers see it, its body still checked.
+    #[test]
+    fn a_failed_expansion_emits_the_fn_as_its_callers_see_it() {
+        let item = quote! {
+            async fn pay(
+                engine: &Idem<Db>,
+                tx: &mut Transaction<'c, Db>,
+                #[idem(skip)] trace: u8,
+                order_id: u64,
+            ) -> Result<u64, Error> {
+                Ok(order_id)
+            }
+        };
+        for args in [quote!(key = "o_<order_id>", tll = "1h", biz = "pay"), quote!(key = "o_<order_id>", biz = "pay")] {
+            let out = super::idempotent(args, item.clone()).to_string().replace(' ', "");
+            assert!(out.starts_with("::core::compile_error!"), "{out}");
+            assert!(
+                out.contains("asyncfnpay(engine:&Idem<Db>,trace:u8,order_id:u64)->Result<u64,Error>"),
+                "the signature callers see: {out}"
+            );
+            assert!(out.contains("{lettx:&mutTransaction<'_,Db>=::core::unreachable!();{Ok(order_id)}}"), "{out}");
+            assert!(!out.contains("idem(skip)"), "{out}");
+        }
+        // With `join` the caller passes it: it stays, even when the rest does not parse.
+        let out = super::idempotent(quote!(key = "o_<order_id>", ttl = 1h, biz = "pay", join), item).to_string();
+        assert!(out.replace(' ', "").contains("tx:&mutTransaction<'c,Db>,"), "{out}");
+        assert!(!out.contains("unreachable !"), "{out}");
+    }
+
+    #[test]
+    fn a_flag_is_found_without_parsing() {
+        let found = |args: proc_macro2::TokenStream| super::names_flag(&args, "join");
+        assert!(found(quote!(key = "k", join)) && found(quote!(join, ttl = 1h)) && found(quote!(join)));
+        assert!(!found(quote!(key = "join")) && !found(quote!(join = true)) && !found(quote!(key = "k")));
     }
 
     /// Regression for `crate = "..."`: a path left as `::idempotency` would still

@@ -347,7 +347,7 @@ fn is_result(ty: &Type) -> bool {
 }
 
 /// `&mut ...::Transaction<..>`, `&mut ...::Steps<..>` (mutable) or `&...::Idem<..>` (shared).
-fn is_ref_to(ty: &Type, name: &str, mutable: bool) -> bool {
+pub fn is_ref_to(ty: &Type, name: &str, mutable: bool) -> bool {
     match ty {
         Type::Reference(r) if r.mutability.is_some() == mutable => match &*r.elem {
             Type::Path(p) => p.path.segments.last().is_some_and(|s| s.ident == name),
@@ -394,7 +394,7 @@ fn root_ident(expr: &Expr) -> Option<String> {
 
 /// `&mut Transaction<'c, DB>` becomes `&mut Transaction<'_, DB>`: inside the
 /// body the transaction is the engine's, whatever the signature named it.
-fn elide_lifetimes(mut ty: Type) -> Type {
+pub fn elide_lifetimes(mut ty: Type) -> Type {
     struct Elide;
     impl VisitMut for Elide {
         fn visit_lifetime_mut(&mut self, l: &mut syn::Lifetime) {
