@@ -47,7 +47,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::framework::{HttpStatus, RequestHeaders, sealed};
-use super::{IdempotencyKey, IdempotencyToken, KeyOrToken, PROBLEM_JSON, ProblemDetails, observe_replay};
+use super::{IdempotencyKey, IdempotencyToken, KeyOrToken, PROBLEM_JSON, ProblemDetails, TypedProblem, observe_replay};
 use crate::engine::Idem;
 use crate::error::Error;
 use crate::store::Backend;
@@ -185,13 +185,37 @@ impl<T: DeserializeOwned> FromRequest for Path<T> {
 /// `application/problem+json`, `Retry-After` when asking again may help,
 /// and `Idempotency-Should-Retry` saying whether it can.
 fn respond(problem: &Problem) -> HttpResponse {
+    respond_with(problem, problem.body())
+}
+
+/// As [`respond`], `body` in place of the problem's own.
+fn respond_with(problem: &Problem, body: String) -> HttpResponse {
     let mut response = HttpResponse::build(problem.status);
     response.insert_header((header::CONTENT_TYPE, PROBLEM_JSON));
     if let Some(seconds) = problem.retry_after {
         response.insert_header((header::RETRY_AFTER, seconds));
     }
     response.insert_header((SHOULD_RETRY, if problem.should_retry() { "true" } else { "false" }));
-    response.body(problem.body())
+    response.body(body)
+}
+
+/// A problem under the application's own `type` URI.
+impl ResponseError for TypedProblem<StatusCode> {
+    fn status_code(&self) -> StatusCode {
+        self.problem.status
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        respond_with(&self.problem, self.body())
+    }
+}
+
+impl Responder for TypedProblem<StatusCode> {
+    type Body = BoxBody;
+
+    fn respond_to(self, _: &HttpRequest) -> HttpResponse {
+        self.error_response()
+    }
 }
 
 impl ResponseError for Problem {

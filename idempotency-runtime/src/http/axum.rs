@@ -30,7 +30,7 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
 use super::framework::{HttpStatus, RequestHeaders, sealed};
-use super::{IdempotencyKey, IdempotencyToken, KeyOrToken, PROBLEM_JSON, ProblemDetails, observe_replay};
+use super::{IdempotencyKey, IdempotencyToken, KeyOrToken, PROBLEM_JSON, ProblemDetails, TypedProblem, observe_replay};
 use crate::error::Error;
 use crate::stored_json::StoredJson;
 use crate::token::TokenError;
@@ -141,15 +141,28 @@ impl<S: Send + Sync> FromRequestParts<S> for KeyOrToken {
 
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
-        let mut response = (self.status, self.body()).into_response();
-        let headers = response.headers_mut();
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        if let Some(seconds) = self.retry_after {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-        }
-        headers.insert(SHOULD_RETRY, HeaderValue::from_static(if self.should_retry() { "true" } else { "false" }));
-        response
+        let body = self.body();
+        respond(&self, body)
     }
+}
+
+/// A problem under the application's own `type` URI.
+impl IntoResponse for TypedProblem<StatusCode> {
+    fn into_response(self) -> Response {
+        respond(&self.problem, self.body())
+    }
+}
+
+/// `problem`'s status and `Retry-After`, and `body` as `application/problem+json`.
+fn respond(problem: &Problem, body: String) -> Response {
+    let mut response = (problem.status, body).into_response();
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+    if let Some(seconds) = problem.retry_after {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    }
+    headers.insert(SHOULD_RETRY, HeaderValue::from_static(if problem.should_retry() { "true" } else { "false" }));
+    response
 }
 
 /// The response for an [`Error`]; see the table in the [module docs](super).

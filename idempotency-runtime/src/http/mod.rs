@@ -128,6 +128,7 @@ mod key_header;
 mod principal;
 mod problem;
 mod replay;
+mod typed_problem;
 
 #[cfg(feature = "axum")]
 pub use self::axum::{
@@ -139,6 +140,7 @@ pub use key_header::{IdempotencyKey, IdempotencyToken, KeyOrToken};
 pub use principal::{MAX_PRINCIPAL_LEN, validate_principal};
 pub use problem::{PROBLEM_JSON, ProblemDetails};
 pub use replay::observe_replay;
+pub use typed_problem::TypedProblem;
 
 /// The header names of the contract, in lower case as HTTP/2 and gRPC
 /// metadata send them, and the replay marker's value.

@@ -49,7 +49,7 @@ pub struct ProblemDetails<S = u16> {
 #[derive(Serialize)]
 struct Body<'a> {
     #[serde(rename = "type")]
-    kind: String,
+    kind: &'a str,
     title: &'a str,
     status: u16,
     code: &'a str,
@@ -86,15 +86,23 @@ impl<S: HttpStatus> ProblemDetails<S> {
         self.retry_after.is_some()
     }
 
-    /// The `type` URI: `urn:idem:problem:` and the code in kebab case.
+    /// The `type` URI: `urn:idem:problem:` and the code in kebab case, the
+    /// crate's namespace, whoever built the problem. A problem of the
+    /// application's own names its own with
+    /// [`with_type`](ProblemDetails::with_type).
     pub fn type_uri(&self) -> String {
         format!("urn:idem:problem:{}", self.code.to_ascii_lowercase().replace('_', "-"))
     }
 
     /// The JSON body, as sent.
     pub fn body(&self) -> String {
+        self.body_of_type(&self.type_uri())
+    }
+
+    /// The JSON body, `type_uri` as its `type`.
+    pub(crate) fn body_of_type(&self, type_uri: &str) -> String {
         let body = Body {
-            kind: self.type_uri(),
+            kind: type_uri,
             title: self.title,
             status: self.status.code(),
             code: self.code,
@@ -148,11 +156,13 @@ impl ProblemDetails {
     }
 
     /// What an adapter answers for `error`; a server-side failure is logged
-    /// here with its cause, which the body hides from the caller.
+    /// here with its cause, which the body hides from the caller, but for a
+    /// database failure: the call that met it logged it (`failure_log`).
     #[cfg(any(feature = "axum", feature = "actix", feature = "tonic"))]
     pub(crate) fn answering(error: &Error) -> Self {
         let problem = of_error(error);
-        if problem.status >= INTERNAL_SERVER_ERROR {
+        let logged = matches!(error, Error::Storage(_) | Error::StorageRefused(_) | Error::NotMigrated(_));
+        if problem.status >= INTERNAL_SERVER_ERROR && !logged {
             tracing::error!(error = %error, "idempotent request failed");
         }
         problem
