@@ -14,6 +14,7 @@ use tracing::Instrument;
 
 use crate::engine::Idem;
 use crate::error::Error;
+use crate::failure_log;
 use crate::fingerprint::{Fingerprint, Hex};
 use crate::gate::{Answer, Entry};
 use crate::key::{validate_biz_no, validate_key};
@@ -63,7 +64,7 @@ pub fn run<'a, DB: Backend>(
     let checked = validate_key(&key)
         .and_then(|()| biz_no.as_deref().map_or(Ok(()), validate_biz_no))
         .and_then(|()| fingerprint.finish_hex());
-    Box::pin(checked_run(engine, spec, key, checked, biz_no, body))
+    Box::pin(failure_log::watched(checked_run(engine, spec, key, checked, biz_no, body)))
 }
 
 /// [`run`], its inputs checked: the future the caller's is boxed around.
@@ -86,12 +87,14 @@ async fn checked_run<DB: Backend>(
         Ok(hex) => call(engine, spec, &key, &hex, biz_no.as_deref(), body).instrument(span.clone()).await,
         Err(e) => Err(e.into()),
     };
-    answer(spec, &span, timer, result)
+    answer(spec, &key, &span, timer, result)
 }
 
-/// Reports how a call ended (its span, the outcome, the metrics).
+/// Reports how a call ended (its span, the outcome, the metrics, and the
+/// cause of a database failure: `failure_log`).
 fn answer(
     spec: &'static Spec,
+    key: &str,
     span: &tracing::Span,
     timer: Timer,
     result: Result<Done, CallError>,
@@ -109,6 +112,9 @@ fn answer(
     let recorded_error = matches!(result, Ok(Done { failed: true, .. }));
     outcome::report(Observed { outcome, recorded_error });
     crate::metrics::call_finished(spec.biz, outcome, result.as_ref().ok().and_then(|done| done.source), timer);
+    if let Err(e) = &result {
+        e.log_cause(spec.biz, key);
+    }
     match result {
         Ok(Done { failed: true, .. }) => Err(CallError::Recorded),
         Ok(_) => Ok(()),

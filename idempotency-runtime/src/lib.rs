@@ -23,6 +23,7 @@ pub mod consumer;
 pub mod cron;
 mod engine;
 mod error;
+mod failure_log;
 mod fingerprint;
 #[cfg(fuzzing)]
 mod fuzz;

@@ -43,6 +43,7 @@ pub mod example;
 pub mod forwarder;
 pub mod galera;
 pub mod kafka;
+pub mod logs;
 pub mod mariadb;
 #[cfg(all(feature = "redis", any(feature = "mysql", feature = "postgres")))]
 pub mod nemesis;

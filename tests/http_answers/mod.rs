@@ -1,7 +1,9 @@
 //! What an HTTP caller is answered where issue 34 changed it, on axum with
 //! MariaDB: a duplicate storm that waits (`wait = "5s"`) instead of 409s,
-//! across two engine processes; and a declared business error replayed with
-//! the same status and body, plus `Idempotent-Replayed: true`.
+//! across two engine processes; a declared business error replayed with
+//! the same status and body (a problem in the application's namespace),
+//! plus `Idempotent-Replayed: true`; and a handler's database failure,
+//! answered 500 and logged once, with its cause.
 //!
 //! The second process is this test binary again, running the same test
 //! with `IDEM_HTTP_ANSWERS_SERVER` set: it serves and prints its address
@@ -17,7 +19,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router, middleware};
-use idempotency::http::{IdempotencyKey, replay_header};
+use idempotency::http::{IdempotencyKey, Problem, replay_header};
 use idempotency::{BusinessError, Idem, idempotent};
 use idempotency_testkit::{mysql_url, reach, redis_client, unique};
 use serde::{Deserialize, Serialize};
@@ -79,7 +81,19 @@ impl BusinessError for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         match self {
-            ApiError::Declined(declined) => (StatusCode::PAYMENT_REQUIRED, Json(declined)).into_response(),
+            ApiError::Declined(Declined { reason, nonce }) => {
+                let detail = format!("{reason} ({nonce})");
+                let title = "Payment declined";
+                Problem {
+                    status: StatusCode::PAYMENT_REQUIRED,
+                    code: "PAYMENT_DECLINED",
+                    title,
+                    detail,
+                    retry_after: None,
+                }
+                .with_type("https://shop.example/problems/payment-declined")
+                .into_response()
+            }
             ApiError::Idem(e) => e.into_response(),
         }
     }
@@ -122,6 +136,20 @@ async fn charge(
     CHARGES.fetch_add(1, SeqCst);
     sqlx::query("INSERT INTO idem_test_ledger (k, amount) VALUES (?, 1)").bind(&idem_key).execute(&mut **tx).await?;
     Err(ApiError::Declined(Declined { reason: "insufficient funds".into(), nonce: nonce() }))
+}
+
+/// Inserts a column its table, made earlier in another shape, does not have.
+#[idempotent(key = "<idem_key>", ttl = "1h", biz = "http_broken", engine = app.idem)]
+async fn broken(
+    State(app): State<App>,
+    tx: &mut Transaction<'_, MySql>,
+    IdempotencyKey(idem_key): IdempotencyKey,
+) -> Result<Paid, ApiError> {
+    sqlx::query("INSERT INTO idem_test_ledger (k, amount, user_id) VALUES (?, 1, 'alice')")
+        .bind(&idem_key)
+        .execute(&mut **tx)
+        .await?;
+    Ok(Paid { key: idem_key, nonce: nonce() })
 }
 
 async fn engine(redis: bool) -> Option<Idem<MySql>> {
@@ -296,11 +324,24 @@ async fn a_declared_error_replays_with_its_status_and_body() {
         for _ in 0..3 {
             let response = client.post(format!("{base}/charge")).header("Idempotency-Key", &key).send().await.unwrap();
             let replayed = response.headers().get("idempotent-replayed").map(|v| v.to_str().unwrap().to_owned());
-            answers.push((response.status().as_u16(), replayed, response.text().await.unwrap()));
+            let kind =
+                response.headers().get("content-type").map(|v| v.to_str().unwrap().to_owned()).unwrap_or_default();
+            answers.push((response.status().as_u16(), replayed, response.text().await.unwrap(), kind));
         }
-        assert_eq!((answers[0].0, answers[0].1.as_deref()), (402, None), "{answers:?}");
+        assert_eq!((answers[0].0, answers[0].1.as_deref(), answers[0].3.as_str()), (402, None, PROBLEM), "{answers:?}");
+        // The application's own problem type, not the crate's `urn:idem:problem:`.
+        let detail = answers[0].2.split(r#""detail":""#).nth(1).and_then(|d| d.strip_suffix(r#""}"#)).unwrap_or("");
+        assert!(detail.starts_with("insufficient funds ("), "{answers:?}");
+        let expected = format!(
+            r#"{{"type":"https://shop.example/problems/payment-declined","title":"Payment declined","status":402,"code":"PAYMENT_DECLINED","detail":"{detail}"}}"#
+        );
+        assert_eq!(answers[0].2, expected);
         for again in &answers[1..] {
-            assert_eq!((again.0, again.1.as_deref(), &again.2), (402, Some("true"), &answers[0].2), "{answers:?}");
+            assert_eq!(
+                (again.0, again.1.as_deref(), &again.2, again.3.as_str()),
+                (402, Some("true"), &answers[0].2, PROBLEM),
+                "{answers:?}"
+            );
         }
         let executions: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idem_test_ledger WHERE k = ?")
             .bind(&key)
@@ -310,4 +351,40 @@ async fn a_declared_error_replays_with_its_status_and_body() {
         assert_eq!(executions, 0, "the body's write rolled back, redis: {redis}");
         assert_eq!(CHARGES.load(SeqCst), charges + 1, "the body ran once, redis: {redis}");
     }
+}
+
+const PROBLEM: &str = "application/problem+json";
+
+/// A handler whose insert meets a table of another shape answers 500
+/// `IDEMPOTENCY_STORAGE_REFUSED`, and its cause is logged once: by the call
+/// (`biz`, the SQLSTATE, the database's message), not again by the
+/// response, and without the key. Called as axum calls it, on this thread.
+#[tokio::test(flavor = "current_thread")]
+async fn a_handlers_database_failure_is_logged_once_with_its_cause() {
+    let Some(idem) = engine(false).await else { return };
+    let app = App { idem, entered: Arc::default(), release: Arc::new(tokio::sync::watch::Sender::new(false)) };
+    let key = unique("broken-key");
+    let logs = idempotency_testkit::logs::Logs::default();
+    let response = {
+        let _guard = tracing::subscriber::set_default(logs.clone());
+        broken(State(app), IdempotencyKey(key.clone())).await.into_response()
+    };
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let body = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+    assert!(String::from_utf8_lossy(&body).contains(r#""code":"IDEMPOTENCY_STORAGE_REFUSED""#), "{body:?}");
+    assert!(!String::from_utf8_lossy(&body).contains("user_id"), "the cause stays out of the answer");
+
+    let lines = logs.lines();
+    let failed: Vec<_> = lines.iter().filter(|line| line.level <= tracing::Level::WARN).collect();
+    assert_eq!(failed.len(), 1, "{lines:?}");
+    let line = failed[0];
+    assert_eq!(line.level, tracing::Level::ERROR);
+    assert_eq!(
+        line.field("message"),
+        "idempotent call failed on the database; the caller is told not to retry",
+        "{line:?}"
+    );
+    assert_eq!((line.field("biz"), line.field("by"), line.field("code")), ("http_broken", "body", "42S22"));
+    assert!(line.field("error").contains("1054 (42S22): Unknown column 'user_id'"), "{line:?}");
+    assert!(!line.text().contains(&key), "{line:?}");
 }

@@ -21,6 +21,7 @@ mod deploy_results;
 mod deploy_signature;
 mod early_begin;
 mod expiry;
+mod failure_log;
 mod failures;
 mod joined;
 mod joined_races;

@@ -19,6 +19,7 @@ use super::ran::{Ran, run_body};
 use super::typed::{BoxFuture, CallError, Typed};
 use super::{Done, answer, replay, replay_row};
 use crate::engine::Idem;
+use crate::failure_log;
 use crate::fingerprint::Fingerprint;
 use crate::key::{validate_biz_no, validate_key};
 use crate::metrics::{Source, Timer};
@@ -45,7 +46,7 @@ pub fn run_joined<'a, 't: 'a, DB: Backend>(
     tx: &'t mut Transaction<'_, DB>,
     body: &'a mut DynBody<'_, 't, DB>,
 ) -> BoxFuture<'a, Result<(), CallError>> {
-    Box::pin(async move {
+    Box::pin(failure_log::watched(async move {
         let timer = Timer::start();
         let checked = validate_key(&key);
         // A rejected key is not logged: it may hold anything the caller sent.
@@ -61,8 +62,8 @@ pub fn run_joined<'a, 't: 'a, DB: Backend>(
             Ok(()) => call(engine, spec, &key, fingerprint, biz_no.as_deref(), tx, body).instrument(span.clone()).await,
             Err(e) => Err(e.into()),
         };
-        answer(spec, &span, timer, result)
-    })
+        answer(spec, &key, &span, timer, result)
+    }))
 }
 
 /// The call, its key already checked. Nothing reaches the caller's

@@ -29,6 +29,7 @@ use serde::de::DeserializeOwned;
 
 use crate::business_error::BusinessError;
 use crate::error::Error;
+use crate::failure_log;
 
 /// A future on the heap, as the flows take the body's and return their own.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -55,6 +56,18 @@ pub enum CallError {
     /// The call's answer is a recorded business error, its own or a
     /// replayed one: the fn holds it, read back from its record.
     Recorded,
+}
+
+impl CallError {
+    /// Logs the cause of a call that failed on the database, once
+    /// ([`failure_log`]); a recorded error is an answer, not a failure.
+    pub(crate) fn log_cause(&self, biz: &'static str, key: &str) {
+        match self {
+            CallError::Idem(e) => failure_log::report(biz, key, failure_log::Failure::Engine(e)),
+            CallError::Body => failure_log::report(biz, key, failure_log::Failure::Body),
+            CallError::Recorded => {}
+        }
+    }
 }
 
 impl From<Error> for CallError {

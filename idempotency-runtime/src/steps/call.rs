@@ -15,6 +15,7 @@ use crate::call::typed::{BoxFuture, CallError, Failed, Typed, run_and_read};
 use crate::engine::Idem;
 use crate::error::Error;
 use crate::error::Failure;
+use crate::failure_log;
 use crate::fingerprint::{Fingerprint, Hex};
 use crate::gate::{Answer, Entry};
 use crate::key::{validate_biz_no, validate_key};
@@ -61,7 +62,7 @@ pub fn run_steps<'a, DB: Backend>(
     biz_no: Option<String>,
     body: &'a mut DynBody<'_, DB>,
 ) -> BoxFuture<'a, Result<(), CallError>> {
-    Box::pin(async move {
+    Box::pin(failure_log::watched(async move {
         let timer = Timer::start();
         let checked = validate_key(&key);
         // A rejected key is not logged: it may hold anything the caller sent.
@@ -81,8 +82,11 @@ pub fn run_steps<'a, DB: Backend>(
         let recorded_error = matches!(ended.result, Err(CallError::Idem(Error::Permanent { .. })));
         outcome::report(Observed { outcome: ended.outcome, recorded_error });
         crate::metrics::call_finished(spec.biz, ended.outcome, ended.source, timer);
+        if let Err(e) = &ended.result {
+            e.log_cause(spec.biz, &key);
+        }
         ended.result
-    })
+    }))
 }
 
 /// The call, its key already checked: the gate, then the database.

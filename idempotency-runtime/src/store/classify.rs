@@ -74,23 +74,35 @@ pub fn classify(error: &sqlx::Error) -> ErrorClass {
 /// transient failures are `Storage` (retry the same call later), lock waits
 /// and conflicts too; everything else is `StorageRefused` (do not retry it
 /// as is). Bodies convert their `sqlx::Error`s with `?` through this.
+/// Inside a call, the failure is noted for the log line its end writes
+/// (`failure_log`): the body's error type may hide it from the flow.
 impl From<sqlx::Error> for Error {
     fn from(e: sqlx::Error) -> Self {
-        match classify(&e) {
-            ErrorClass::Transient | ErrorClass::LockTimeout | ErrorClass::Conflict => Error::Storage(e),
-            ErrorClass::Duplicate | ErrorClass::Schema | ErrorClass::Final => Error::StorageRefused(e),
+        let class = classify(&e);
+        let error = Error::of_class(e, class);
+        if let Error::Storage(cause) | Error::StorageRefused(cause) = &error {
+            crate::failure_log::note(cause, error.is_retryable());
         }
+        error
     }
 }
 
 impl Error {
     /// A failure of one of the engine's own statements: as for a body's,
     /// except that a missing table or column is one of the engine's, which
-    /// `migrate` creates (`NotMigrated`).
+    /// `migrate` creates (`NotMigrated`). Not noted: the flow holds it.
     pub(crate) fn from_store(e: sqlx::Error) -> Self {
         match classify(&e) {
             ErrorClass::Schema => Error::NotMigrated(e),
-            _ => Error::from(e),
+            class => Error::of_class(e, class),
+        }
+    }
+
+    /// What the caller is told of a failure of `class`: retry, or not.
+    fn of_class(e: sqlx::Error, class: ErrorClass) -> Self {
+        match class {
+            ErrorClass::Transient | ErrorClass::LockTimeout | ErrorClass::Conflict => Error::Storage(e),
+            ErrorClass::Duplicate | ErrorClass::Schema | ErrorClass::Final => Error::StorageRefused(e),
         }
     }
 }
