@@ -109,6 +109,19 @@ async fn pay(
     Ok(1)
 }
 
+/// `pay` inside the caller's transaction (`join`).
+#[idempotent(key = "<k>", ttl = "1h", biz = "t_failure_log", join)]
+async fn pay_in(
+    idem: &Idem<Db>,
+    tx: &mut Transaction<'_, Db>,
+    k: String,
+    #[idem(skip)] probe: &Probe,
+) -> Result<u32, PayError> {
+    probe.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    sqlx::raw_sql("INSERT INTO idem_test_old_shape (id, user_id) VALUES (1, 'alice')").execute(&mut **tx).await?;
+    Ok(1)
+}
+
 /// The database's code for a column missing from a table (SQLSTATE; SQLite's result code).
 fn unknown_column_code() -> &'static str {
     match B::NAME {
@@ -177,6 +190,14 @@ async fn a_bodys_database_failure_is_logged_once(redis: Redis) {
     let says = if B::NAME == "mysql" { "Duplicate entry '<key>'" } else { "idem_test_unique_keys" };
     the_line_says(&lines, &k, "body", code, says);
 
+    // Inside the caller's transaction, the same.
+    let k = unique("failure-log-joined");
+    let mut tx = idem.pool().begin().await.expect("begin");
+    let (answer, lines) = logged(pay_in(&idem, &mut tx, k.clone(), &probe)).await;
+    assert!(matches!(answer, Err(PayError::Idem(Error::StorageRefused(_)))), "{answer:?}");
+    the_line_says(&lines, &k, "body", unknown_column_code(), "user_id");
+    tx.rollback().await.expect("rollback");
+
     // Not failures on the database: nothing logged, whatever happened before.
     for body in [Body::Declines, Body::OwnError, Body::Pays] {
         let k = unique("failure-log-none");
@@ -188,8 +209,8 @@ async fn a_bodys_database_failure_is_logged_once(redis: Redis) {
             assert!(lines.is_empty(), "{body:?} replayed: {lines:?}");
         }
     }
-    // Two failing bodies, three that ran, two replays.
-    assert_eq!(probe.runs.load(std::sync::atomic::Ordering::SeqCst), 5);
+    // Three failing bodies, three that ran, two replays.
+    assert_eq!(probe.runs.load(std::sync::atomic::Ordering::SeqCst), 6);
 }
 
 with_and_without_redis!(

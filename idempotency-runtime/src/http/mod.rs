@@ -8,7 +8,8 @@
 //! principal check ([`validate_principal`]), [`Error`](crate::Error) and
 //! [`TokenError`](crate::TokenError) as problem details
 //! ([`ProblemDetails`]: status, `type`, `title`, `code`, `detail`,
-//! `Retry-After`, `Idempotency-Should-Retry`), and the replay marker ([`observe_replay`], the
+//! `Retry-After`, `Idempotency-Should-Retry`; an application's own under
+//! its own `type` URI: [`TypedProblem`]), and the replay marker ([`observe_replay`], the
 //! [`header`] names). Each rule runs on raw bytes (`from_header_values`), so
 //! any transport can call it; an adapter only reads its framework's
 //! headers and writes its framework's responses.
