@@ -22,6 +22,10 @@
 //! counts the reply bytes a hold caught (the event "the server answered",
 //! for a test that then loses the answer). Needs a tokio runtime; dropping
 //! the forwarder cuts everything.
+//!
+//! [`Forwarder::requests`] counts what clients sent (each read of a
+//! client's bytes passed on: a request, as a client writes one at a time),
+//! so a test can wait until a client it watches has asked the server again.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -88,6 +92,8 @@ pub struct Forwarder {
     port: u16,
     route: watch::Sender<Route>,
     held: watch::Sender<u64>,
+    /// Reads of clients' bytes passed on so far.
+    requests: watch::Sender<u64>,
     accept: JoinHandle<()>,
     /// Connections seen subscribing so far.
     subscribers: Arc<AtomicUsize>,
@@ -101,9 +107,11 @@ impl Forwarder {
         let (route, watching) =
             watch::channel(Route { target: Some(target), hold: Hold::Nothing, epoch: 0, silence_subscribers: false });
         let held = watch::Sender::new(0);
+        let requests = watch::Sender::new(0);
         let subscribers = Arc::new(AtomicUsize::new(0));
-        let accept = tokio::spawn(accept_loop(listener, watching, held.clone(), Arc::clone(&subscribers)));
-        Forwarder { port, route, held, accept, subscribers }
+        let seen = Seen { subscriber: Arc::default(), subscribers: Arc::clone(&subscribers), requests: requests.clone() };
+        let accept = tokio::spawn(accept_loop(listener, watching, held.clone(), seen));
+        Forwarder { port, route, held, requests, accept, subscribers }
     }
 
     /// The reply bytes caught by a hold so far, server to client, on every
@@ -145,6 +153,13 @@ impl Forwarder {
     pub fn subscribers(&self) -> usize {
         self.subscribers.load(Ordering::SeqCst)
     }
+
+    /// How many times bytes from clients were read and passed on: one per
+    /// request a client sends and waits on (pipelined or split requests may
+    /// count together or apart). Watch it to wait until a client asked again.
+    pub fn requests(&self) -> watch::Receiver<u64> {
+        self.requests.subscribe()
+    }
 }
 
 impl Drop for Forwarder {
@@ -154,12 +169,9 @@ impl Drop for Forwarder {
     }
 }
 
-async fn accept_loop(
-    listener: TcpListener,
-    route: watch::Receiver<Route>,
-    held: watch::Sender<u64>,
-    subscribers: Arc<AtomicUsize>,
-) {
+/// `forwarder` is what every connection counts into: a fresh connection
+/// gets its own `subscriber` flag.
+async fn accept_loop(listener: TcpListener, route: watch::Receiver<Route>, held: watch::Sender<u64>, forwarder: Seen) {
     loop {
         let Ok((client, _)) = listener.accept().await else { continue };
         let now = *route.borrow();
@@ -167,16 +179,18 @@ async fn accept_loop(
             drop(client);
             continue;
         };
-        let seen = Seen { subscriber: Arc::default(), subscribers: Arc::clone(&subscribers) };
+        let seen = Seen { subscriber: Arc::default(), ..forwarder.clone() };
         tokio::spawn(connection(client, target, route.clone(), now.epoch, held.clone(), seen));
     }
 }
 
-/// What a connection has shown of itself: whether it subscribed.
+/// What a connection has shown of itself: whether it subscribed; and the
+/// forwarder's counts it adds to.
 #[derive(Clone)]
 struct Seen {
     subscriber: Arc<AtomicBool>,
     subscribers: Arc<AtomicUsize>,
+    requests: watch::Sender<u64>,
 }
 
 impl Seen {
@@ -273,6 +287,9 @@ async fn pump(
         tokio::select! {
             written = to.write_all(&buf[..n]) => if written.is_err() { return },
             () = cut(&mut watching, epoch) => return,
+        }
+        if direction == Direction::Requests {
+            seen.requests.send_modify(|count| *count += 1);
         }
     }
 }
