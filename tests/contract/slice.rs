@@ -7,7 +7,8 @@
 //! A slice covers every pair of values of two dimensions at least once (a
 //! gate with an entry, a mode with a backend, ...), the cells drawn in the
 //! seed's order, each time the one that covers the most pairs not yet
-//! covered: about thirty cells, a fresh choice of them every seed. Known
+//! covered (about 23 cells), then more in the seed's order up to
+//! [`SLICE`] (or `IDEM_MATRIX_SLICE`): a fresh choice every seed. Known
 //! defects are left out of it.
 
 use std::collections::HashSet;
@@ -16,6 +17,10 @@ use crate::table::{Combo, known_defect};
 
 /// The seed when `IDEM_MATRIX_SEED` is not set: a run without it is the same run every time.
 const DEFAULT_SEED: u64 = 1;
+
+/// Cells in a slice: about a minute of CI's suite, run four at a time
+/// beside the other tests on two cores (about two seconds a cell).
+const SLICE: usize = 60;
 
 /// What this run runs.
 pub struct Plan {
@@ -29,11 +34,13 @@ impl Plan {
     /// From the environment: `IDEM_MATRIX=all`, `IDEM_MATRIX_SEED=<u64>`.
     pub fn from_env(cells: &[Combo]) -> Plan {
         let all = std::env::var("IDEM_MATRIX").is_ok_and(|v| v == "all");
-        let seed = match std::env::var("IDEM_MATRIX_SEED") {
-            Ok(text) => text.trim().parse().unwrap_or_else(|_| panic!("IDEM_MATRIX_SEED={text}: not a u64")),
-            Err(_) => DEFAULT_SEED,
+        let number = |name: &str, default: u64| match std::env::var(name) {
+            Ok(text) => text.trim().parse().unwrap_or_else(|_| panic!("{name}={text}: not a number")),
+            Err(_) => default,
         };
-        Plan { seed, all, chosen: slice(cells, seed) }
+        let seed = number("IDEM_MATRIX_SEED", DEFAULT_SEED);
+        let size = usize::try_from(number("IDEM_MATRIX_SLICE", SLICE as u64)).expect("a slice size");
+        Plan { seed, all, chosen: slice(cells, seed, size) }
     }
 
     /// Whether `combo` runs without `--include-ignored`.
@@ -61,8 +68,9 @@ fn pairs(combo: Combo) -> Vec<Pair> {
     pairs
 }
 
-/// The cells of the slice for `seed` (see the module docs).
-fn slice(cells: &[Combo], seed: u64) -> HashSet<Combo> {
+/// The `size` cells (at least those covering every pair) of the slice for
+/// `seed` (see the module docs).
+fn slice(cells: &[Combo], seed: u64, size: usize) -> HashSet<Combo> {
     let mut order: Vec<Combo> = cells.iter().copied().filter(|c| known_defect(*c).is_none()).collect();
     shuffle(&mut order, seed);
     let mut uncovered: HashSet<Pair> = order.iter().flat_map(|c| pairs(*c)).collect();
@@ -84,6 +92,7 @@ fn slice(cells: &[Combo], seed: u64) -> HashSet<Combo> {
         order.retain(|c| *c != cell);
         chosen.insert(cell);
     }
+    chosen.extend(order.into_iter().take(size.saturating_sub(chosen.len())));
     chosen
 }
 

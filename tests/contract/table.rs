@@ -216,6 +216,13 @@ pub fn known_defect(combo: Combo) -> Option<&'static str> {
         Entry::Cron if declares => {
             Some("clause 6: a slot whose job's recorded decline replays is reported failed, not done")
         }
+        // Issue 52, item 2 (being fixed).
+        _ if combo.options.wait() && matches!(combo.gate, Gate::Redis | Gate::LocalCache) && combo.mode != Mode::Join => {
+            Some(
+                "clause 3, now and then: a later waiter on a claim's channel does not wait for its subscription's \
+                 confirmation, misses the publish and waits out its bound",
+            )
+        }
         _ => None,
     }
 }
