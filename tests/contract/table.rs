@@ -206,25 +206,12 @@ pub fn excluded(combo: Combo) -> Option<&'static str> {
 /// Cells that fail today for a defect of the crate, with a one-line reason:
 /// run in the whole matrix, left out of CI's slice until fixed.
 pub fn known_defect(combo: Combo) -> Option<&'static str> {
-    let declares = combo.mode == Mode::Steps || combo.options.record_errors();
-    match combo.entry {
-        // Issue 52, item 1 (being fixed).
-        Entry::Consumer if declares => Some(
-            "clause 6: a recorded decline is settled as a failure: retried (then dead-lettered), or in steps \
-             mode dead-lettered as rejected, though every retry only replays it",
-        ),
-        Entry::Cron if declares => {
-            Some("clause 6: a slot whose job's recorded decline replays is reported failed, not done")
-        }
-        // Issue 52, item 2 (being fixed).
-        _ if combo.options.wait() && matches!(combo.gate, Gate::Redis | Gate::LocalCache) && combo.mode != Mode::Join => {
-            Some(
-                "clause 3, now and then: a later waiter on a claim's channel does not wait for its subscription's \
-                 confirmation, misses the publish and waits out its bound",
-            )
-        }
-        _ => None,
-    }
+    let told_by_redis = matches!(combo.gate, Gate::Redis | Gate::LocalCache) && combo.mode != Mode::Join;
+    // Issue 52, item 2 (being fixed).
+    (told_by_redis && combo.options.wait()).then_some(
+        "clause 3, now and then: a later waiter on a claim's channel does not wait for its subscription's \
+         confirmation, misses the publish and waits out its bound",
+    )
 }
 
 /// Every cell of the matrix, in table order.

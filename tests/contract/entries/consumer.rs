@@ -115,7 +115,8 @@ fn answer(report: &Report, produced: Option<Produced>) -> Answer {
     let finished = matches!(report.outcome, Some(Outcome::Executed | Outcome::Replayed));
     match (report.action, produced) {
         (Action::Ack, Some(Produced::Value(bytes))) if finished => Answer::Value { bytes, replayed },
-        (Action::Ack, Some(Produced::Declined(bytes))) if finished => Answer::Declined { bytes, replayed },
+        // The handler passed its call's recorded decline on: its final answer, acked once.
+        (Action::AckRecorded, Some(Produced::Declined(bytes))) if finished => Answer::Declined { bytes, replayed },
         (Action::Requeue, _) if report.outcome == Some(Outcome::InProgress) => Answer::InProgress,
         (Action::DeadLetter(Reason::KeyReused), _) => Answer::KeyReused,
         // A decline the fn does not record is the body's own failure.

@@ -27,8 +27,8 @@ fn answer(report: &SlotReport, produced: Option<Produced>) -> Answer {
     match (report.outcome, produced) {
         (SlotOutcome::Executed, Some(Produced::Value(bytes))) => Answer::Value { bytes, replayed: false },
         (SlotOutcome::DoneElsewhere, Some(Produced::Value(bytes))) => Answer::Value { bytes, replayed: true },
-        (SlotOutcome::Executed, Some(Produced::Declined(bytes))) => Answer::Declined { bytes, replayed: false },
-        (SlotOutcome::DoneElsewhere, Some(Produced::Declined(bytes))) => Answer::Declined { bytes, replayed: true },
+        (SlotOutcome::Declined, Some(Produced::Declined(bytes))) => Answer::Declined { bytes, replayed: false },
+        (SlotOutcome::DeclinedElsewhere, Some(Produced::Declined(bytes))) => Answer::Declined { bytes, replayed: true },
         (SlotOutcome::InProgressElsewhere, _) => Answer::InProgress,
         (SlotOutcome::Failed, _) if report.call == Some(Outcome::KeyReused) => Answer::KeyReused,
         // A decline the fn does not record is the body's own failure.
