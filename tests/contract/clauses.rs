@@ -96,7 +96,7 @@ async fn nothing_recorded<F: Store>(rig: &Rig<F>, engine: &Engine<F>, key: &str)
     }
 }
 
-/// 1. A first call executes: its value, the body once, one record row
+/// Clause 1: a first call executes: its value, the body once, one record row
 /// storing that value, one ledger row.
 async fn first_call<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
     let (key, runs) = (rig.key("first"), Arc::default());
@@ -106,7 +106,7 @@ async fn first_call<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
     recorded(rig, engine, &key, &bytes, 1).await;
 }
 
-/// 2. An identical call replays the same bytes, marked replayed, the body
+/// Clause 2: an identical call replays the same bytes, marked replayed, the body
 /// not run again: on the same instance, and on another.
 async fn identical_replay<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
     let (key, runs) = (rig.key("replay"), Arc::default());
@@ -118,7 +118,7 @@ async fn identical_replay<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
     recorded(rig, engine, &key, &bytes, 1).await;
 }
 
-/// 3. Identical calls released at once by a barrier run the body once:
+/// Clause 3: identical calls released at once by a barrier run the body once:
 /// one executes, every other answers its value (or `InProgress`, only where
 /// no wait applies); then a retry replays it.
 async fn storm<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
@@ -150,7 +150,7 @@ async fn storm<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
     recorded(rig, engine, &key, &bytes, 1).await;
 }
 
-/// 4. The same key with other arguments: `KeyReused`, nothing runs,
+/// Clause 4: the same key with other arguments: `KeyReused`, nothing runs,
 /// nothing written.
 async fn other_arguments<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
     let (key, runs) = (rig.key("reused"), Arc::default());
@@ -160,7 +160,7 @@ async fn other_arguments<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
     recorded(rig, engine, &key, &bytes, 1).await;
 }
 
-/// 5. A body's own error records nothing: no record, no ledger row; the
+/// Clause 5: a body's own error records nothing: no record, no ledger row; the
 /// retry executes (in steps mode, its recorded step not called again).
 async fn body_error<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
     let (key, runs) = (rig.key("failed"), Arc::default());
@@ -174,7 +174,7 @@ async fn body_error<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
     }
 }
 
-/// 6. A declared error replays: recorded (`record_errors`; in steps mode
+/// Clause 6: a declared error replays: recorded (`record_errors`; in steps mode
 /// `Steps::permanent`), replayed byte for byte to a duplicate that would
 /// now succeed, on this instance and another, the body once, its writes
 /// gone. Without `record_errors` it is clause 5: nothing recorded, the
@@ -203,7 +203,7 @@ async fn declared_error<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
     }
 }
 
-/// 7. A duplicate of a running call (the first held in its body until the
+/// Clause 7: a duplicate of a running call (the first held in its body until the
 /// clause opens it): with `wait`, it waits (as the servers or its own
 /// future show) and gets the first's value once the first is let go;
 /// without, it answers `InProgress` while the first still runs, within
@@ -235,7 +235,7 @@ async fn running_duplicate<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
     recorded(rig, engine, &key, &bytes, 1).await;
 }
 
-/// 8. Redis failing while the body runs changes nothing: the call commits
+/// Clause 8: Redis failing while the body runs changes nothing: the call commits
 /// once and answers its value; the duplicate after it replays it (from
 /// the database, or the local cache).
 async fn redis_fails<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
