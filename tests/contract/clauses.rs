@@ -5,6 +5,7 @@
 //! the rows left behind.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tokio::sync::Barrier;
 
@@ -17,6 +18,15 @@ use crate::table::{Combo, Mode};
 
 /// Identical calls in a storm.
 const STORM: usize = 6;
+
+/// A waiting duplicate is told the first call's answer as that one ends,
+/// long before its own bound (`wait = "30s"`): one that waits its bound
+/// out (it missed the end) fails here.
+const TOLD: Duration = Duration::from_secs(20);
+
+/// How far past its bound a duplicate may answer `InProgress` on a loaded
+/// machine: generous, it only catches a wait that overruns its bound.
+const SLACK: Duration = Duration::from_secs(10);
 
 /// The clauses: number, name.
 pub const CLAUSES: [(u8, &str); 8] = [
@@ -132,7 +142,8 @@ async fn storm<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
         .collect();
     let mut answers = Vec::new();
     for call in calls {
-        answers.push(within("a storm's call answers", call).await.expect("a call"));
+        let told = tokio::time::timeout(TOLD, call).await;
+        answers.push(told.expect("a storm's call answers (a waiter is told when the first ends)").expect("a call"));
     }
     let firsts: Vec<&Answer> = answers.iter().filter(|a| matches!(a, Answer::Value { replayed: false, .. })).collect();
     assert_eq!(firsts.len(), 1, "one execution: {answers:?}");
@@ -215,17 +226,21 @@ async fn running_duplicate<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
     held.until_held().await;
     let asked = engine.path.as_ref().map_or(0, |path| path.asked());
     let waiting = script(&runs, Ending::Value);
+    let started = Instant::now();
     let duplicate = tokio::spawn(engine.entry.call(&key, 7, Arc::clone(&waiting)));
     let bytes = if rig.combo.options.wait() {
         rig.until_waiting(engine, &key, &waiting, asked).await;
         assert!(!duplicate.is_finished(), "the duplicate answered while the first ran");
         held.release();
         let bytes = executed(engine, &key, within("the first call", first).await.expect("a call"), 1);
-        replayed_value(within("the waiting duplicate", duplicate).await.expect("a call"), &bytes);
+        let told = tokio::time::timeout(TOLD, duplicate).await;
+        replayed_value(told.expect("the waiter is told when the first call ends").expect("a call"), &bytes);
         bytes
     } else {
         let answer = within("the duplicate answers", duplicate).await.expect("a call");
         assert_eq!(answer, Answer::InProgress);
+        let bound = rig.in_progress_bound() + SLACK;
+        assert!(started.elapsed() < bound, "InProgress after {:?}, past {bound:?}", started.elapsed());
         assert!(!first.is_finished(), "the first call still runs");
         held.release();
         executed(engine, &key, within("the first call", first).await.expect("a call"), 1)

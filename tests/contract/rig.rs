@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use idempotency::Idem;
 
-use crate::backends::{Database, Rows, Store};
+use crate::backends::{Database, Rows, SQLITE_BUSY, Store};
 use crate::entries::{self, EntryPoint};
 use crate::fns::Db;
 use crate::gates::{self, Path};
@@ -48,6 +48,18 @@ impl<F: Store> Rig<F> {
         let idem = builder.build();
         let entry = entries::entry::<F>(self.combo.entry, idem.clone(), self.combo.mode, self.combo.options).await;
         Some(Engine { idem, path, entry })
+    }
+
+    /// How long a duplicate without `wait` may wait for a running call
+    /// before `InProgress`: not at all behind a Redis claim, else
+    /// `lock_wait` (in memory, or on the unique index), and on SQLite's
+    /// unique index its busy timeout.
+    pub fn in_progress_bound(&self) -> Duration {
+        match (self.combo.mode, self.combo.gate, self.combo.backend) {
+            (Mode::Join, _, Backend::Sqlite) => SQLITE_BUSY,
+            (Mode::Join, _, _) | (_, Gate::NoRedis, _) => LOCK_WAIT,
+            _ => Duration::ZERO,
+        }
     }
 
     /// A key no other clause or cell uses.
