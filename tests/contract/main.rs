@@ -64,10 +64,11 @@ fn main() {
             }
         );
     }
-    let trials = cells
+    let mut trials: Vec<Trial> = cells
         .iter()
         .map(|&combo| Trial::test(combo.to_string(), move || cell(combo)).with_ignored_flag(!plan.runs(combo)))
         .collect();
+    trials.push(Trial::test("slice::covers_every_pair_of_values", move || Ok(slice::check(&cells)?)));
     let conclusion = libtest_mimic::run(&args, trials);
     runtime().block_on(async { processes::stop_all() });
     conclusion.exit();

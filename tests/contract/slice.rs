@@ -112,3 +112,33 @@ fn shuffle(cells: &mut [Combo], seed: u64) {
         cells.swap(i, j);
     }
 }
+
+/// Checks the slicing itself (a test of its own beside the cells): for
+/// many seeds, a slice holds `SLICE` cells, no known defect, and every
+/// pair of values two dimensions can take; the same seed gives the same
+/// slice, and seeds differ.
+pub fn check(cells: &[Combo]) -> Result<(), String> {
+    let all_pairs: HashSet<Pair> =
+        cells.iter().filter(|c| known_defect(**c).is_none()).flat_map(|c| pairs(*c)).collect();
+    let mut slices = HashSet::new();
+    for seed in 0..12 {
+        let chosen = slice(cells, seed, SLICE);
+        if chosen.len() != SLICE || chosen.iter().any(|c| known_defect(*c).is_some()) {
+            return Err(format!("seed {seed}: {} cells, or a known defect among them", chosen.len()));
+        }
+        let covered: HashSet<Pair> = chosen.iter().flat_map(|c| pairs(*c)).collect();
+        if covered != all_pairs {
+            return Err(format!("seed {seed}: {} of {} pairs covered", covered.len(), all_pairs.len()));
+        }
+        if slice(cells, seed, SLICE) != chosen {
+            return Err(format!("seed {seed}: two slices"));
+        }
+        let mut names: Vec<String> = chosen.iter().map(Combo::to_string).collect();
+        names.sort();
+        slices.insert(names);
+    }
+    if slices.len() < 12 {
+        return Err(format!("12 seeds drew only {} slices", slices.len()));
+    }
+    Ok(())
+}
