@@ -109,7 +109,8 @@ impl Forwarder {
         let held = watch::Sender::new(0);
         let requests = watch::Sender::new(0);
         let subscribers = Arc::new(AtomicUsize::new(0));
-        let seen = Seen { subscriber: Arc::default(), subscribers: Arc::clone(&subscribers), requests: requests.clone() };
+        let seen =
+            Seen { subscriber: Arc::default(), subscribers: Arc::clone(&subscribers), requests: requests.clone() };
         let accept = tokio::spawn(accept_loop(listener, watching, held.clone(), seen));
         Forwarder { port, route, held, requests, accept, subscribers }
     }

@@ -14,7 +14,7 @@ use idempotency_testkit::servers::RedisCluster;
 use redis::cluster::{ClusterClientBuilder, NodeAddress};
 use tokio::sync::OnceCell;
 
-use crate::script::within;
+use crate::script::{BOUND, within};
 use crate::table::Gate;
 
 /// One engine's way to Redis.
@@ -63,6 +63,15 @@ async fn futures_select_any<F: std::future::Future + Unpin>(mut futures: Vec<F>)
         std::task::Poll::Pending
     })
     .await
+}
+
+/// A connection of the test's own to `client`'s Redis, with generous
+/// timeouts (redis's defaults, 1 s to connect and 500 ms an answer, trip on
+/// a loaded machine).
+pub async fn test_connection(client: &redis::Client) -> redis::aio::MultiplexedConnection {
+    let generous =
+        redis::AsyncConnectionConfig::new().set_connection_timeout(Some(BOUND)).set_response_timeout(Some(BOUND));
+    client.get_multiplexed_async_connection_with_config(&generous).await.expect("the test's redis connection")
 }
 
 /// The port of the shared Redis (`IDEM_REDIS_URL`), once it answers.

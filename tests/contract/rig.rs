@@ -122,7 +122,7 @@ impl<F: Store> Rig<F> {
         let at = idempotency::redis_layout::locate(namespace.as_str(), self.biz(), &engine.entry.record_key(key))
             .expect("a namespace");
         let client = idempotency_testkit::redis_client().await.expect("redis");
-        let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+        let mut conn = crate::gates::test_connection(&client).await;
         within("a subscriber on the claim's channel", async {
             loop {
                 let counts: Vec<(String, i64)> =

@@ -142,7 +142,7 @@ impl<F: Store> EntryPoint for Consumer<F> {
         let payload = serde_json::to_string(&Message { key: key.to_owned(), amount, script: number }).expect("JSON");
         let (redis, stream, produced) = (self.redis.clone(), self.stream.clone(), Arc::clone(&self.produced));
         Box::pin(async move {
-            let mut conn = redis.get_multiplexed_async_connection().await.expect("redis");
+            let mut conn = crate::gates::test_connection(&redis).await;
             let added: redis::RedisResult<String> = redis::cmd("XADD")
                 .arg(&stream)
                 .arg("*")
@@ -170,10 +170,9 @@ impl<F: Store> Drop for Consumer<F> {
         let (redis, stream) = (self.redis.clone(), self.stream.clone());
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
-                if let Ok(mut conn) = redis.get_multiplexed_async_connection().await {
-                    let _: redis::RedisResult<i64> =
-                        redis::cmd("DEL").arg(&stream).arg(format!("{stream}:dead")).query_async(&mut conn).await;
-                }
+                let mut conn = crate::gates::test_connection(&redis).await;
+                let _: redis::RedisResult<i64> =
+                    redis::cmd("DEL").arg(&stream).arg(format!("{stream}:dead")).query_async(&mut conn).await;
             });
         }
     }
