@@ -1,5 +1,6 @@
-//! Log lines a test reads: a `tracing` subscriber that keeps every event
-//! (its level, target and fields, the message among them), installed for a
+//! Log lines and spans a test reads: a `tracing` subscriber that keeps every
+//! event (its level, target and fields, the message among them) and every
+//! span (its name and fields, as recorded until now), installed for a
 //! test's own thread with `tracing::subscriber::set_default`.
 
 use std::collections::BTreeMap;
@@ -26,11 +27,15 @@ impl Line {
     }
 }
 
-/// Keeps the lines of every event it sees; clones share them.
+/// A span's name and its fields, as text.
+pub type Span = (String, BTreeMap<String, String>);
+
+/// Keeps the lines of every event and the spans it sees; clones share them.
 #[derive(Clone, Default)]
 pub struct Logs {
     next_span: Arc<AtomicU64>,
     lines: Arc<Mutex<Vec<Line>>>,
+    spans: Arc<Mutex<BTreeMap<u64, Span>>>,
 }
 
 impl Logs {
@@ -42,6 +47,11 @@ impl Logs {
     /// Every line so far.
     pub fn lines(&self) -> Vec<Line> {
         self.lines.lock().unwrap().clone()
+    }
+
+    /// Every span so far, in the order they were made.
+    pub fn spans(&self) -> Vec<Span> {
+        self.spans.lock().unwrap().values().cloned().collect()
     }
 }
 
@@ -62,11 +72,19 @@ impl tracing::Subscriber for Logs {
         true
     }
 
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(self.next_span.fetch_add(1, Ordering::Relaxed) + 1)
+    fn new_span(&self, attrs: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        let id = self.next_span.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut fields = BTreeMap::new();
+        attrs.record(&mut Fields(&mut fields));
+        self.spans.lock().unwrap().insert(id, (attrs.metadata().name().to_owned(), fields));
+        tracing::span::Id::from_u64(id)
     }
 
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record(&self, id: &tracing::span::Id, values: &tracing::span::Record<'_>) {
+        if let Some((_, fields)) = self.spans.lock().unwrap().get_mut(&id.into_u64()) {
+            values.record(&mut Fields(fields));
+        }
+    }
 
     fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
 

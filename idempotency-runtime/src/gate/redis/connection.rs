@@ -324,19 +324,13 @@ pub(crate) fn millis(d: Duration) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::test_client;
     use super::*;
 
     /// A link to the test Redis, or `None` (skipped) when none answers,
     /// unless `IDEM_REQUIRE_SERVICES` is set.
     async fn test_link() -> Option<Link> {
-        let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        let client = redis::Client::open(url).expect("redis url");
-        if let Err(e) = client.get_multiplexed_async_connection().await {
-            assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "redis unreachable: {e}");
-            eprintln!("skipped: redis unreachable ({e})");
-            return None;
-        }
-        Some(Link::new(Target::Single(client), Duration::from_secs(5)))
+        Some(Link::new(Target::Single(test_client().await?), Duration::from_secs(5)))
     }
 
     /// Regression (issue 32.5): an error about one operation (a key of

@@ -32,6 +32,8 @@ mod connection;
 mod later;
 pub(crate) mod layout;
 mod scripts;
+#[cfg(test)]
+mod testing;
 mod waiters;
 
 pub use connection::BACKOFF;
@@ -442,6 +444,7 @@ impl NamespaceSlot {
 
 #[cfg(test)]
 mod tests {
+    use super::testing::{black_hole, redis_url, test_client};
     use super::*;
     use crate::random::token;
 
@@ -453,22 +456,10 @@ mod tests {
         Arc::new(Clock::new(false))
     }
 
-    fn redis_url() -> String {
-        std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-    }
-
     /// A connection to the test Redis, or `None` (skipped) when none
     /// answers, unless `IDEM_REQUIRE_SERVICES` is set.
     async fn test_redis() -> Option<redis::aio::MultiplexedConnection> {
-        let client = redis::Client::open(redis_url()).expect("redis url");
-        match client.get_multiplexed_async_connection().await {
-            Ok(conn) => Some(conn),
-            Err(e) => {
-                assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "redis unreachable: {e}");
-                eprintln!("skipped: redis unreachable ({e})");
-                None
-            }
-        }
+        Some(test_client().await?.get_multiplexed_async_connection().await.expect("redis"))
     }
 
     fn gate(hot_window: Duration) -> Arc<RedisGate> {
@@ -718,15 +709,7 @@ mod tests {
     /// for later; at most `MAX_BACKGROUND` of them run at once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn background_work_is_bounded_when_redis_never_answers() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let port = listener.local_addr().expect("addr").port();
-        let hole = tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((socket, _)) = listener.accept().await {
-                held.push(socket); // read nothing, answer nothing
-            }
-        });
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("client");
+        let (client, hole) = black_hole().await;
         let claims = Arc::new(RedisGate::new(
             Target::Single(client),
             Duration::from_millis(300),

@@ -387,20 +387,8 @@ impl Driver {
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{black_hole, test_client};
     use super::*;
-
-    /// A client of the test Redis, or `None` (skipped) when none answers,
-    /// unless `IDEM_REQUIRE_SERVICES` is set.
-    async fn test_client() -> Option<redis::Client> {
-        let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        let client = redis::Client::open(url).expect("redis url");
-        if let Err(e) = client.get_multiplexed_async_connection().await {
-            assert!(std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(), "redis unreachable: {e}");
-            eprintln!("skipped: redis unreachable ({e})");
-            return None;
-        }
-        Some(client)
-    }
 
     async fn ask<T: redis::FromRedisValue>(client: &redis::Client, cmd: &redis::Cmd) -> T {
         let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
@@ -456,15 +444,7 @@ mod tests {
     /// for a back-off do not try again.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_connection_that_is_never_answered_is_given_up_within_the_timeout() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let port = listener.local_addr().expect("addr").port();
-        let hole = tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((socket, _)) = listener.accept().await {
-                held.push(socket); // read nothing, answer nothing
-            }
-        });
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("client");
+        let (client, hole) = black_hole().await;
         let waiters = Waiters::new(client, Duration::from_millis(200));
         let started = Instant::now();
         let mut waiter = waiters.subscribe("idem:t_hole");
