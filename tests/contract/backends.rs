@@ -2,11 +2,13 @@
 //! (a SQLite file of its own; the shared MariaDB and PostgreSQL `test`
 //! databases, migrated once per process; PostgreSQL through a private
 //! PgBouncer started once per process), how an engine is built over it,
-//! and the reads the clauses check: the key's rows, the ledger, and
-//! whether a session waits on a lock.
+//! the reads the clauses check: the key's rows, the ledger, and whether a
+//! session waits on a lock; and another instance's pool of its own, counted
+//! ([`OwnPool`]).
 
 use std::future::Future;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idempotency::{Builder, Idem};
@@ -14,9 +16,10 @@ use idempotency_testkit::backend::{MySql, Postgres, Sqlite};
 use idempotency_testkit::pgbouncer::PgBouncer;
 use idempotency_testkit::{TestBackend, unique};
 use sqlx::Pool;
+use sqlx::pool::PoolOptions;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use tokio::sync::OnceCell;
+use tokio::sync::{OnceCell, watch};
 
 use crate::fns::{Calls, Db, MysqlFns, PostgresFns, SqliteFns};
 use crate::table::{Backend, Mode};
@@ -28,6 +31,9 @@ const SHARED_POOL: u32 = 32;
 /// A SQLite writer waits this long for another (`busy_timeout`): the bound
 /// of a joined duplicate there, which neither `lock_wait` nor `wait` sets.
 pub const SQLITE_BUSY: Duration = Duration::from_secs(3);
+
+/// Connections of another instance's own pool: a duplicate holds one.
+const OWN_POOL: u32 = 4;
 
 /// Where a cell's records live.
 pub struct Database<DB: sqlx::Database> {
@@ -48,6 +54,50 @@ pub struct Rows {
     pub stored: Option<String>,
 }
 
+/// Another instance's pool of its own over a cell's database (the way the
+/// cell's engines reach it, through PgBouncer for `pgbouncer`): how many
+/// times its engine asked the database (each connection it was handed
+/// counts once: a statement on the pool, a transaction), and its sessions
+/// as the server shows them.
+pub struct OwnPool<DB: sqlx::Database> {
+    pub pool: Pool<DB>,
+    asked: watch::Sender<u64>,
+    /// MariaDB: the ids of its connections.
+    sessions: Arc<Mutex<Vec<i64>>>,
+    /// PostgreSQL: the `application_name` its connections give (which
+    /// PgBouncer passes on to the server connection a client is lent).
+    name: String,
+}
+
+impl<DB: sqlx::Database> OwnPool<DB> {
+    /// Options that count every connection handed out; `after_connect` is
+    /// the backend's own (it counts a new connection).
+    fn options(asked: &watch::Sender<u64>) -> PoolOptions<DB> {
+        let asked = asked.clone();
+        PoolOptions::new().max_connections(OWN_POOL).acquire_timeout(Duration::from_secs(60)).before_acquire(
+            move |_, _| {
+                asked.send_modify(|n| *n += 1);
+                Box::pin(async { Ok(true) })
+            },
+        )
+    }
+
+    fn new(asked: watch::Sender<u64>, pool: Pool<DB>, sessions: Arc<Mutex<Vec<i64>>>, name: String) -> Self {
+        OwnPool { pool, asked, sessions, name }
+    }
+
+    /// Connections handed out so far.
+    pub fn asked(&self) -> u64 {
+        *self.asked.borrow()
+    }
+
+    /// Until `count` connections were handed out in all.
+    pub async fn until_asked(&self, count: u64, what: &str) {
+        let mut asked = self.asked.subscribe();
+        crate::script::within(what, asked.wait_for(|n| *n >= count)).await.expect("the pool's count");
+    }
+}
+
 /// The database side of a backend's fns.
 pub trait Store: Calls {
     /// The database a cell of `backend` uses; `None` (after `skipped: ...`)
@@ -66,6 +116,30 @@ pub trait Store: Calls {
     /// Whether session `id` waits on a lock inside a statement on
     /// `idem_record`; `None` where the database shows no sessions (SQLite).
     fn session_waits(pool: &Pool<Db<Self>>, id: i64) -> impl Future<Output = Option<bool>> + Send;
+
+    /// Another instance's pool of its own over `database`.
+    fn own_pool(database: &Database<Db<Self>>) -> OwnPool<Db<Self>>;
+
+    /// Whether a session of `own` waits on a lock inside a statement on
+    /// `idem_record`, as `direct` shows it; `None` where the database shows
+    /// no sessions (SQLite).
+    fn own_session_waits(direct: &Pool<Db<Self>>, own: &OwnPool<Db<Self>>)
+    -> impl Future<Output = Option<bool>> + Send;
+}
+
+/// The own pool of a backend whose new connections need nothing more than counting.
+macro_rules! counted_pool {
+    ($options:expr) => {{
+        let asked = watch::Sender::new(0);
+        let counting = asked.clone();
+        let pool = OwnPool::options(&asked)
+            .after_connect(move |_, _| {
+                counting.send_modify(|n| *n += 1);
+                Box::pin(async { Ok(()) })
+            })
+            .connect_lazy_with($options);
+        (asked, pool)
+    }};
 }
 
 /// The reads of one backend, in its placeholders.
@@ -120,6 +194,16 @@ impl Store for SqliteFns {
          FROM idem_call WHERE biz_type = ? AND idem_key = ?",
         None
     );
+
+    /// The cell's file, as another process opens it (its busy timeout the same).
+    fn own_pool(database: &Database<sqlx::Sqlite>) -> OwnPool<sqlx::Sqlite> {
+        let (asked, pool) = counted_pool!((*database.pool.connect_options()).clone());
+        OwnPool::new(asked, pool, Arc::default(), String::new())
+    }
+
+    async fn own_session_waits(_: &Pool<sqlx::Sqlite>, _: &OwnPool<sqlx::Sqlite>) -> Option<bool> {
+        None
+    }
 }
 
 impl Store for MysqlFns {
@@ -154,6 +238,34 @@ impl Store for MysqlFns {
              WHERE ID = ? AND INFO LIKE '%INSERT INTO idem_record %' AND INFO NOT LIKE 'SELECT %'"
         )
     );
+
+    /// Each new connection tells its id.
+    fn own_pool(database: &Database<sqlx::MySql>) -> OwnPool<sqlx::MySql> {
+        let (asked, sessions) = (watch::Sender::new(0), Arc::<Mutex<Vec<i64>>>::default());
+        let (counting, noting) = (asked.clone(), Arc::clone(&sessions));
+        let pool = OwnPool::options(&asked)
+            .after_connect(move |conn, _| {
+                counting.send_modify(|n| *n += 1);
+                let noting = Arc::clone(&noting);
+                Box::pin(async move {
+                    let id: i64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS SIGNED)").fetch_one(conn).await?;
+                    noting.lock().unwrap().push(id);
+                    Ok(())
+                })
+            })
+            .connect_lazy_with((*database.pool.connect_options()).clone());
+        OwnPool::new(asked, pool, sessions, String::new())
+    }
+
+    async fn own_session_waits(direct: &Pool<sqlx::MySql>, own: &OwnPool<sqlx::MySql>) -> Option<bool> {
+        let sessions = own.sessions.lock().unwrap().clone();
+        for id in sessions {
+            if Self::session_waits(direct, id).await == Some(true) {
+                return Some(true);
+            }
+        }
+        Some(false)
+    }
 }
 
 impl Store for PostgresFns {
@@ -198,6 +310,23 @@ impl Store for PostgresFns {
          FROM idem_call WHERE biz_type = $1 AND idem_key = $2",
         Some("SELECT COUNT(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'")
     );
+
+    /// Its connections named: behind PgBouncer a client's session is
+    /// whichever server connection it is lent, which takes its name.
+    fn own_pool(database: &Database<sqlx::Postgres>) -> OwnPool<sqlx::Postgres> {
+        let name = unique("mx-instance");
+        let options = (*database.pool.connect_options()).clone().application_name(&name);
+        let (asked, pool) = counted_pool!(options);
+        OwnPool::new(asked, pool, Arc::default(), name)
+    }
+
+    async fn own_session_waits(direct: &Pool<sqlx::Postgres>, own: &OwnPool<sqlx::Postgres>) -> Option<bool> {
+        let sql = "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock' \
+                   AND query LIKE '%INSERT INTO idem_record %'";
+        let waiting: i64 =
+            sqlx::query_scalar(sql).bind(&own.name).fetch_one(direct).await.expect("the sessions' waits");
+        Some(waiting > 0)
+    }
 }
 
 /// The engine's tables and the ledger, once per database.

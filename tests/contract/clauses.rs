@@ -12,7 +12,7 @@ use tokio::sync::Barrier;
 use crate::backends::Store;
 use crate::entries::Answer;
 use crate::fns::{Declined, Paid};
-use crate::rig::{Engine, Rig};
+use crate::rig::{Engine, Place, Rig};
 use crate::script::{BOUND, Ending, Runs, Script, within};
 use crate::table::{Combo, Mode};
 
@@ -215,36 +215,58 @@ async fn declared_error<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
 }
 
 /// Clause 7: a duplicate of a running call (the first held in its body until the
-/// clause opens it): with `wait`, it waits (as the servers or its own
-/// future show) and gets the first's value once the first is let go;
-/// without, it answers `InProgress` while the first still runs, within
-/// its bound. Then a retry replays.
+/// clause opens it), on the same instance and on another (an engine over a
+/// pool of its own, as another process has): with `wait`, each waits (as
+/// the servers, its pool or its own future show) and gets the first's
+/// value once the first is let go; without, each answers `InProgress` while
+/// the first still runs, within its bound. Then a retry replays. A failure
+/// names the instance.
 async fn running_duplicate<F: Store>(rig: &Rig<F>, engine: &Engine<F>) {
     let (key, runs) = (rig.key("running"), Arc::default());
     let held = Arc::new(Script::new(&runs, Ending::Value).held());
     let first = tokio::spawn(engine.entry.call(&key, 7, Arc::clone(&held)));
     held.until_held().await;
-    let asked = engine.path.as_ref().map_or(0, |path| path.asked());
-    let waiting = script(&runs, Ending::Value);
-    let started = Instant::now();
-    let duplicate = tokio::spawn(engine.entry.call(&key, 7, Arc::clone(&waiting)));
+    let other = rig.instance().await.expect("the same servers");
+    let places = [(Place::Same, engine), (Place::Other, &other)];
     let bytes = if rig.combo.options.wait() {
-        rig.until_waiting(engine, &key, &waiting, asked).await;
-        assert!(!duplicate.is_finished(), "the duplicate answered while the first ran");
+        // One after the other, each seen waiting; then both told.
+        let mut waiting = Vec::new();
+        for (nth, (place, on)) in (1..).zip(places) {
+            let (script, before) = (script(&runs, Ending::Value), on.asked());
+            let duplicate = tokio::spawn(on.entry.call(&key, 7, Arc::clone(&script)));
+            rig.until_waiting(place, on, &key, &script, before, nth).await;
+            assert!(!duplicate.is_finished(), "{place}: the duplicate answered while the first ran");
+            waiting.push((place, duplicate));
+        }
         held.release();
         let bytes = executed(engine, &key, within("the first call", first).await.expect("a call"), 1);
-        let told = tokio::time::timeout(TOLD, duplicate).await;
-        replayed_value(told.expect("the waiter is told when the first call ends").expect("a call"), &bytes);
+        for (place, duplicate) in waiting {
+            let told = tokio::time::timeout(TOLD, duplicate).await;
+            let answer = told.unwrap_or_else(|_| panic!("{place}: the waiter is told when the first call ends"));
+            let expected = Answer::Value { bytes: bytes.clone(), replayed: true };
+            assert_eq!(answer.expect("a call"), expected, "{place}: the waiter's answer");
+        }
         bytes
     } else {
-        let answer = within("the duplicate answers", duplicate).await.expect("a call");
-        assert_eq!(answer, Answer::InProgress);
-        let bound = rig.in_progress_bound() + SLACK;
-        assert!(started.elapsed() < bound, "InProgress after {:?}, past {bound:?}", started.elapsed());
+        // Both at once: each answers within its own bound.
+        let duplicates: Vec<_> = places
+            .map(|(place, on)| {
+                let call = on.entry.call(&key, 7, script(&runs, Ending::Value));
+                (place, Instant::now(), tokio::spawn(call))
+            })
+            .into_iter()
+            .collect();
+        for (place, started, duplicate) in duplicates {
+            let answer = within(&format!("{place}: the duplicate answers"), duplicate).await.expect("a call");
+            assert_eq!(answer, Answer::InProgress, "{place}: the duplicate's answer");
+            let (took, bound) = (started.elapsed(), rig.in_progress_bound(place) + SLACK);
+            assert!(took < bound, "{place}: InProgress after {took:?}, past {bound:?}");
+        }
         assert!(!first.is_finished(), "the first call still runs");
         held.release();
         executed(engine, &key, within("the first call", first).await.expect("a call"), 1)
     };
+    other.close().await;
     replayed_value(engine.entry.call(&key, 7, script(&runs, Ending::Value)).await, &bytes);
     assert_eq!(runs.body(), 1, "the body ran once");
     recorded(rig, engine, &key, &bytes, 1).await;

@@ -35,10 +35,10 @@ impl Path {
         self.forwarders.iter().map(|f| *f.requests().borrow()).sum()
     }
 
-    /// Until the engine sent Redis `count` requests in all.
-    pub async fn until_asked(&self, count: u64) {
+    /// Until the engine sent Redis `count` requests in all (`what` names the wait).
+    pub async fn until_asked(&self, count: u64, what: &str) {
         let mut watching: Vec<_> = self.forwarders.iter().map(Forwarder::requests).collect();
-        within(&format!("{count} requests to redis"), async {
+        within(what, async {
             loop {
                 let sum: u64 = watching.iter_mut().map(|w| *w.borrow_and_update()).sum();
                 if sum >= count {

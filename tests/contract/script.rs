@@ -178,10 +178,10 @@ impl Script {
         self.gate.as_ref().expect("a held script").add_permits(1);
     }
 
-    /// Until the call pended once.
-    pub async fn until_pended(&self) {
+    /// Until the call pended once (`place`: where it was made, for the failure).
+    pub async fn until_pended(&self, place: impl std::fmt::Display) {
         let mut pended = self.pended.subscribe();
-        within("the call pended", pended.wait_for(|p| *p)).await.expect("pended");
+        within(&format!("{place}: the call pended"), pended.wait_for(|p| *p)).await.expect("pended");
     }
 
     /// The session of the caller's transaction, once it is known.
