@@ -71,8 +71,11 @@ impl From<sqlx::Error> for ChargeError {
 }
 
 /// One outside call (a step), then the local write (the final transaction,
-/// committed with the record only while this call still owns the key).
-#[idempotent(key = "order_<order_id>_charge", ttl = "24h", biz = "charge", biz_no = "<order_id>", lease = "2s", steps)]
+/// committed with the record only while this call still owns the key). Its
+/// lease is longer than the engine's `lock_wait` (5 s), how long a retry
+/// waits for a running call before `InProgress`: the completer below is
+/// what finishes a dead one here.
+#[idempotent(key = "order_<order_id>_charge", ttl = "24h", biz = "charge", biz_no = "<order_id>", lease = "6s", steps)]
 async fn charge(
     idem: &Idem<Sqlite>,
     steps: &mut Steps<Sqlite>,
@@ -146,7 +149,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let died = tokio::time::timeout(Duration::from_millis(500), charge(&idem, &provider, 3, 4200)).await;
     println!("  the call: {}", if died.is_err() { "gone (its future dropped, as if the process died)" } else { "?" });
     println!("  charges at the provider for order 3: {}", provider.charges("3"));
-    println!("  right away, a retry: {:?}", charge(&idem, &provider, 3, 4200).await.map(|r| r.charge_id));
+    let retry = charge(&idem, &provider, 3, 4200).await.map(|r| r.charge_id);
+    println!("  right away, a retry (it waits 5 s for the running call, whose lease runs on): {retry:?}");
 
     println!("4. the completer loop, every 500 ms:");
     loop {

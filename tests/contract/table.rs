@@ -207,9 +207,6 @@ pub fn excluded(combo: Combo) -> Option<&'static str> {
 /// run in the whole matrix, left out of CI's slice until fixed.
 pub fn known_defect(combo: Combo) -> Option<&'static str> {
     match (combo.backend, combo.gate, combo.mode, combo.options.wait()) {
-        (_, Gate::NoRedis, Mode::Steps, true) => {
-            Some("steps without Redis: a duplicate on another instance answers InProgress at once, despite `wait`")
-        }
         (Backend::Sqlite, Gate::NoRedis, Mode::Plain, true) => {
             Some("SQLite: a duplicate on another instance answers InProgress after the busy timeout, despite `wait`")
         }

@@ -338,10 +338,10 @@ pub async fn a_permanent_failure_is_replayed<DB: TestDb>(redis: bool) {
     assert_eq!(DB::payments(f.idem.pool(), &key).await, 0);
 }
 
-/// While the first call runs (held inside its step), a duplicate from
-/// another instance answers `InProgress`, and one with other arguments
-/// `KeyReused` (`InProgress` at a Redis claim); once it finishes, the
-/// duplicate replays it.
+/// While the first call runs (held inside its step), a duplicate from another instance
+/// answers `InProgress` (at a Redis claim at once, else past `lock_wait`: `waits.rs`), and
+/// one with other arguments `KeyReused` (`InProgress` at a Redis claim); once it finishes,
+/// the duplicate replays it.
 pub async fn a_live_lease_answers_in_progress<DB: TestDb>(redis: bool) {
     let Some(f) = Fixture::<DB>::new(redis).await else { return };
     let key = unique("live");

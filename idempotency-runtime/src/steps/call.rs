@@ -6,6 +6,7 @@
 //! entry point → **call flow** → gate → call protocol → backend
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tracing::Instrument;
 
@@ -30,6 +31,12 @@ use crate::store::{Backend, PROCESSING, RowKey, SUCCEEDED};
 
 /// The body as the flow runs it: handed the step context.
 type DynBody<'a, DB> = dyn Typed<Steps<DB>> + 'a;
+
+/// A duplicate that meets a running call in phase one asks again after
+/// this pause, doubled each time up to [`LAST_PAUSE`], as a Redis Cluster's
+/// waiters ask their claim.
+const FIRST_PAUSE: Duration = Duration::from_millis(10);
+const LAST_PAUSE: Duration = Duration::from_millis(500);
 
 /// How a call ended: its result, how it is reported, and what the gate
 /// hands on to duplicates (a succeeded result only).
@@ -124,7 +131,9 @@ async fn call<DB: Backend>(
         match entry {
             Entry::GoAhead(pass) => {
                 // On the heap, as in the single-transaction flow (`crate::call`).
-                let executed = Box::pin(execute(engine, &id, body));
+                // A call running elsewhere is waited for as the unique index
+                // makes a plain call wait: `lock_wait`, or `wait` if longer.
+                let executed = Box::pin(execute(engine, &id, engine.lock_wait().max(wait), body));
                 // Events the body queues take their ids from the call (`outbox::queue`).
                 #[cfg(feature = "outbox")]
                 let executed =
@@ -175,13 +184,19 @@ async fn call<DB: Backend>(
     }
 }
 
-/// Phase one, the body with its steps, and the final transaction.
-async fn execute<DB: Backend>(engine: &Idem<DB>, id: &CallKey<'_>, body: &mut DynBody<'_, DB>) -> Ended {
+/// Phase one (waiting up to `bound` for a call running elsewhere), the
+/// body with its steps, and the final transaction.
+async fn execute<DB: Backend>(
+    engine: &Idem<DB>,
+    id: &CallKey<'_>,
+    bound: Duration,
+    body: &mut DynBody<'_, DB>,
+) -> Ended {
     let db = engine.db();
-    let held = match protocol::open(db, engine.clock(), id).await {
+    let held = match open_within(engine, id, bound).await {
         Ok(Opened::Held(held)) => held,
         Ok(Opened::Finished(row)) => return from_row(id, row, Outcome::Replayed, body),
-        Ok(Opened::Busy) => return Ended::error(id.in_progress()),
+        Ok(Opened::Busy { .. }) => return Ended::error(id.in_progress()),
         Err(e) => return Ended::error(e),
     };
 
@@ -241,6 +256,41 @@ async fn execute<DB: Backend>(engine: &Idem<DB>, id: &CallKey<'_>, body: &mut Dy
         },
         Ok(Finished::Fenced) => new_owners_outcome(engine, id, body).await,
         Err(e) => after_failed_finish(engine, id, owner, e, body).await,
+    }
+}
+
+/// Phase one, asked again while a call of these arguments runs elsewhere
+/// (its lease running; nothing kept this call out: no Redis, or a claim
+/// lost), until `bound` has passed since the first question. That call's
+/// row is committed and holds no lock to wait on, so the question is asked
+/// again at doubling intervals, and as its lease ends (a pause never past
+/// the bound; the last question at it). Then the answer is that call's
+/// (its value, its permanent failure), the key ours (it gave the key up,
+/// or its lease ran out and this call takes over), or, still running,
+/// `InProgress`. On SQLite each question first waits for the write lock
+/// (its busy timeout), which the running call's final transaction holds:
+/// one that times out is asked again the same way.
+async fn open_within<DB: Backend>(engine: &Idem<DB>, id: &CallKey<'_>, bound: Duration) -> Result<Opened, Error> {
+    // `Duration::MAX` waits with no bound.
+    let deadline = crate::clock::deadline_in(bound);
+    let mut pause = FIRST_PAUSE;
+    loop {
+        let opened = protocol::open(engine.db(), engine.clock(), id).await;
+        let next = match &opened {
+            // Its lease is judged on the database's clock, as `open` judged it.
+            Ok(Opened::Busy { lease_until_ms }) => {
+                let left = lease_until_ms.saturating_sub(engine.clock().now_ms()).max(1);
+                pause.min(Duration::from_millis(u64::try_from(left).unwrap_or(u64::MAX)))
+            }
+            Err(Error::InProgress { .. }) => pause,
+            _ => return opened,
+        };
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            return opened;
+        }
+        tokio::time::sleep_until((now + next).min(deadline)).await;
+        pause = (pause * 2).min(LAST_PAUSE);
     }
 }
 

@@ -64,8 +64,9 @@ pub(crate) enum Opened {
     /// A finished call (succeeded or failed) answers; its fingerprint is
     /// still to be compared.
     Finished(CallRow),
-    /// A call with these arguments is processing and its lease runs.
-    Busy,
+    /// A call with these arguments is processing and its lease runs
+    /// until then (epoch ms, the database's clock).
+    Busy { lease_until_ms: i64 },
 }
 
 /// Phase one: a processing call with our fence, committed before anything
@@ -102,7 +103,7 @@ pub(crate) async fn open<DB: Backend>(db: &Db<DB>, clock: &Clock, id: &CallKey<'
             return Err(id.reused());
         }
         if row.lease_until_ms > now {
-            return Ok(Opened::Busy);
+            return Ok(Opened::Busy { lease_until_ms: row.lease_until_ms });
         }
         let from = Owner { id: row.id, fence: row.fence };
         if DB::call_take_over(db, from, now, lease_until).await.map_err(|e| db_error::<DB>(id, e))? {
