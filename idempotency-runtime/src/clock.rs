@@ -57,6 +57,39 @@ pub(crate) fn deadline_in(d: Duration) -> tokio::time::Instant {
     after(tokio::time::Instant::now(), d)
 }
 
+/// How a waiter that asks again paces its questions until its deadline: a
+/// two-phase call's duplicate asking phase one, SQLite's `BEGIN IMMEDIATE`
+/// after its busy timeout. As a Redis Cluster's waiters ask their claim:
+/// after 10 ms, doubling to 500 ms.
+pub(crate) struct AskingAgain {
+    pause: Duration,
+    deadline: tokio::time::Instant,
+}
+
+impl AskingAgain {
+    const FIRST: Duration = Duration::from_millis(10);
+    const LAST: Duration = Duration::from_millis(500);
+
+    /// Questions until `deadline`.
+    pub(crate) fn until(deadline: tokio::time::Instant) -> Self {
+        AskingAgain { pause: Self::FIRST, deadline }
+    }
+
+    /// Sleeps until the next question: after the next pause, or after
+    /// `sooner` if shorter, never past the deadline (the last question is
+    /// asked at it). `false`, at once, once the deadline has passed: ask no more.
+    pub(crate) async fn pause(&mut self, sooner: Option<Duration>) -> bool {
+        let now = tokio::time::Instant::now();
+        if now >= self.deadline {
+            return false;
+        }
+        let pause = sooner.map_or(self.pause, |sooner| sooner.min(self.pause));
+        tokio::time::sleep_until((now + pause).min(self.deadline)).await;
+        self.pause = (self.pause * 2).min(Self::LAST);
+        true
+    }
+}
+
 /// Microseconds on this process's monotonic clock, from a fixed start.
 pub(crate) fn monotonic_us() -> i64 {
     static START: OnceLock<Instant> = OnceLock::new();

@@ -13,6 +13,7 @@ use tracing::Instrument;
 use super::context::{Parts, Steps};
 use super::protocol::{self, CallKey, Finished, Opened};
 use crate::call::typed::{BoxFuture, CallError, Failed, Typed, run_and_read};
+use crate::clock::AskingAgain;
 use crate::engine::Idem;
 use crate::error::Error;
 use crate::error::Failure;
@@ -31,12 +32,6 @@ use crate::store::{Backend, PROCESSING, RowKey, SUCCEEDED};
 
 /// The body as the flow runs it: handed the step context.
 type DynBody<'a, DB> = dyn Typed<Steps<DB>> + 'a;
-
-/// A duplicate that meets a running call in phase one asks again after
-/// this pause, doubled each time up to [`LAST_PAUSE`], as a Redis Cluster's
-/// waiters ask their claim.
-const FIRST_PAUSE: Duration = Duration::from_millis(10);
-const LAST_PAUSE: Duration = Duration::from_millis(500);
 
 /// How a call ended: its result, how it is reported, and what the gate
 /// hands on to duplicates (a succeeded result only).
@@ -272,25 +267,21 @@ async fn execute<DB: Backend>(
 /// one that times out is asked again the same way.
 async fn open_within<DB: Backend>(engine: &Idem<DB>, id: &CallKey<'_>, bound: Duration) -> Result<Opened, Error> {
     // `Duration::MAX` waits with no bound.
-    let deadline = crate::clock::deadline_in(bound);
-    let mut pause = FIRST_PAUSE;
+    let mut asking = AskingAgain::until(crate::clock::deadline_in(bound));
     loop {
         let opened = protocol::open(engine.db(), engine.clock(), id).await;
-        let next = match &opened {
-            // Its lease is judged on the database's clock, as `open` judged it.
+        let lease_left = match &opened {
+            // Judged on the database's clock, as `open` judged it.
             Ok(Opened::Busy { lease_until_ms }) => {
                 let left = lease_until_ms.saturating_sub(engine.clock().now_ms()).max(1);
-                pause.min(Duration::from_millis(u64::try_from(left).unwrap_or(u64::MAX)))
+                Some(Duration::from_millis(u64::try_from(left).unwrap_or(u64::MAX)))
             }
-            Err(Error::InProgress { .. }) => pause,
+            Err(Error::InProgress { .. }) => None,
             _ => return opened,
         };
-        let now = tokio::time::Instant::now();
-        if now >= deadline {
+        if !asking.pause(lease_left).await {
             return opened;
         }
-        tokio::time::sleep_until((now + next).min(deadline)).await;
-        pause = (pause * 2).min(LAST_PAUSE);
     }
 }
 
