@@ -165,10 +165,16 @@ impl<DB: Backend> Builder<DB> {
     /// this engine is waited for in memory, to the millisecond; one on
     /// another engine (another instance) on the record's unique index:
     /// PostgreSQL honours the bound to the millisecond, MariaDB in whole
-    /// seconds (at least 1); SQLite uses the pool's busy timeout, and MySQL
-    /// its `innodb_lock_wait_timeout` (it has no per-statement form). A call
-    /// that waited in memory for a duplicate that then failed goes ahead as
-    /// if first, and may wait once more on the database.
+    /// seconds (at least 1), and MySQL waits its `innodb_lock_wait_timeout`
+    /// (it has no per-statement form). SQLite waits for its write lock at
+    /// `BEGIN IMMEDIATE`, for the pool's busy timeout, and asks again until
+    /// this bound has passed (so it waits at least the busy timeout, and
+    /// past this bound by at most one); in `join`, where the transaction is
+    /// the caller's, its connection's busy timeout alone. A two-phase call
+    /// (`steps`) asks phase one again at doubling intervals (10 ms to
+    /// 500 ms) until this bound. A call that waited in memory for a
+    /// duplicate that then failed goes ahead as if first, and may wait once
+    /// more on the database.
     pub fn lock_wait(mut self, wait: Duration) -> Self {
         self.lock_wait = wait;
         self
@@ -184,8 +190,10 @@ impl<DB: Backend> Builder<DB> {
     /// intervals), and goes ahead as a first call if that one failed. A
     /// double click, or a gateway's retry a moment later, then gets the
     /// same 200 instead of a 409. Without Redis a duplicate waits already,
-    /// on this engine's running call in memory or on the record's unique
-    /// index, for `lock_wait`, or this, whichever is longer. A waiting
+    /// on this engine's running call in memory or, elsewhere, on the
+    /// record's unique index (a two-phase call asking phase one again), for
+    /// `lock_wait`, or this, whichever is longer (see
+    /// [`lock_wait`](Builder::lock_wait) for SQLite). A waiting
     /// duplicate holds its request (and, without Redis, a connection) for
     /// up to this long.
     pub fn wait(mut self, wait: Duration) -> Self {

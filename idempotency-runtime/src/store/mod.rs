@@ -318,6 +318,10 @@ pub trait RecordSql: sqlx::Database + Sized {
     /// SQLite's file lives on this host, whose clock is the database's.
     const HAS_CLOCK: bool = true;
 
+    /// Whether [`begin_bounded`](RecordSql::begin_bounded) itself waits for a duplicate, bounded
+    /// by the database (SQLite's busy timeout): then it is sent again until the call's bound.
+    const WAITS_AT_BEGIN: bool = false;
+
     /// The database's clock in Unix epoch microseconds (see
     /// [`crate::clock`]), read in the simple protocol: no statement is
     /// prepared, so a pooler in transaction mode passes it.

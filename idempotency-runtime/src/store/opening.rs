@@ -15,7 +15,8 @@ use std::time::Duration;
 
 use sqlx::{Pool, Transaction};
 
-use super::Backend;
+use super::{Backend, ErrorClass};
+use crate::clock::AskingAgain;
 
 type Opened<DB> = Result<Transaction<'static, DB>, sqlx::Error>;
 type Begin<DB> = std::pin::Pin<Box<dyn Future<Output = Opened<DB>> + Send>>;
@@ -38,9 +39,26 @@ pub(crate) async fn begin<DB: Backend>(pool: &Pool<DB>) -> Opened<DB> {
 }
 
 /// [`Backend::begin_bounded`], whole even if the caller's future is dropped.
+/// Where the wait for a duplicate is the `BEGIN`'s own and the database
+/// bounds it (SQLite: `BEGIN IMMEDIATE`, the pool's busy timeout), a `BEGIN`
+/// that timed out is sent again at doubling intervals until `wait` has
+/// passed: the call waits the longer of the two, as it does on a server.
+/// (Each try is whole; only the last may end past `wait`, by at most one
+/// busy timeout.)
 pub(crate) async fn begin_bounded<DB: Backend>(pool: &Pool<DB>, wait: Duration) -> Opened<DB> {
-    let pool = pool.clone();
-    whole(async move { DB::begin_bounded(&pool, wait).await }).await
+    let mut asking = DB::WAITS_AT_BEGIN.then(|| AskingAgain::until(crate::clock::deadline_in(wait)));
+    loop {
+        let pool = pool.clone();
+        let opened = whole(async move { DB::begin_bounded(&pool, wait).await }).await;
+        match (&opened, &mut asking) {
+            (Err(e), Some(asking)) if DB::classify(e) == ErrorClass::LockTimeout => {
+                if !asking.pause(None).await {
+                    return opened;
+                }
+            }
+            _ => return opened,
+        }
+    }
 }
 
 /// `begin` (any opening of a transaction), whole even if the caller's

@@ -125,6 +125,8 @@ impl RecordSql for Sqlite {
 
     const BEGIN_BESIDE_CLAIM: bool = false;
 
+    const WAITS_AT_BEGIN: bool = true;
+
     // Never asked (`HAS_CLOCK` is false); SQLite reads the host's clock too.
     async fn clock_us(pool: &Pool<Self>) -> Result<i64, sqlx::Error> {
         super::select_bigint(pool, "SELECT CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)").await
