@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use super::{Answer, Entry, Pass, Replayed};
-use crate::clock::{self, Clock};
+use crate::clock::{self, AskingAgain, Clock};
 use crate::fingerprint::Hex;
 use crate::namespace::Namespace;
 use crate::store::{Backend, Db, RowKey};
@@ -176,7 +176,7 @@ impl RedisGate {
             Some(subscription) => subscription.confirmed(deadline).await,
             None => false,
         };
-        let mut pause = Duration::from_millis(10);
+        let mut asking = AskingAgain::until(deadline);
         loop {
             match self.enter(db, id, fingerprint, lease, false).await? {
                 Entry::Busy { .. } => {}
@@ -184,12 +184,8 @@ impl RedisGate {
             }
             let heard = match &mut subscription {
                 Some(subscription) if listening => subscription.heard(deadline).await,
-                _ => {
-                    let at = (tokio::time::Instant::now() + pause).min(deadline);
-                    pause = (pause * 2).min(Duration::from_millis(500));
-                    tokio::time::sleep_until(at).await;
-                    if at >= deadline { Heard::Deadline } else { Heard::Ended }
-                }
+                _ if asking.pause(None).await && tokio::time::Instant::now() < deadline => Heard::Ended,
+                _ => Heard::Deadline,
             };
             match heard {
                 Heard::Ended => {}
