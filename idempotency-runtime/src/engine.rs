@@ -256,7 +256,7 @@ impl<DB: Backend> Builder<DB> {
         let gate = gate.with_local_cache(self.local_cache, &clock);
         Idem {
             inner: Arc::new(Inner {
-                db: Db { pool: self.pool, pooling: self.pooling },
+                db: Db::new(self.pool, self.pooling),
                 clock,
                 gate,
                 read_first: Default::default(),

@@ -26,16 +26,28 @@
 //! [`Forwarder::requests`] counts what clients sent (each read of a
 //! client's bytes passed on: a request, as a client writes one at a time),
 //! so a test can wait until a client it watches has asked the server again.
+//!
+//! Started with [`Forwarder::start_with`], it also puts a distance between
+//! client and server ([`Path::delay`], each way: a database in another zone)
+//! and counts the round trips the clients make ([`Path::count`],
+//! [`Forwarder::turns`]).
 
-use std::sync::Arc;
+mod delay;
+mod turns;
+
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
+
+pub use delay::promptly;
+pub use turns::{Protocol, Turns};
+use turns::{Counts, Turn};
 
 /// How long a new connection may take to reach the target.
 const CONNECT: Duration = Duration::from_secs(2);
@@ -87,6 +99,15 @@ impl Route {
 /// The Redis command whose sight makes a connection a subscriber.
 const SUBSCRIBE: &[u8] = b"SUBSCRIBE";
 
+/// What a forwarder does to the bytes besides passing them on.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Path {
+    /// Added to every byte each way (so twice to a round trip).
+    pub delay: Duration,
+    /// Count the clients' round trips, framed as this protocol.
+    pub count: Option<Protocol>,
+}
+
 /// The forwarder: a listener on `127.0.0.1:port()` and its connections.
 pub struct Forwarder {
     port: u16,
@@ -97,11 +118,18 @@ pub struct Forwarder {
     accept: JoinHandle<()>,
     /// Connections seen subscribing so far.
     subscribers: Arc<AtomicUsize>,
+    /// Round trips counted so far (with [`Path::count`]).
+    counts: Arc<Counts>,
 }
 
 impl Forwarder {
     /// Listens on a free loopback port, forwarding to `127.0.0.1:target`.
     pub async fn start(target: u16) -> Forwarder {
+        Self::start_with(target, Path::default()).await
+    }
+
+    /// [`start`](Forwarder::start), with a delay or a count on the path.
+    pub async fn start_with(target: u16, path: Path) -> Forwarder {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind forwarder");
         let port = listener.local_addr().expect("forwarder addr").port();
         let (route, watching) =
@@ -109,10 +137,21 @@ impl Forwarder {
         let held = watch::Sender::new(0);
         let requests = watch::Sender::new(0);
         let subscribers = Arc::new(AtomicUsize::new(0));
-        let seen =
-            Seen { subscriber: Arc::default(), subscribers: Arc::clone(&subscribers), requests: requests.clone() };
-        let accept = tokio::spawn(accept_loop(listener, watching, held.clone(), seen));
-        Forwarder { port, route, held, requests, accept, subscribers }
+        let counts = Arc::new(Counts::default());
+        let seen = Seen {
+            subscriber: Arc::default(),
+            subscribers: Arc::clone(&subscribers),
+            requests: requests.clone(),
+            counting: None,
+        };
+        let accept = tokio::spawn(accept_loop(listener, watching, held.clone(), seen, path, counts.clone()));
+        Forwarder { port, route, held, requests, accept, subscribers, counts }
+    }
+
+    /// The round trips counted so far on every connection (all zero
+    /// unless started with [`Path::count`]).
+    pub fn turns(&self) -> Turns {
+        self.counts.read()
     }
 
     /// The reply bytes caught by a hold so far, server to client, on every
@@ -171,8 +210,15 @@ impl Drop for Forwarder {
 }
 
 /// `forwarder` is what every connection counts into: a fresh connection
-/// gets its own `subscriber` flag.
-async fn accept_loop(listener: TcpListener, route: watch::Receiver<Route>, held: watch::Sender<u64>, forwarder: Seen) {
+/// gets its own `subscriber` flag, and its own count of turns.
+async fn accept_loop(
+    listener: TcpListener,
+    route: watch::Receiver<Route>,
+    held: watch::Sender<u64>,
+    forwarder: Seen,
+    path: Path,
+    counts: Arc<Counts>,
+) {
     loop {
         let Ok((client, _)) = listener.accept().await else { continue };
         let now = *route.borrow();
@@ -180,8 +226,12 @@ async fn accept_loop(listener: TcpListener, route: watch::Receiver<Route>, held:
             drop(client);
             continue;
         };
-        let seen = Seen { subscriber: Arc::default(), ..forwarder.clone() };
-        tokio::spawn(connection(client, target, route.clone(), now.epoch, held.clone(), seen));
+        let counting = path.count.map(|protocol| Counting {
+            turn: Arc::new(Mutex::new(Turn::new(protocol))),
+            counts: Arc::clone(&counts),
+        });
+        let seen = Seen { subscriber: Arc::default(), counting, ..forwarder.clone() };
+        tokio::spawn(connection(client, target, route.clone(), now.epoch, path.delay, held.clone(), seen));
     }
 }
 
@@ -192,6 +242,24 @@ struct Seen {
     subscriber: Arc<AtomicBool>,
     subscribers: Arc<AtomicUsize>,
     requests: watch::Sender<u64>,
+    counting: Option<Counting>,
+}
+
+/// A connection's round trips, as its two directions see them.
+#[derive(Clone)]
+struct Counting {
+    turn: Arc<Mutex<Turn>>,
+    counts: Arc<Counts>,
+}
+
+impl Counting {
+    fn saw(&self, direction: Direction, bytes: &[u8]) {
+        let mut turn = self.turn.lock().expect("turn");
+        match direction {
+            Direction::Requests => turn.sent(bytes),
+            Direction::Replies => turn.answered(&self.counts),
+        }
+    }
 }
 
 impl Seen {
@@ -220,6 +288,7 @@ async fn connection(
     target: u16,
     route: watch::Receiver<Route>,
     epoch: u64,
+    delay: Duration,
     held: watch::Sender<u64>,
     seen: Seen,
 ) {
@@ -232,66 +301,134 @@ async fn connection(
     let (server_read, server_write) = server.into_split();
     // Either side ending (or a cut) ends both: dropping the halves closes
     // the sockets, and the peers see the connection gone.
+    let requests = Pump { direction: Direction::Requests, route: route.clone(), epoch, delay, held: None, seen: seen.clone() };
+    let replies = Pump { direction: Direction::Replies, route, epoch, delay, held: Some(held), seen };
     tokio::select! {
-        () = pump(client_read, server_write, Direction::Requests, route.clone(), epoch, None, seen.clone()) => {}
-        () = pump(server_read, client_write, Direction::Replies, route, epoch, Some(held), seen) => {}
+        () = requests.run(client_read, server_write) => {}
+        () = replies.run(server_read, client_write) => {}
     }
 }
 
-/// Copies bytes one way while the route lets them, until either side ends
-/// or the connection's epoch is over; with `held`, reads while the
+/// One direction of a connection. With `held`, it reads while the
 /// direction is held too and counts there the bytes caught.
-async fn pump(
-    mut from: OwnedReadHalf,
-    mut to: OwnedWriteHalf,
+struct Pump {
     direction: Direction,
-    mut route: watch::Receiver<Route>,
+    route: watch::Receiver<Route>,
     epoch: u64,
+    /// Held this long from the moment each chunk was read.
+    delay: Duration,
     held: Option<watch::Sender<u64>>,
     seen: Seen,
-) {
-    let mut buf = vec![0u8; 16 * 1024];
-    let mut tail = Vec::new();
-    loop {
-        // A counting pump reads on while held (one buffer's worth, kept
-        // until the hold ends), so that a hold sees what it catches.
-        let open = match held {
-            Some(_) => route.borrow_and_update().epoch == epoch,
-            None => flowing(&mut route, direction, epoch, &seen).await,
-        };
-        if !open {
+}
+
+impl Pump {
+    /// Copies bytes one way while the route lets them, until either side
+    /// ends or the connection's epoch is over; with a delay, each chunk goes
+    /// on that long after it was read (a writer of its own keeps the order).
+    async fn run(mut self, mut from: OwnedReadHalf, mut to: OwnedWriteHalf) {
+        let mut buf = vec![0u8; 16 * 1024];
+        let mut tail = Vec::new();
+        if self.delay.is_zero() {
+            while let Some(n) = self.read(&mut from, &mut buf, &mut tail).await {
+                if !self.write(&mut to, &buf[..n]).await {
+                    return;
+                }
+            }
             return;
         }
-        let n = tokio::select! {
-            read = from.read(&mut buf) => match read {
-                Ok(0) | Err(_) => return,
-                Ok(n) => n,
-            },
-            // A hold or a cut while waiting for bytes: look again.
-            changed = route.changed() => match changed {
-                Ok(()) => continue,
-                Err(_) => return,
-            },
+        let (queue, mut queued) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+        let mut writing = self.clone_for_writing();
+        let writer = async {
+            while let Some((due, bytes)) = queued.recv().await {
+                delay::until(due).await;
+                // A hold that began while the bytes were on their way holds them.
+                if !flowing(&mut writing.route, writing.direction, writing.epoch, &writing.seen).await
+                    || !writing.write(&mut to, &bytes).await
+                {
+                    return;
+                }
+            }
         };
-        if let Some(held) = &held
-            && route.borrow().hold.blocks(direction)
-        {
-            held.send_modify(|bytes| *bytes += n as u64);
-        }
-        if direction == Direction::Requests {
-            seen.look(&mut tail, &buf[..n]);
-        }
-        if !flowing(&mut route, direction, epoch, &seen).await {
-            return;
-        }
-        let mut watching = route.clone();
+        // The reader owns the queue's sender: when its side ends, the writer
+        // still sends what is on its way (a client that writes and closes at
+        // once), then ends.
+        let reader = async move {
+            while let Some(n) = self.read(&mut from, &mut buf, &mut tail).await {
+                if queue.send((Instant::now() + self.delay, buf[..n].to_vec())).is_err() {
+                    return;
+                }
+            }
+        };
         tokio::select! {
-            written = to.write_all(&buf[..n]) => if written.is_err() { return },
-            () = cut(&mut watching, epoch) => return,
+            () = writer => {}
+            () = async { reader.await; std::future::pending::<()>().await } => {}
         }
-        if direction == Direction::Requests {
-            seen.requests.send_modify(|count| *count += 1);
+    }
+
+    fn clone_for_writing(&self) -> Pump {
+        Pump {
+            direction: self.direction,
+            route: self.route.clone(),
+            epoch: self.epoch,
+            delay: self.delay,
+            held: None,
+            seen: self.seen.clone(),
         }
+    }
+
+    /// The next chunk's length in `buf`, read (and counted) while the route
+    /// lets it flow; `None` once either side ends or the epoch is over.
+    async fn read(&mut self, from: &mut OwnedReadHalf, buf: &mut [u8], tail: &mut Vec<u8>) -> Option<usize> {
+        let (direction, epoch) = (self.direction, self.epoch);
+        loop {
+            // A counting pump reads on while held (one buffer's worth, kept
+            // until the hold ends), so that a hold sees what it catches.
+            let open = match self.held {
+                Some(_) => self.route.borrow_and_update().epoch == epoch,
+                None => flowing(&mut self.route, direction, epoch, &self.seen).await,
+            };
+            if !open {
+                return None;
+            }
+            let n = tokio::select! {
+                read = from.read(buf) => match read {
+                    Ok(0) | Err(_) => return None,
+                    Ok(n) => n,
+                },
+                // A hold or a cut while waiting for bytes: look again.
+                changed = self.route.changed() => match changed {
+                    Ok(()) => continue,
+                    Err(_) => return None,
+                },
+            };
+            if let Some(held) = &self.held
+                && self.route.borrow().hold.blocks(direction)
+            {
+                held.send_modify(|bytes| *bytes += n as u64);
+            }
+            if direction == Direction::Requests {
+                self.seen.look(tail, &buf[..n]);
+            }
+            if let Some(counting) = &self.seen.counting {
+                counting.saw(direction, &buf[..n]);
+            }
+            // Bytes read when a hold began are held too.
+            return flowing(&mut self.route, direction, epoch, &self.seen).await.then_some(n);
+        }
+    }
+
+    /// Writes `bytes` unless the connection's epoch ends first; `false`
+    /// when the connection is over.
+    async fn write(&self, to: &mut OwnedWriteHalf, bytes: &[u8]) -> bool {
+        let mut watching = self.route.clone();
+        let written = tokio::select! {
+            written = to.write_all(bytes) => written.is_ok(),
+            () = cut(&mut watching, self.epoch) => false,
+        };
+        if written && self.direction == Direction::Requests {
+            self.seen.requests.send_modify(|count| *count += 1);
+        }
+        written
     }
 }
 

@@ -1,5 +1,8 @@
-//! The statements sqlx sends, counted per thread: how many round trips a
-//! call makes, and whether one was sent yet.
+//! The statements sqlx sends, counted per thread (whether one was sent
+//! yet), and the round trips each flow of a call makes, counted on the
+//! wire: a forwarder between the pool and the server sees every turn the
+//! client takes (`idempotency_testkit::forwarder::Turns`), so a statement
+//! added back to a flow fails its test, on MariaDB and PostgreSQL alike.
 
 use std::cell::Cell;
 use std::sync::Once;
@@ -70,4 +73,146 @@ pub(crate) fn count_statements() {
 /// The statements counted on this thread so far.
 pub(crate) fn statements() -> usize {
     STATEMENTS.with(Cell::get)
+}
+
+pub(crate) mod round_trips {
+    use idempotency::Idem;
+    use idempotency_testkit::forwarder::{Forwarder, Path, Protocol, Turns};
+    use idempotency_testkit::{TestBackend, redis_client, unique};
+
+    use super::super::fixture::{Mode, Probe, ledger_rows, pay, until};
+    use super::super::{B, Db};
+
+    /// A pool of one connection reaching the server through a counting
+    /// forwarder: every statement of a call goes over it. No ping before
+    /// a connection is lent (`test_before_acquire`, on by default in sqlx,
+    /// is a round trip of its own before every transaction).
+    pub(crate) async fn counted() -> Option<(Forwarder, sqlx::Pool<Db>)> {
+        let (url, protocol) = match B::NAME {
+            "mysql" => (idempotency_testkit::mysql_url(), Protocol::MySql),
+            "postgres" => (idempotency_testkit::pg_url(), Protocol::Postgres),
+            _ => return None,
+        };
+        // Reached once directly: a stopped server is started (or skipped).
+        let direct = B::open(&unique("rt"), 1).await?;
+        B::prepare(&direct).await;
+        let (scheme, rest) = url.split_once("://").expect("a url");
+        let (user, address) = rest.rsplit_once('@').expect("a user");
+        let (host_port, database) = address.split_once('/').expect("a database");
+        let port = host_port.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).expect("a port");
+        let link = Forwarder::start_with(port, Path { count: Some(protocol), ..Path::default() }).await;
+        let database = database.split('?').next().expect("a database");
+        // Plain TCP: the forwarder reads the messages.
+        let tls = if B::NAME == "postgres" { "?sslmode=disable" } else { "" };
+        let url = format!("{scheme}://{user}@127.0.0.1:{}/{database}{tls}", link.port());
+        let options = sqlx::pool::PoolOptions::<Db>::new().max_connections(1).test_before_acquire(false);
+        let pool = options.connect(&url).await.expect("through the forwarder");
+        Some((link, pool))
+    }
+
+    /// The turns counted so far, once the pool's connection is back (the
+    /// pool's own turns then done).
+    pub(crate) async fn settled(link: &Forwarder, pool: &sqlx::Pool<Db>) -> Turns {
+        until("the connection back in the pool", || pool.num_idle() as u32 == pool.size()).await;
+        link.turns()
+    }
+
+    /// The least of three runs of `measured` (each counts its own turns): a
+    /// background reading of the database's clock (each minute, or a second
+    /// after one failed) adds turns to the run it falls in.
+    async fn least_of_three<F, Fut>(measured: F) -> Turns
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Turns>,
+    {
+        let mut least: Option<Turns> = None;
+        for _ in 0..3 {
+            let turns = measured().await;
+            least = Some(match least {
+                Some(l) if (l.statements, l.background) <= (turns.statements, turns.background) => l,
+                _ => turns,
+            });
+        }
+        least.expect("three runs")
+    }
+
+    /// A plain transaction doing the body's statement: what a caller would
+    /// write without `idempotency`.
+    async fn bare(pool: &sqlx::Pool<Db>, k: &str) {
+        let mut tx = pool.begin().await.expect("begin");
+        sqlx::query(B::INSERT_LEDGER).bind(k).bind(1_i64).execute(&mut *tx).await.expect("ledger");
+        tx.commit().await.expect("commit");
+    }
+
+    /// A first call, then (its count back at rest) `calls` more, so that
+    /// the fn is one of first calls and every statement is prepared on the
+    /// connection.
+    async fn warm(idem: &Idem<Db>, probe: &Probe) {
+        for _ in 0..4 {
+            let k = unique("rt_warm");
+            pay(idem, k.clone(), 1, probe, Mode::Ok).await.unwrap();
+            // A replay, then a first call again: the read of a key and the
+            // failed insert are prepared too, and the fn is one of first calls.
+            pay(idem, k, 1, probe, Mode::Ok).await.unwrap();
+            pay(idem, unique("rt_warm"), 1, probe, Mode::Ok).await.unwrap();
+        }
+    }
+
+    /// The caller's round trips per flow, and the pool's after each:
+    /// `bare` 3 (`BEGIN`, the body's statement, `COMMIT`); a first call
+    /// the same 3 with Redis (`BEGIN` beside the claim, the body, the
+    /// record's insert with `COMMIT`) and without (`BEGIN` with the record's
+    /// insert, the body, the record's update with `COMMIT`); a replay
+    /// without Redis of a fn of first calls 2 (the insert refused, the row
+    /// read); with Redis none. Its transaction committed by a text, the
+    /// call leaves sqlx a `ROLLBACK` to send with the pool's ping: MariaDB
+    /// answers it in a round trip of its own, PostgreSQL in the ping's.
+    #[tokio::test]
+    async fn each_flow_waits_for_the_round_trips_of_a_plain_transaction() {
+        let Some((link, pool)) = counted().await else { return };
+        let pool_ping = if B::NAME == "mysql" { 2 } else { 1 };
+        let probe = Probe::default();
+        let (link, pool, probe) = (&link, &pool, &probe);
+
+        let plain = least_of_three(|| async {
+            let before = settled(link, pool).await;
+            bare(pool, &unique("rt_bare")).await;
+            settled(link, pool).await - before
+        });
+        assert_eq!(plain.await, Turns { statements: 3, background: 1 }, "bare");
+
+        let idem = &Idem::builder(pool.clone()).build();
+        idem.migrate().await.expect("migrate");
+        warm(idem, probe).await;
+        let first = least_of_three(|| async {
+            let k = unique("rt_first");
+            let before = settled(link, pool).await;
+            assert_eq!(pay(idem, k.clone(), 1, probe, Mode::Ok).await.unwrap().run, probe.runs());
+            let turns = settled(link, pool).await - before;
+            assert_eq!(ledger_rows(idem, &k).await, 1);
+            turns
+        });
+        assert_eq!(first.await, Turns { statements: 3, background: pool_ping }, "first call without Redis");
+        let replay = least_of_three(|| async {
+            // After a first call: a fn of first calls, whose replays go
+            // through the unique index.
+            let (k, runs) = (unique("rt_replay"), probe.runs());
+            pay(idem, k.clone(), 1, probe, Mode::Ok).await.unwrap();
+            let before = settled(link, pool).await;
+            assert_eq!(pay(idem, k, 1, probe, Mode::Ok).await.unwrap().run, runs + 1, "replayed");
+            settled(link, pool).await - before
+        });
+        assert_eq!(replay.await, Turns { statements: 2, background: 2 }, "a replay without Redis");
+
+        let Some(client) = redis_client().await else { return };
+        let idem = &Idem::builder(pool.clone()).redis(client).build();
+        idem.migrate().await.expect("migrate");
+        warm(idem, probe).await;
+        let first = least_of_three(|| async {
+            let before = settled(link, pool).await;
+            assert_eq!(pay(idem, unique("rt_first_redis"), 1, probe, Mode::Ok).await.unwrap().run, probe.runs());
+            settled(link, pool).await - before
+        });
+        assert_eq!(first.await, Turns { statements: 3, background: pool_ping }, "first call with Redis");
+    }
 }

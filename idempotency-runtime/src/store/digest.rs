@@ -16,6 +16,13 @@ use sqlx::error::BoxDynError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct KeyDigest([u8; 16]);
 
+impl KeyDigest {
+    /// The 16 bytes, as a text writes them (`store::text`).
+    pub(crate) fn bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+}
+
 /// A record's key as the table finds it: the digest for the index, the
 /// full key for the check.
 #[derive(Debug, Clone, Copy)]

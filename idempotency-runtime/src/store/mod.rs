@@ -28,6 +28,7 @@ mod postgres;
 pub(crate) mod record;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+pub(crate) mod text;
 mod tokens;
 mod upgrade;
 
@@ -35,6 +36,7 @@ pub use classify::{ErrorClass, classify};
 pub use digest::RowKey;
 pub(crate) use pooling::on_pool;
 pub use pooling::{Db, Pooling};
+pub use text::{Dialect, Text};
 pub use tokens::{TokenId, TokenRow};
 pub(crate) use tokens::{TokenQueries, token_queries};
 
@@ -241,6 +243,59 @@ pub trait RecordSql: sqlx::Database + Sized {
         Self::insert(pooling, tx, rec, Some(wait))
     }
 
+    // The record rides along (`store::text`): its statement
+    // and the `BEGIN` or `COMMIT` the transaction sends anyway, in one text
+    // and one round trip. `None`: each statement goes alone (SQLite, which is
+    // embedded: a statement is a call into the library, no round trip).
+
+    /// The text that opens a call's transaction with `rec` (processing)
+    /// inserted first: waiting at most `wait` on a duplicate in flight,
+    /// the bound ended before the body, as [`begin_bounded`](RecordSql::begin_bounded)
+    /// then [`insert`](RecordSql::insert) and [`end_bound`](RecordSql::end_bound)
+    /// do in three. Sent as `BEGIN` (`begin_with`): its answer says only
+    /// whether a transaction is open, so an insert that fails must leave
+    /// none open, and fails with the unique index's error when a row holds
+    /// the key.
+    fn begin_inserting(db: &Db<Self>, rec: &NewRecord<'_>, wait: Duration) -> Option<Text> {
+        let _ = (db, rec, wait);
+        None
+    }
+
+    /// Runs `text` (several statements, in the simple protocol) in `tx`.
+    fn execute_text(tx: &mut Transaction<'_, Self>, text: Text)
+    -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Whether a failed [`begin_inserting`](RecordSql::begin_inserting)
+    /// says this server cannot run its text at all (it then stops trying).
+    fn begin_refused(error: &sqlx::Error) -> bool {
+        let _ = error;
+        false
+    }
+
+    /// The text that inserts `rec` after the body and commits, the insert
+    /// waiting at most `wait` on a duplicate in flight. An insert the
+    /// unique index refuses fails the text before its `COMMIT`, and leaves
+    /// the transaction usable once [`recover_refused`](RecordSql::recover_refused)
+    /// ran.
+    fn insert_committing(rec: &NewRecord<'_>, wait: Duration) -> Option<Text> {
+        let _ = (rec, wait);
+        None
+    }
+
+    /// After [`insert_committing`](RecordSql::insert_committing) failed on
+    /// the unique index: the transaction as it was before the insert.
+    fn recover_refused(tx: &mut Transaction<'_, Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send {
+        let _ = tx;
+        async { Ok(()) }
+    }
+
+    /// The text that finishes the row this transaction inserted (as
+    /// [`mark_finished`](RecordSql::mark_finished)) and commits.
+    fn finish_committing(rec: &NewRecord<'_>) -> Option<Text> {
+        let _ = rec;
+        None
+    }
+
     /// Marks where a body that records its declared errors starts (a
     /// savepoint after the record's insert, if any), to roll its own writes
     /// back to ([`undo_body`](RecordSql::undo_body)) and keep the record.
@@ -392,6 +447,13 @@ macro_rules! record_queries {
         async fn undo_body(tx: &mut ::sqlx::Transaction<'_, Self>) -> Result<(), ::sqlx::Error> {
             let sql = $crate::store::body_savepoint("ROLLBACK TO SAVEPOINT", tx);
             ::sqlx::raw_sql(::sqlx::AssertSqlSafe(sql)).execute(&mut **tx).await.map(drop)
+        }
+
+        async fn execute_text(
+            tx: &mut ::sqlx::Transaction<'_, Self>,
+            text: $crate::store::Text,
+        ) -> Result<(), ::sqlx::Error> {
+            ::sqlx::raw_sql(text.into_sql()).execute(&mut **tx).await.map(drop)
         }
 
         async fn insert(

@@ -8,8 +8,8 @@ use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr};
 use super::outbox::{OutboxQueries, OutboxSql, outbox_queries};
 
 use super::{
-    Backend, Db, ErrorClass, Queries, RecordSql, TokenQueries, is_unique_violation, on_pool, record_queries,
-    token_queries,
+    Backend, Db, Dialect, ErrorClass, NewRecord, Queries, RecordSql, Text, TokenQueries, is_unique_violation, on_pool,
+    record_queries, token_queries,
 };
 
 // `read_locking` is a locking read: under REPEATABLE READ a plain SELECT would show
@@ -73,6 +73,12 @@ const TQ: TokenQueries = TokenQueries {
 
 /// The largest `innodb_lock_wait_timeout` the server takes (2^30 s).
 const MAX_LOCK_WAIT_SECS: u64 = 1 << 30;
+
+/// A lock-wait bound as `innodb_lock_wait_timeout` takes it: whole
+/// seconds, at least 1.
+fn lock_wait_secs(wait: Duration) -> i64 {
+    i64::try_from(wait.as_secs().clamp(1, MAX_LOCK_WAIT_SECS)).unwrap_or(1 << 30)
+}
 /// What MySQL's or MariaDB's error number says of a failure
 /// (`store::classify`'s table): `None` for another backend's error.
 pub(super) fn class_of(error: &(dyn sqlx::error::DatabaseError + 'static)) -> Option<ErrorClass> {
@@ -140,12 +146,36 @@ impl RecordSql for MySql {
     fn bounded(sql: &'static str, wait: Option<Duration>) -> SqlStr {
         match wait {
             Some(wait) => {
-                let secs = wait.as_secs().clamp(1, MAX_LOCK_WAIT_SECS);
+                let secs = lock_wait_secs(wait);
                 AssertSqlSafe(format!("/*M! SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ {sql}"))
                     .into_sql_str()
             }
             None => sql.into_sql_str(),
         }
+    }
+
+    /// MariaDB's compound statement (`store::text`), until the server
+    /// refuses it: MySQL has none outside a stored program, and its calls
+    /// then open and insert one by one.
+    fn begin_inserting(db: &Db<Self>, rec: &NewRecord<'_>, wait: Duration) -> Option<Text> {
+        db.begin_rides
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .then(|| Dialect::MySql.begin_inserting(rec, lock_wait_secs(wait)))
+    }
+
+    /// ER_PARSE_ERROR: the compound statement is not this server's syntax
+    /// (nothing of the text ran).
+    fn begin_refused(error: &sqlx::Error) -> bool {
+        let number = error.as_database_error().and_then(|e| e.try_downcast_ref::<MySqlDatabaseError>());
+        number.is_some_and(|e| e.number() == 1064)
+    }
+
+    fn insert_committing(rec: &NewRecord<'_>, wait: Duration) -> Option<Text> {
+        Some(Dialect::MySql.insert_committing(rec, lock_wait_secs(wait)))
+    }
+
+    fn finish_committing(rec: &NewRecord<'_>) -> Option<Text> {
+        Some(Dialect::MySql.finish_committing(rec))
     }
 
     record_queries!(Q);

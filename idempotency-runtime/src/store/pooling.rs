@@ -102,6 +102,16 @@ impl Pooling {
 pub struct Db<DB: sqlx::Database> {
     pub pool: Pool<DB>,
     pub pooling: Pooling,
+    /// Whether the server runs the text that opens a call's transaction
+    /// with its record (`RecordSql::begin_inserting`): until it refuses
+    /// one (MySQL has no compound statement outside a stored program).
+    pub(crate) begin_rides: std::sync::atomic::AtomicBool,
+}
+
+impl<DB: sqlx::Database> Db<DB> {
+    pub(crate) fn new(pool: Pool<DB>, pooling: Pooling) -> Self {
+        Db { pool, pooling, begin_rides: std::sync::atomic::AtomicBool::new(true) }
+    }
 }
 
 /// Ends the transaction [`on_pool!`] ran one statement in: committed when

@@ -8,7 +8,8 @@ use sqlx::{AssertSqlSafe, Pool, Transaction};
 use super::outbox::{OutboxQueries, OutboxSql, outbox_queries};
 
 use super::{
-    Backend, Db, ErrorClass, Pooling, Queries, RecordSql, TokenQueries, on_pool, record_queries, token_queries,
+    Backend, Db, Dialect, ErrorClass, NewRecord, Pooling, Queries, RecordSql, Text, TokenQueries, on_pool,
+    record_queries, token_queries,
 };
 
 // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide in the catalog,
@@ -107,6 +108,11 @@ async fn migration(db: &Db<Postgres>) -> Result<Transaction<'static, Postgres>, 
     Ok(tx)
 }
 
+/// A lock-wait bound as `lock_timeout` takes it: ms, at most `i32::MAX`.
+fn lock_wait_ms(wait: Duration) -> i64 {
+    i64::try_from(wait.as_millis().clamp(1, i32::MAX as u128)).unwrap_or(i64::from(i32::MAX))
+}
+
 /// Bounds lock waits for the rest of the transaction (`is_local`), after
 /// saving the session's own value for [`RecordSql::end_bound`]. Built from
 /// an integer only; `lock_timeout` takes at most `i32::MAX` ms (24 days).
@@ -181,13 +187,31 @@ impl RecordSql for Postgres {
             .map(drop)
     }
 
+    fn begin_inserting(db: &Db<Self>, rec: &NewRecord<'_>, wait: Duration) -> Option<Text> {
+        let _ = db;
+        Some(Dialect::Postgres.begin_inserting(rec, lock_wait_ms(wait)))
+    }
+
+    fn insert_committing(rec: &NewRecord<'_>, wait: Duration) -> Option<Text> {
+        Some(Dialect::Postgres.insert_committing(rec, lock_wait_ms(wait)))
+    }
+
+    /// Back to the savepoint the text set before its insert.
+    async fn recover_refused(tx: &mut Transaction<'_, Self>) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql("ROLLBACK TO SAVEPOINT idem_record").execute(&mut **tx).await.map(drop)
+    }
+
+    fn finish_committing(rec: &NewRecord<'_>) -> Option<Text> {
+        Some(Dialect::Postgres.finish_committing(rec))
+    }
+
     async fn insert_after_body(
         pooling: Pooling,
         tx: &mut Transaction<'_, Self>,
         rec: &super::NewRecord<'_>,
         wait: Duration,
     ) -> Result<bool, sqlx::Error> {
-        let ms = i64::try_from(wait.as_millis().clamp(1, i32::MAX as u128)).unwrap_or(i64::from(i32::MAX));
+        let ms = lock_wait_ms(wait);
         let done = pooling
             .query(INSERT_AFTER_BODY)
             .bind(rec.key.digest)

@@ -160,28 +160,64 @@ impl<DB: Backend> Records<'_, DB> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let opened = opening::begin_bounded(&self.db.pool, self.lock_wait).await;
-            // SQLite waits for its write lock at `BEGIN IMMEDIATE`.
-            let mut tx = opened.map_err(|e| db_error::<DB>(id, e))?;
             let record = id.record(PROCESSING, None, self.clock.now_ms());
-            let inserted =
-                match insert(self.db.pooling, &mut tx, id, &record, Wait::Set(self.lock_wait), self.clock).await {
-                    Ok(Taken::No) => DB::end_bound(self.db.pooling, &mut tx).await.map(|()| Taken::No),
-                    other => other,
-                };
-            match inserted {
-                Ok(Taken::No) => return Ok(Opened::Go(tx)),
-                Ok(Taken::By(row)) => {
-                    rollback(tx).await;
-                    return Ok(Opened::Taken(row));
-                }
-                Err(e) => {
-                    rollback(tx).await;
-                    if DB::classify(&e) == ErrorClass::Conflict && attempt < CONFLICT_ATTEMPTS {
-                        continue;
-                    }
-                    return Err(db_error::<DB>(id, e));
-                }
+            let opened = match DB::begin_inserting(self.db, &record, self.lock_wait) {
+                Some(text) => self.begin_inserting(id, &record, text).await,
+                None => self.open_then_insert(id, &record).await,
+            };
+            match opened {
+                Ok(opened) => return Ok(opened),
+                Err(e) if DB::classify(&e) == ErrorClass::Conflict && attempt < CONFLICT_ATTEMPTS => continue,
+                Err(e) => return Err(db_error::<DB>(id, e)),
+            }
+        }
+    }
+
+    /// The transaction and the record in one round trip: `BEGIN` carries
+    /// the insert ([`RecordSql::begin_inserting`]). A row that holds the
+    /// key fails the text, which leaves nothing open; a plain read then
+    /// finds that row. A row that expired (or one gone since) is left to
+    /// [`open_then_insert`](Records::open_then_insert), which replaces it
+    /// inside the call's transaction.
+    async fn begin_inserting(
+        &self,
+        id: &RecordKey<'_>,
+        record: &NewRecord<'_>,
+        text: super::Text,
+    ) -> Result<Opened<DB>, sqlx::Error> {
+        let pool = self.db.pool.clone();
+        match opening::whole(async move { pool.begin_with(text.into_sql()).await }).await {
+            Ok(tx) => Ok(Opened::Go(tx)),
+            Err(e) if super::is_unique_violation(&e) => match DB::read_plain(self.db, id.row).await? {
+                Some(row) if row.expires_ms > self.clock.now_ms() => Ok(Opened::Taken(row)),
+                Some(_) | None => self.open_then_insert(id, record).await,
+            },
+            Err(e) if DB::begin_refused(&e) => {
+                self.db.begin_rides.store(false, std::sync::atomic::Ordering::Relaxed);
+                self.open_then_insert(id, record).await
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The transaction, then the record in it, one statement after the
+    /// other (the bound set with `BEGIN`, ended before the body).
+    async fn open_then_insert(&self, id: &RecordKey<'_>, record: &NewRecord<'_>) -> Result<Opened<DB>, sqlx::Error> {
+        // SQLite waits for its write lock at `BEGIN IMMEDIATE`.
+        let mut tx = opening::begin_bounded(&self.db.pool, self.lock_wait).await?;
+        let inserted = match insert(self.db.pooling, &mut tx, id, record, Wait::Set(self.lock_wait), self.clock).await {
+            Ok(Taken::No) => DB::end_bound(self.db.pooling, &mut tx).await.map(|()| Taken::No),
+            other => other,
+        };
+        match inserted {
+            Ok(Taken::No) => Ok(Opened::Go(tx)),
+            Ok(Taken::By(row)) => {
+                rollback(tx).await;
+                Ok(Opened::Taken(row))
+            }
+            Err(e) => {
+                rollback(tx).await;
+                Err(e)
             }
         }
     }
@@ -202,10 +238,37 @@ impl<DB: Backend> Records<'_, DB> {
         claimed: bool,
     ) -> Result<Committed, Error> {
         let record = id.record(finished.status(), Some(finished.response()), self.clock.now_ms());
-        let written = if claimed {
-            insert(self.db.pooling, &mut tx, id, &record, Wait::AfterBody(self.lock_wait), self.clock).await
+        let riding = if finished.response().len() > super::text::MAX_RIDING {
+            None
+        } else if claimed {
+            DB::insert_committing(&record, self.lock_wait)
         } else {
-            DB::mark_finished(self.db.pooling, &mut tx, &record).await.map(|()| Taken::No)
+            DB::finish_committing(&record)
+        };
+        let written = match riding {
+            // The record and `COMMIT` in one round trip.
+            Some(text) => match DB::execute_text(&mut tx, text).await {
+                Ok(_) => {
+                    // Committed by the text: the `ROLLBACK` sqlx queues
+                    // on dropping it ends nothing (it goes out with the
+                    // pool's check of the connection, off our path).
+                    drop(tx);
+                    return Ok(Committed::Ours { expires_ms: record.expires_ms });
+                }
+                // A row met the unique index and the `COMMIT` did not run:
+                // an expired row to replace, or a duplicate's, as below.
+                Err(e) if claimed && super::is_unique_violation(&e) => match DB::recover_refused(&mut tx).await {
+                    Ok(()) => {
+                        insert(self.db.pooling, &mut tx, id, &record, Wait::AfterBody(self.lock_wait), self.clock).await
+                    }
+                    Err(e) => Err(e),
+                },
+                Err(e) => Err(e),
+            },
+            None if claimed => {
+                insert(self.db.pooling, &mut tx, id, &record, Wait::AfterBody(self.lock_wait), self.clock).await
+            }
+            None => DB::mark_finished(self.db.pooling, &mut tx, &record).await.map(|()| Taken::No),
         };
         let failure = match written {
             Ok(Taken::No) => match tx.commit().await {

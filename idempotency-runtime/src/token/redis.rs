@@ -289,7 +289,7 @@ mod tests {
         ));
         // The namespace is fixed: the database is never asked.
         let pool = sqlx::sqlite::SqlitePoolOptions::new().connect_lazy("sqlite::memory:").unwrap();
-        let pool = crate::store::Db { pool, pooling: crate::store::Pooling::Session };
+        let pool = crate::store::Db::new(pool, crate::store::Pooling::Session);
         let token = crate::random::token();
         let id = TokenId { biz: "t_bytes", token: &token, subject: "alice" };
         let (live, owner) = (live_key(&namespace, id), owner_key(&namespace, id.biz, id.token));
