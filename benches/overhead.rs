@@ -14,10 +14,17 @@
 //! least, measured in turns with `replay` so all three see the same moments);
 //! without Redis `select` (one indexed read of a replayed record in
 //! autocommit, a replay's floor there, in turns with `replay` too).
-//! Each row also prints the SQL statements and Redis commands per call,
-//! counted in a separate pass; after the table, one line per performance
-//! target: its ratio, its bound, met or not met.
+//! Each row also prints the SQL round trips and Redis commands per call,
+//! counted in a separate pass (`overhead/count.rs`); after the table, one
+//! line per performance target: its ratio, its bound, met or not met.
 //! Results also go to `target/idem-bench.json`.
+//!
+//! At a distance (`overhead/distance.rs`): the same rows on MariaDB and
+//! PostgreSQL (from one task; in a full run from 32 too) with every round
+//! trip to the database and to Redis 1 ms longer, the testkit's forwarder
+//! holding each byte 0.5 ms each way (rows `mariadb+1ms`, `postgres+1ms`),
+//! as a managed database or another zone is from its callers
+//! (`IDEM_BENCH_ONLY=distance`: those rows alone).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -32,13 +39,15 @@ use tokio::sync::Barrier;
 mod backends;
 #[path = "overhead/count.rs"]
 mod count;
+#[path = "overhead/distance.rs"]
+mod distance;
 #[path = "overhead/report.rs"]
 mod report;
 #[path = "support/mod.rs"]
 mod support;
 
-use backends::{mariadb, postgres, sqlite, sqlite_path};
-use count::{COUNTER, round_trips};
+use backends::{Scale, mariadb, postgres, sqlite, sqlite_path};
+use count::round_trips;
 
 const ORDERS: i64 = 1_000;
 const CONCURRENCY: usize = 32;
@@ -256,7 +265,6 @@ impl Claims {
 }
 
 fn main() {
-    tracing::subscriber::set_global_default(&COUNTER).expect("subscriber");
     let started = Instant::now();
     let mut passes = vec![Claims::None];
     let runtime = Phase::Concurrent.runtime();
@@ -271,7 +279,9 @@ fn main() {
         passes.push(Claims::Cluster(Box::new(cluster.client()), nodes));
     }
     let mut rows = Vec::new();
-    for phase in [Phase::OneTask, Phase::Concurrent] {
+    // `IDEM_BENCH_ONLY=distance`: the rows at a distance alone.
+    let only_far = std::env::var("IDEM_BENCH_ONLY").is_ok_and(|v| v == "distance");
+    for phase in [Phase::OneTask, Phase::Concurrent].into_iter().filter(|_| !only_far) {
         phase.runtime().block_on(async {
             mariadb::run(&mut rows, &passes, phase).await;
             postgres::run(&mut rows, &passes, phase).await;
@@ -283,13 +293,16 @@ fn main() {
     // cores with them: the same rows with the engines on its first node.
     // Full runs only, or with IDEM_BENCH_GALERA=1, so the quick run stays
     // under a minute.
-    let galera = !quick() || std::env::var("IDEM_BENCH_GALERA").is_ok_and(|v| v == "1");
+    let galera = !only_far && (!quick() || std::env::var("IDEM_BENCH_GALERA").is_ok_and(|v| v == "1"));
     if galera && let Some(galera) = idempotency_testkit::galera::Cluster::start() {
         let single: Vec<Claims> = passes.iter().filter(|p| !matches!(p, Claims::Cluster(..))).cloned().collect();
         for phase in [Phase::OneTask, Phase::Concurrent] {
-            phase.runtime().block_on(mariadb::run_on(&mut rows, &single, galera.nodes[0].url(), "galera", phase));
+            let url = galera.nodes[0].url();
+            phase.runtime().block_on(mariadb::run_on(&mut rows, &single, url, "galera", phase, Scale::at_hand()));
         }
     }
+    // The same rows with every round trip a millisecond longer.
+    distance::run(&mut rows, &passes);
     drop((cluster, runtime));
     for suffix in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", sqlite_path().display()));

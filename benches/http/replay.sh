@@ -7,10 +7,12 @@
 # each server the same time in short slices taken in turn (ABBA...), so a
 # drift of the machine's speed during the round (on a shared VM the rates
 # move by a tenth within a minute) falls on both alike. Prints one line per
-# round, as the overhead bench prints its targets: the ratio of the rates
-# (target: >= 0.90), met or not met, both rates, and each server's CPU time
-# per request (user + system, from /proc): the gap in absolute terms, which
-# the machine's drift moves less than the rates.
+# round, as the overhead bench prints its targets: the server's CPU time per
+# request (user + system, from /proc) over the floor's (target: <= 1.25),
+# met or not met, then as figures each one's CPU per request, the ratio of
+# the rates and both rates. The CPU is what a replay costs the machine; the
+# rates follow it only as far as the two cores wrk, Redis and MariaDB share
+# with the servers leave them.
 #
 #   benches/http/replay.sh [seconds per server per round, default 10] [rounds, default 2] [slices, default 4]
 #
@@ -66,7 +68,9 @@ for round in $(seq 1 "$rounds"); do
   python3 -c "
 t = $slices * $slice; r = $replay / $floor
 cpu = lambda ticks, n: ticks / $hz / n * 1e6
-print(f'target HTTP replay / a plain axum handler with one HGET, mariadb, round $round: {r:.2f}x (>= 0.90x)',
-      'met' if r >= 0.9 else 'NOT met',
-      f'| req/s {$replay / t:.0f} vs {$floor / t:.0f} | CPU per request {cpu($replay_ticks, $replay):.1f} vs {cpu($floor_ticks, $floor):.1f} us')"
+c = cpu($replay_ticks, $replay) / cpu($floor_ticks, $floor)
+print(f'target HTTP replay CPU per request / a plain axum handler with one HGET, mariadb, round $round: {c:.2f}x (<= 1.25x)',
+      'met' if c <= 1.25 else 'NOT met',
+      f'| CPU per request {cpu($replay_ticks, $replay):.1f} vs {cpu($floor_ticks, $floor):.1f} us',
+      f'| rate {r:.2f}x: req/s {$replay / t:.0f} vs {$floor / t:.0f}')"
 done

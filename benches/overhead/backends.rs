@@ -3,14 +3,56 @@
 //! turns with the rows it is compared with.
 
 use super::*;
+use count::Counted;
+use idempotency_testkit::forwarder::Protocol;
+
+/// Calls a counting pass makes before it counts (statements prepared on
+/// the counted connection, the fn's count of replays settled).
+const WARM: usize = 5;
+
+/// How many calls each row makes.
+#[derive(Clone, Copy)]
+pub struct Scale {
+    pub seq_calls: usize,
+    pub conc_calls: usize,
+    pub storms: usize,
+    /// A replay row's calls from one task, per call of the other rows.
+    pub replays_per_call: usize,
+    /// Whether to measure the local cache's replay.
+    pub local: bool,
+    /// Calls a pass counting the round trips counts.
+    pub counted: usize,
+}
+
+impl Scale {
+    /// The rows on the servers at hand (loopback): quick or full.
+    pub fn at_hand() -> Self {
+        if quick() {
+            Scale { seq_calls: 600, conc_calls: 1_000, storms: 5, replays_per_call: 5, local: true, counted: 50 }
+        } else {
+            Scale { seq_calls: 2_000, conc_calls: 6_000, storms: 20, replays_per_call: 5, local: true, counted: 50 }
+        }
+    }
+
+    /// The rows at a distance, where every round trip takes a millisecond
+    /// or more: fewer calls (each takes milliseconds), no storm, no local
+    /// cache (it makes no round trip).
+    pub fn at_a_distance() -> Self {
+        if quick() {
+            Scale { seq_calls: 200, conc_calls: 320, storms: 0, replays_per_call: 2, local: false, counted: 10 }
+        } else {
+            Scale { seq_calls: 400, conc_calls: 1_280, storms: 0, replays_per_call: 2, local: false, counted: 20 }
+        }
+    }
+}
 
 macro_rules! backend {
-    ($module:ident, $db:ident, $name:literal, $begin_logged:literal, $url:expr, $ddl:literal, $seed:literal, $update:literal, $insert_record:literal, $insert_bounded:literal, $select_record:literal) => {
+    ($module:ident, $db:ident, $name:literal, $protocol:expr, $url:expr, $ddl:literal, $seed:literal, $update:literal, $insert_record:literal, $insert_bounded:literal, $select_record:literal) => {
         pub mod $module {
             use super::*;
 
-            /// Whether sqlx logs this backend's `BEGIN` as a statement.
-            const BEGIN_LOGGED: bool = $begin_logged;
+            /// How the round trips are counted on the wire (SQLite has none).
+            const PROTOCOL: Option<Protocol> = $protocol;
             use sqlx::{Transaction, $db};
 
             pub async fn bare(pool: &sqlx::Pool<$db>, order_id: i64) {
@@ -133,7 +175,7 @@ macro_rules! backend {
             }
 
             pub async fn run(rows: &mut Vec<Row>, passes: &[Claims], phase: Phase) -> Option<()> {
-                run_on(rows, passes, $url, $name, phase).await
+                run_on(rows, passes, $url, $name, phase, Scale::at_hand()).await
             }
 
             /// The rows on the server at `url`, labelled `name`.
@@ -143,6 +185,7 @@ macro_rules! backend {
                 url: String,
                 name: &'static str,
                 phase: Phase,
+                scale: Scale,
             ) -> Option<()> {
                 let pool = sqlx::pool::PoolOptions::<$db>::new()
                     .max_connections(POOL)
@@ -161,7 +204,13 @@ macro_rules! backend {
                 drop(open);
                 sqlx::raw_sql($ddl).execute(&pool).await.expect("orders table");
                 sqlx::query($seed).bind(ORDERS).execute(&pool).await.expect("seed orders");
-                let (seq_calls, conc_calls, storms) = if quick() { (600, 1_000, 5) } else { (2_000, 6_000, 20) };
+                let Scale { seq_calls, conc_calls, storms, replays_per_call, local, counted: count } = scale;
+                // Round trips are counted on a pool of its own, one connection
+                // through a counting forwarder (`count.rs`).
+                let counted = match PROTOCOL {
+                    Some(protocol) => Some(Counted::<$db>::to(&url, protocol).await),
+                    None => None,
+                };
 
                 for claims in passes {
                     let builder = Idem::builder(pool.clone());
@@ -175,6 +224,19 @@ macro_rules! backend {
                     let label = claims.label();
                     let run_id = idempotency_testkit::unique(label);
                     let executions = Arc::new(AtomicUsize::new(0));
+                    // The same engine on the counted pool (SQLite: on its own).
+                    let counted_idem = match &counted {
+                        Some(counted) => {
+                            let builder = Idem::builder(counted.pool.clone());
+                            match claims {
+                                Claims::None => builder.build(),
+                                Claims::Single(c) => builder.redis(c.clone()).build(),
+                                Claims::Cluster(c, _) => builder.redis_cluster((**c).clone()).build(),
+                            }
+                        }
+                        None => idem.clone(),
+                    };
+                    let counted_pool = counted.as_ref().map_or_else(|| pool.clone(), |c| c.pool.clone());
 
                     let tasks = phase.tasks();
                     let calls = if tasks == 1 { seq_calls } else { conc_calls };
@@ -237,13 +299,15 @@ macro_rules! backend {
                     for (mode, timing) in alternating(tasks, calls, turns).await {
                         let counted = match (mode, &floor_redis) {
                             ("bare", _) => {
-                                round_trips(BEGIN_LOGGED, &[], 50, |i| bare(&pool, (i as i64 % ORDERS) + 1)).await
+                                let p = &counted_pool;
+                                round_trips(counted.as_ref(), &[], WARM, count, |i| bare(p, (i as i64 % ORDERS) + 1))
+                                    .await
                             }
                             ("floor" | "floor-gate", Some(redis)) => {
                                 let t = format!("{tag}-{mode}count");
-                                round_trips(BEGIN_LOGGED, &client, 50, |i| {
+                                round_trips(counted.as_ref(), &client, WARM, count, |i| {
                                     floor(
-                                        &pool,
+                                        &counted_pool,
                                         redis,
                                         format!("{t}_{i}"),
                                         (i as i64 % ORDERS) + 1,
@@ -254,8 +318,8 @@ macro_rules! backend {
                             }
                             _ => {
                                 let tag_c = format!("{tag}-count");
-                                round_trips(BEGIN_LOGGED, &client, 50, |i| {
-                                    let (idem, tag, e) = (&idem, &tag_c, &executions);
+                                round_trips(counted.as_ref(), &client, WARM, count, |i| {
+                                    let (idem, tag, e) = (&counted_idem, &tag_c, &executions);
                                     async move {
                                         pay(idem, tag, i, 1, e).await.expect("first");
                                     }
@@ -342,19 +406,20 @@ macro_rules! backend {
                     // that its median and GET's hold still from run to run
                     // (300 calls of a round trip that is 20 µs or 80 µs as the
                     // vCPUs happen to sleep gave a ratio anywhere in ±20 %).
-                    let replay_calls = if tasks == 1 { calls * 5 } else { calls };
+                    let replay_calls = if tasks == 1 { calls * replays_per_call } else { calls };
                     let mut timings = alternating(tasks, replay_calls, turns).await.into_iter();
                     let (_, timing) = timings.next().expect("replay row");
                     // pushed after replay, as get and tcp
                     let gets: Vec<_> = timings.collect();
                     assert_eq!(executions.load(Ordering::Relaxed), before, "a replay executed the body");
-                    let counted =
-                        round_trips(BEGIN_LOGGED, &client, 50, |i| replay_one(&idem, &tag, i, &executions, "replay"))
-                            .await;
+                    let counted = round_trips(counted.as_ref(), &client, WARM, count, |i| {
+                        replay_one(&counted_idem, &tag, i, &executions, "replay")
+                    })
+                    .await;
                     push(rows, "replay", timing, counted);
 
                     // replay-local: the same finished keys from the process's own cache
-                    if !matches!(claims, Claims::Cluster(..)) {
+                    if local && !matches!(claims, Claims::Cluster(..)) {
                         let cache = idempotency::LocalCache::new(10_000, 64 << 20).max_age(Duration::from_secs(600));
                         let builder = Idem::builder(pool.clone()).local_cache(cache);
                         let local = match claims {
@@ -373,7 +438,7 @@ macro_rules! backend {
                         })
                         .await;
                         assert_eq!(executions.load(Ordering::Relaxed), before, "a local replay executed the body");
-                        let counted = round_trips(BEGIN_LOGGED, &client, 50, |i| {
+                        let counted = round_trips(None::<&Counted<$db>>, &client, WARM, count, |i| {
                             replay_one(&local, &tag, i, &executions, "replay-local")
                         })
                         .await;
@@ -386,7 +451,7 @@ macro_rules! backend {
                     }
 
                     // storm: 100 calls released together on one new key
-                    if phase == Phase::OneTask {
+                    if phase == Phase::OneTask || storms == 0 {
                         continue;
                     }
                     let mut lat = Vec::new();
@@ -442,7 +507,7 @@ backend!(
     mariadb,
     MySql,
     "mariadb",
-    true,
+    Some(Protocol::MySql),
     idempotency_testkit::mysql_url(),
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT IGNORE INTO bench_orders (id, status) WITH RECURSIVE n (i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) SELECT i, 'PENDING' FROM n",
@@ -456,7 +521,7 @@ backend!(
     postgres,
     Postgres,
     "postgres",
-    false,
+    Some(Protocol::Postgres),
     idempotency_testkit::pg_url(),
     "CREATE TABLE IF NOT EXISTS bench_orders (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL, paid_count BIGINT NOT NULL DEFAULT 0)",
     "INSERT INTO bench_orders (id, status) SELECT i, 'PENDING' FROM generate_series(1, $1) AS i ON CONFLICT DO NOTHING",
@@ -471,7 +536,7 @@ backend!(
     sqlite,
     Sqlite,
     "sqlite",
-    false,
+    None,
     sqlite_url(),
     "CREATE TABLE IF NOT EXISTS bench_orders (id INTEGER PRIMARY KEY, status TEXT NOT NULL, paid_count INTEGER NOT NULL DEFAULT 0)",
     "INSERT OR IGNORE INTO bench_orders (id, status) WITH RECURSIVE n (i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) SELECT i, 'PENDING' FROM n",

@@ -1,63 +1,60 @@
-//! Round trips per call, counted rather than guessed: the statements sqlx
-//! logs (a `tracing` subscriber) and the commands Redis sees (`MONITOR`).
+//! Round trips per call, counted rather than guessed: the SQL round trips a
+//! caller waits for, counted on the wire by a forwarder between a pool of
+//! one connection and the server (`idempotency_testkit::forwarder`: a
+//! client's turn is one round trip, whatever it carries; the pool's ping of
+//! a connection given back, and the `ROLLBACK` a dropped transaction queued
+//! before it, are counted apart as the pool's), and the commands Redis sees
+//! (`MONITOR`).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-/// Counts the statements sqlx sends (its `sqlx::query` events) while on,
-/// and among them the ends of transactions (`COMMIT`, `ROLLBACK`): sqlx does
-/// not log PostgreSQL's `BEGIN`, a round trip of its own, so each
-/// transaction end stands for one there.
-pub struct StatementCounter {
-    on: AtomicBool,
-    count: AtomicU64,
-    transaction_ends: AtomicU64,
+use idempotency_testkit::forwarder::{Forwarder, Path, Protocol, Turns};
+
+/// A pool of one connection to a server through a counting forwarder: the
+/// counting passes run their calls on it.
+pub struct Counted<DB: sqlx::Database> {
+    link: Forwarder,
+    pub pool: sqlx::Pool<DB>,
 }
 
-pub static COUNTER: StatementCounter =
-    StatementCounter { on: AtomicBool::new(false), count: AtomicU64::new(0), transaction_ends: AtomicU64::new(0) };
-
-/// Finds whether an event's `summary` field is a `COMMIT` or `ROLLBACK`.
-struct EndsTransaction(bool);
-
-impl tracing::field::Visit for EndsTransaction {
-    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
-        if field.name() == "summary" {
-            let v = value.trim_start().to_ascii_uppercase();
-            self.0 |= v.starts_with("COMMIT") || v.starts_with("ROLLBACK");
-        }
+impl<DB: sqlx::Database> Counted<DB> {
+    /// Reaches the server `url` names (its port on loopback) through a new
+    /// forwarder, counting as `protocol`.
+    pub async fn to(url: &str, protocol: Protocol) -> Self {
+        let link = Forwarder::start_with(port_of(url), Path { count: Some(protocol), ..Path::default() }).await;
+        let options = sqlx::pool::PoolOptions::<DB>::new().max_connections(1).test_before_acquire(false);
+        let pool = options.connect(&through(url, link.port())).await.expect("through the counting forwarder");
+        Counted { link, pool }
     }
-    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-        self.record_str(field, &format!("{value:?}").replace('"', ""));
+
+    /// The turns so far, once the connection is back in the pool (its
+    /// ping done).
+    async fn settled(&self) -> Turns {
+        let start = std::time::Instant::now();
+        while self.pool.num_idle() as u32 != self.pool.size() {
+            assert!(start.elapsed() < Duration::from_secs(30), "the counted connection never came back");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        self.link.turns()
     }
 }
 
-impl tracing::Subscriber for &'static StatementCounter {
-    fn register_callsite(&self, meta: &'static tracing::Metadata<'static>) -> tracing::subscriber::Interest {
-        if meta.target() == "sqlx::query" {
-            tracing::subscriber::Interest::sometimes()
-        } else {
-            tracing::subscriber::Interest::never()
-        }
-    }
-    fn enabled(&self, meta: &tracing::Metadata<'_>) -> bool {
-        meta.target() == "sqlx::query" && self.on.load(Ordering::Relaxed)
-    }
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(1)
-    }
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-    fn event(&self, event: &tracing::Event<'_>) {
-        self.count.fetch_add(1, Ordering::Relaxed);
-        let mut ends = EndsTransaction(false);
-        event.record(&mut ends);
-        if ends.0 {
-            self.transaction_ends.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-    fn enter(&self, _: &tracing::span::Id) {}
-    fn exit(&self, _: &tracing::span::Id) {}
+/// The port of the server `url` names.
+pub fn port_of(url: &str) -> u16 {
+    let address = url.rsplit_once('@').map_or(url.split_once("://").expect("a url").1, |(_, a)| a);
+    let host_port = address.split(['/', '?']).next().expect("an address");
+    host_port.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).expect("a port")
+}
+
+/// `url` with its host and port replaced by `127.0.0.1:port`, over plain
+/// TCP (a forwarder reads PostgreSQL's messages; MariaDB has no TLS here).
+pub fn through(url: &str, port: u16) -> String {
+    let (scheme, rest) = url.split_once("://").expect("a url");
+    let user = rest.rsplit_once('@').map_or(String::new(), |(u, _)| format!("{u}@"));
+    let address = rest.rsplit_once('@').map_or(rest, |(_, a)| a);
+    let database = address.split_once('/').map_or("", |(_, d)| d).split('?').next().unwrap_or("");
+    let tls = if scheme.starts_with("postgres") { "?sslmode=disable" } else { "" };
+    format!("{scheme}://{user}127.0.0.1:{port}/{database}{tls}")
 }
 
 /// Counts the commands clients send to Redis nodes from [`start`] to
@@ -120,22 +117,38 @@ impl RedisCount {
     }
 }
 
-/// Statements and Redis commands per call, over `n` sequential calls.
-pub async fn round_trips<F, Fut>(begin_logged: bool, redis: &[redis::Client], n: usize, call: F) -> (f64, f64)
+/// Round trips per call over `n` sequential calls, after `warm` uncounted
+/// ones (statements prepared on the connection, a fn's count of replays
+/// settled): the SQL ones a caller waits for (NaN without a counted pool,
+/// SQLite's: a statement there is a call into the library), and the Redis
+/// commands (background cache writes included).
+pub async fn round_trips<DB, F, Fut>(
+    sql: Option<&Counted<DB>>,
+    redis: &[redis::Client],
+    warm: usize,
+    n: usize,
+    call: F,
+) -> (f64, f64)
 where
+    DB: sqlx::Database,
     F: Fn(usize) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
+    for i in 0..warm {
+        call(n + i).await;
+    }
     let redis_count = RedisCount::start(redis).await;
-    COUNTER.count.store(0, Ordering::Relaxed);
-    COUNTER.transaction_ends.store(0, Ordering::Relaxed);
-    COUNTER.on.store(true, Ordering::Relaxed);
+    let before = match sql {
+        Some(counted) => Some(counted.settled().await),
+        None => None,
+    };
     for i in 0..n {
         call(i).await;
     }
-    COUNTER.on.store(false, Ordering::Relaxed);
-    let unlogged_begins = if begin_logged { 0 } else { COUNTER.transaction_ends.load(Ordering::Relaxed) };
-    let sql = (COUNTER.count.load(Ordering::Relaxed) + unlogged_begins) as f64 / n as f64;
+    let sql = match (sql, before) {
+        (Some(counted), Some(before)) => (counted.settled().await - before).statements as f64 / n as f64,
+        _ => f64::NAN,
+    };
     let redis_cmds = redis_count.stop().await as f64 / n as f64;
     (sql, redis_cmds)
 }

@@ -309,3 +309,50 @@ pub fn fingerprint<T: serde::Serialize>(args: &[(&'static str, T)]) -> Result<St
 pub fn sha256_hex(bytes: &[u8]) -> String {
     crate::fingerprint::sha256_hex(bytes)
 }
+
+/// The values of one record, as a text writes them (`store::text`).
+#[derive(Debug, Clone, Copy)]
+pub struct RecordValues<'a> {
+    pub biz: &'a str,
+    pub key: &'a str,
+    pub biz_no: Option<&'a str>,
+    pub params_hash: &'a str,
+    pub status: i16,
+    pub response: Option<&'a str>,
+    pub now_ms: i64,
+    pub expires_ms: i64,
+}
+
+/// Every text a server is sent with a record's values written in: per
+/// dialect (`"mysql"`, `"postgres"`), its name and its SQL. `bound` is the
+/// lock-wait bound in the server's unit. Also the key's digest, which the
+/// texts write first.
+pub fn record_texts(values: RecordValues<'_>, bound: i64) -> ([u8; 16], Vec<(&'static str, &'static str, String)>) {
+    use crate::store::{Dialect, NewRecord, RowKey, Text};
+    let rec = NewRecord {
+        key: RowKey::new(values.biz, values.key),
+        biz_no: values.biz_no,
+        params_hash: values.params_hash,
+        status: values.status,
+        response: values.response,
+        now_ms: values.now_ms,
+        expires_ms: values.expires_ms,
+    };
+    let mut texts = Vec::new();
+    for (name, dialect) in [("mysql", Dialect::MySql), ("postgres", Dialect::Postgres)] {
+        let mut insert = Text::new(dialect, 0);
+        insert.insert(&rec);
+        let mut update = Text::new(dialect, 0);
+        update.mark_finished(&rec);
+        for (what, text) in [
+            ("insert", insert),
+            ("mark_finished", update),
+            ("begin_inserting", dialect.begin_inserting(&rec, bound)),
+            ("insert_committing", dialect.insert_committing(&rec, bound)),
+            ("finish_committing", dialect.finish_committing(&rec)),
+        ] {
+            texts.push((name, what, text.as_str().to_owned()));
+        }
+    }
+    (crate::key::key_digest(values.biz, values.key), texts)
+}

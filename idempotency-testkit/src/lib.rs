@@ -24,7 +24,9 @@
 //! - [`pg_cluster`]: a private PostgreSQL primary and streaming standby, and
 //!   [`forwarder`]: a TCP path between clients and a server that a test can
 //!   switch, cut and hold (`tests/failover/`), or silence once a client
-//!   subscribes (`tests/suite/waits.rs`).
+//!   subscribes (`tests/suite/waits.rs`), that can put a distance between
+//!   them (the overhead bench's rows 1 ms away), and count the round trips
+//!   the clients make (`tests/suite/statements.rs`).
 //! - [`soak`]: the fault-injection soak with reconciliation, and the storm
 //!   (`tests/soak.rs`, `tests/cluster.rs`).
 //! - [`nemesis`]: partitions on a schedule between engine processes and

@@ -4,9 +4,12 @@
 //! tokio's timers tick in whole milliseconds (a 0.5 ms sleep ends at the
 //! next tick: 0.5 to 1.5 ms later), so the delays are kept by a thread of
 //! their own that sleeps to the microsecond the OS allows (a futex wait:
-//! tens of microseconds late at most) and wakes the waiting task. Bytes are
-//! delayed from the moment they were read, not one chunk after another, so
-//! a pipelined stream is delayed once, as on a longer wire.
+//! tens of microseconds late at most) and wakes the waiting task. On a busy
+//! machine a woken thread waits for a core; where the process may (as
+//! root), this one runs at real-time priority (`SCHED_FIFO`), so the delay
+//! stays what it says. Bytes are delayed from the moment they were read,
+//! not one chunk after another, so a pipelined stream is delayed once, as
+//! on a longer wire.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -47,6 +50,7 @@ fn timer() -> &'static mpsc::Sender<Due> {
         std::thread::Builder::new()
             .name("idem-forwarder-delay".into())
             .spawn(move || {
+                promptly();
                 let mut pending: BinaryHeap<Reverse<Due>> = BinaryHeap::new();
                 loop {
                     let now = Instant::now();
@@ -79,4 +83,12 @@ pub(super) async fn until(at: Instant) {
     if timer().send(Due { at, wake }).is_ok() {
         let _ = woken.await;
     }
+}
+
+/// Asks for real-time scheduling for this thread (it only ever sleeps and
+/// wakes others); refused without the privilege, and then left as it is.
+pub fn promptly() {
+    let param = libc::sched_param { sched_priority: 1 };
+    // SAFETY: a plain system call on the calling thread, with a valid parameter.
+    let _ = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
 }
