@@ -138,6 +138,11 @@ pub(crate) struct Clock {
     measuring: AtomicBool,
     /// Serializes the first reading, so a storm of first calls sends it once.
     first: tokio::sync::Mutex<()>,
+    /// The last reading's round trip, in microseconds (`NEVER` before one):
+    /// how far away the database is, for the record protocol
+    /// (`store::record`, whose statements ride along only where a round
+    /// trip costs more than planning a text).
+    round_trip_us: AtomicI64,
 }
 
 impl Clock {
@@ -150,7 +155,15 @@ impl Clock {
             failed: AtomicBool::new(false),
             measuring: AtomicBool::new(false),
             first: tokio::sync::Mutex::new(()),
+            round_trip_us: AtomicI64::new(NEVER),
         }
+    }
+
+    /// The round trip of the last reading of the database's clock (the
+    /// best of its samples); `None` before one, and for SQLite.
+    pub(crate) fn round_trip(&self) -> Option<Duration> {
+        let us = self.round_trip_us.load(Ordering::Relaxed);
+        (us >= 0).then(|| Duration::from_micros(us.unsigned_abs()))
     }
 
     /// Now, in Unix epoch milliseconds on the database's clock (as far as
@@ -180,6 +193,7 @@ impl Clock {
         let uncertainty = (received_us - sent_us) / 2;
         let skew = offset - (system_us() - monotonic_us());
         self.offset_us.store(offset, Ordering::Relaxed);
+        self.round_trip_us.store(received_us - sent_us, Ordering::Relaxed);
         self.failed.store(false, Ordering::Relaxed);
         self.measured_at_us.store(received_us, Ordering::Relaxed);
         let skew_ms = skew / 1000;

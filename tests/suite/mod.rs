@@ -32,6 +32,7 @@ mod read_first;
 mod recorded_errors;
 mod redis_faults;
 mod replay;
+mod riding;
 mod statements;
 mod status;
 mod storms;

@@ -83,11 +83,18 @@ pub(crate) mod round_trips {
     use super::super::fixture::{Mode, Probe, ledger_rows, pay, until};
     use super::super::{B, Db};
 
-    /// A pool of one connection reaching the server through a counting
-    /// forwarder: every statement of a call goes over it. No ping before
-    /// a connection is lent (`test_before_acquire`, on by default in sqlx,
-    /// is a round trip of its own before every transaction).
+    /// A pool of one connection reaching the server half a millisecond away
+    /// each way, through a forwarder that counts the round trips: every
+    /// statement of a call goes over it, and the record's statements ride
+    /// along (a database that far). No ping before a connection is lent
+    /// (`test_before_acquire`, on by default in sqlx, is a round trip of its
+    /// own before every transaction).
     pub(crate) async fn counted() -> Option<(Forwarder, sqlx::Pool<Db>)> {
+        far(1).await
+    }
+
+    /// [`counted`], with a pool of up to `connections`.
+    pub(crate) async fn far(connections: u32) -> Option<(Forwarder, sqlx::Pool<Db>)> {
         let (url, protocol) = match B::NAME {
             "mysql" => (idempotency_testkit::mysql_url(), Protocol::MySql),
             "postgres" => (idempotency_testkit::pg_url(), Protocol::Postgres),
@@ -100,12 +107,13 @@ pub(crate) mod round_trips {
         let (user, address) = rest.rsplit_once('@').expect("a user");
         let (host_port, database) = address.split_once('/').expect("a database");
         let port = host_port.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).expect("a port");
-        let link = Forwarder::start_with(port, Path { count: Some(protocol), ..Path::default() }).await;
+        let path = Path { count: Some(protocol), delay: std::time::Duration::from_micros(500) };
+        let link = Forwarder::start_with(port, path).await;
         let database = database.split('?').next().expect("a database");
         // Plain TCP: the forwarder reads the messages.
         let tls = if B::NAME == "postgres" { "?sslmode=disable" } else { "" };
         let url = format!("{scheme}://{user}@127.0.0.1:{}/{database}{tls}", link.port());
-        let options = sqlx::pool::PoolOptions::<Db>::new().max_connections(1).test_before_acquire(false);
+        let options = sqlx::pool::PoolOptions::<Db>::new().max_connections(connections).test_before_acquire(false);
         let pool = options.connect(&url).await.expect("through the forwarder");
         Some((link, pool))
     }
@@ -158,7 +166,8 @@ pub(crate) mod round_trips {
         }
     }
 
-    /// The caller's round trips per flow, and the pool's after each:
+    /// The caller's round trips per flow, and the pool's after each, with
+    /// the database 1 ms away:
     /// `bare` 3 (`BEGIN`, the body's statement, `COMMIT`); a first call
     /// the same 3 with Redis (`BEGIN` beside the claim, the body, the
     /// record's insert with `COMMIT`) and without (`BEGIN` with the record's

@@ -17,7 +17,7 @@ use super::{B, Db};
 /// `callers` tasks released together by a barrier, spread over `engines`,
 /// all paying the same key: the body runs once, everyone gets that result
 /// or `InProgress`, and afterwards everyone gets the replay.
-async fn storm(engines: Vec<Idem<Db>>, callers: usize) {
+pub(crate) async fn storm(engines: Vec<Idem<Db>>, callers: usize) {
     let k = unique("storm");
     let probe = Arc::new(Probe::default());
     let barrier = Arc::new(Barrier::new(callers));

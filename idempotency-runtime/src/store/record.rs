@@ -32,6 +32,18 @@ const SETTLE_PAUSES: [Duration; 3] = [Duration::ZERO, Duration::from_millis(5), 
 /// runs gets: the first and two retries.
 const CONFLICT_ATTEMPTS: u32 = 3;
 
+/// How far the database must be for the record's statements to ride with
+/// `BEGIN` and `COMMIT` (`store::text`): a round trip this long or longer,
+/// as the engine's reading of the database's clock measured it. Closer, a
+/// round trip costs less than the server's work on a text: its statements
+/// are parsed and planned on every call, where a bound statement's plan is
+/// kept (PostgreSQL planned the record's insert in 0.09 ms on the bench's
+/// machine), and on MariaDB the `ROLLBACK` sqlx sends for a transaction a
+/// text committed is a round trip of its own, off the caller's path. On
+/// loopback the riding call was 9-18 % slower from one task; 1 ms away,
+/// 20-45 % faster (docs/performance.md).
+const RIDE_FROM: Duration = Duration::from_micros(500);
+
 /// One call's identity in the record table, borrowed for the call.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RecordKey<'a> {
@@ -161,7 +173,8 @@ impl<DB: Backend> Records<'_, DB> {
         loop {
             attempt += 1;
             let record = id.record(PROCESSING, None, self.clock.now_ms());
-            let opened = match DB::begin_inserting(self.db, &record, self.lock_wait) {
+            let riding = if self.rides() { DB::begin_inserting(self.db, &record, self.lock_wait) } else { None };
+            let opened = match riding {
                 Some(text) => self.begin_inserting(id, &record, text).await,
                 None => self.open_then_insert(id, &record).await,
             };
@@ -171,6 +184,12 @@ impl<DB: Backend> Records<'_, DB> {
                 Err(e) => return Err(db_error::<DB>(id, e)),
             }
         }
+    }
+
+    /// Whether the record's statements ride with `BEGIN` and `COMMIT`: the
+    /// database is at least [`RIDE_FROM`] away.
+    fn rides(&self) -> bool {
+        self.clock.round_trip().is_some_and(|round_trip| round_trip >= RIDE_FROM)
     }
 
     /// The transaction and the record in one round trip: `BEGIN` carries
@@ -238,7 +257,7 @@ impl<DB: Backend> Records<'_, DB> {
         claimed: bool,
     ) -> Result<Committed, Error> {
         let record = id.record(finished.status(), Some(finished.response()), self.clock.now_ms());
-        let riding = if finished.response().len() > super::text::MAX_RIDING {
+        let riding = if !self.rides() || finished.response().len() > super::text::MAX_RIDING {
             None
         } else if claimed {
             DB::insert_committing(&record, self.lock_wait)
