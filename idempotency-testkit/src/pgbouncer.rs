@@ -70,6 +70,13 @@ impl PgBouncer {
     /// connections; `None` (after printing why) when `pgbouncer` is not
     /// installed.
     pub fn start_with(server_connections: u32) -> Option<Self> {
+        let server = sqlx::postgres::PgConnectOptions::from_str(&crate::pg_url()).expect("postgres url");
+        Self::start_to(server_connections, server.get_host(), server.get_port())
+    }
+
+    /// [`start_with`](PgBouncer::start_with), its server connections made
+    /// to `host:port` (a forwarder in front of the server, say).
+    pub fn start_to(server_connections: u32, host: &str, port: u16) -> Option<Self> {
         let bin = installed()?;
         let server = sqlx::postgres::PgConnectOptions::from_str(&crate::pg_url()).expect("postgres url");
         let dir = std::env::temp_dir().join(crate::unique("idem-pgbouncer"));
@@ -93,8 +100,7 @@ impl PgBouncer {
              max_client_conn = 500\n\
              ignore_startup_parameters = extra_float_digits\n\
              logfile = {dir}/pgbouncer.log\n",
-            host = server.get_host(),
-            server_port = server.get_port(),
+            server_port = port,
             dir = dir.display(),
         );
         std::fs::write(dir.join("pgbouncer.ini"), ini).expect("pgbouncer.ini");

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use idempotency::state::{Advanced, advance};
 use idempotency::{Consumption, Idem, Outcome, Status, Steps, idempotent, transition};
+use idempotency_testkit::forwarder::{Forwarder, Path};
 use idempotency_testkit::pgbouncer::{PgBouncer, SERVER_CONNECTIONS};
 use idempotency_testkit::{pg_url, reach, redis_client, unique};
 use serde::{Deserialize, Serialize};
@@ -138,6 +139,8 @@ struct Behind {
     bouncer: PgBouncer,
     name: String,
     direct: PgPool,
+    /// Between PgBouncer and the server, when the database is far.
+    _far: Option<Forwarder>,
 }
 
 impl Behind {
@@ -148,17 +151,29 @@ impl Behind {
 
     /// Behind a PgBouncer holding `server_connections`.
     async fn start_with(server_connections: u32) -> Option<Self> {
+        Self::start_at(server_connections, Duration::ZERO).await
+    }
+
+    /// Behind a PgBouncer whose server is `each_way` away (a forwarder
+    /// holding every byte that long each way between them).
+    async fn start_at(server_connections: u32, each_way: Duration) -> Option<Self> {
         let admin =
             reach("postgres", || async { PgPoolOptions::new().max_connections(1).connect(&pg_url()).await.ok() })
                 .await?;
-        let bouncer = PgBouncer::start_with(server_connections)?;
+        let server = PgConnectOptions::from_str(&pg_url()).expect("postgres url");
+        let (bouncer, far) = if each_way.is_zero() {
+            (PgBouncer::start_with(server_connections)?, None)
+        } else {
+            let far = Forwarder::start_with(server.get_port(), Path { delay: each_way, count: None }).await;
+            (PgBouncer::start_to(server_connections, "127.0.0.1", far.port())?, Some(far))
+        };
         let name = unique("pgb").replace('-', "_");
         sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&admin).await.expect("create database");
         admin.close().await;
         let options = PgConnectOptions::from_str(&pg_url()).expect("postgres url").database(&name);
         let direct = PgPoolOptions::new().max_connections(2).connect_with(options).await.expect("direct pool");
         sqlx::raw_sql(SCHEMA).execute(&direct).await.expect("schema");
-        Some(Self { bouncer, name, direct })
+        Some(Self { bouncer, name, direct, _far: far })
     }
 
     /// A pool of [`POOL`] connections through PgBouncer.
@@ -272,9 +287,20 @@ with_and_without_redis!(migrate_runs_twice_behind_pgbouncer, migrate_runs_twice_
 /// the body runs once, one call executes, 49 replay, and all 50 answers are
 /// byte for byte the stored response.
 async fn storm(redis: bool) {
+    storm_at(redis, Duration::ZERO).await;
+}
+
+/// [`storm`] with the server 1 ms from PgBouncer: the engines' record
+/// rides with `BEGIN` and `COMMIT` (texts, which the pooler passes as it
+/// passes any simple query).
+async fn storm_far(redis: bool) {
+    storm_at(redis, Duration::from_micros(500)).await;
+}
+
+async fn storm_at(redis: bool, each_way: Duration) {
     const CALLERS: usize = 50;
     const ENGINES: usize = 5;
-    let Some(behind) = Behind::start().await else { return };
+    let Some(behind) = Behind::start_at(SERVER_CONNECTIONS, each_way).await else { return };
     let mut engines = Vec::new();
     for _ in 0..ENGINES {
         let Some(idem) = behind.engine(redis, true).await else { return };
@@ -325,6 +351,7 @@ async fn storm(redis: bool) {
 }
 
 with_and_without_redis!(storm_of_50_runs_once_behind_pgbouncer, storm_of_50_runs_once_behind_pgbouncer_with_redis => storm);
+with_and_without_redis!(storm_of_50_runs_once_behind_pgbouncer_1_ms_from_the_server, storm_of_50_runs_once_behind_pgbouncer_1_ms_from_the_server_with_redis => storm_far);
 
 /// 200 keys called at once, then all again at once: each body once (each
 /// first call executes, each second replays the stored bytes), each order
