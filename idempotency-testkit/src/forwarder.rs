@@ -46,8 +46,8 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 pub use delay::promptly;
-pub use turns::{Protocol, Turns};
 use turns::{Counts, Turn};
+pub use turns::{Protocol, Turns};
 
 /// How long a new connection may take to reach the target.
 const CONNECT: Duration = Duration::from_secs(2);
@@ -226,10 +226,9 @@ async fn accept_loop(
             drop(client);
             continue;
         };
-        let counting = path.count.map(|protocol| Counting {
-            turn: Arc::new(Mutex::new(Turn::new(protocol))),
-            counts: Arc::clone(&counts),
-        });
+        let counting = path
+            .count
+            .map(|protocol| Counting { turn: Arc::new(Mutex::new(Turn::new(protocol))), counts: Arc::clone(&counts) });
         let seen = Seen { subscriber: Arc::default(), counting, ..forwarder.clone() };
         tokio::spawn(connection(client, target, route.clone(), now.epoch, path.delay, held.clone(), seen));
     }
@@ -301,7 +300,8 @@ async fn connection(
     let (server_read, server_write) = server.into_split();
     // Either side ending (or a cut) ends both: dropping the halves closes
     // the sockets, and the peers see the connection gone.
-    let requests = Pump { direction: Direction::Requests, route: route.clone(), epoch, delay, held: None, seen: seen.clone() };
+    let requests =
+        Pump { direction: Direction::Requests, route: route.clone(), epoch, delay, held: None, seen: seen.clone() };
     let replies = Pump { direction: Direction::Replies, route, epoch, delay, held: Some(held), seen };
     tokio::select! {
         () = requests.run(client_read, server_write) => {}
