@@ -46,7 +46,7 @@ mod report;
 #[path = "support/mod.rs"]
 mod support;
 
-use backends::{Scale, mariadb, postgres, sqlite, sqlite_path};
+use backends::{mariadb, postgres, sqlite, sqlite_path};
 use count::round_trips;
 
 const ORDERS: i64 = 1_000;
@@ -54,6 +54,46 @@ const CONCURRENCY: usize = 32;
 const STORM: usize = 100;
 /// Connections per backend's pool.
 const POOL: u32 = 40;
+
+/// Calls a counting pass makes before it counts (statements prepared on
+/// the counted connection, the fn's count of replays settled).
+const WARM: usize = 5;
+
+/// How many calls each row makes.
+#[derive(Clone, Copy)]
+pub struct Scale {
+    pub seq_calls: usize,
+    pub conc_calls: usize,
+    pub storms: usize,
+    /// A replay row's calls from one task, per call of the other rows.
+    pub replays_per_call: usize,
+    /// Whether to measure the local cache's replay.
+    pub local: bool,
+    /// Calls a pass counting the round trips counts.
+    pub counted: usize,
+}
+
+impl Scale {
+    /// The rows on the servers at hand (loopback): quick or full.
+    pub fn at_hand() -> Self {
+        if quick() {
+            Scale { seq_calls: 600, conc_calls: 1_000, storms: 5, replays_per_call: 5, local: true, counted: 50 }
+        } else {
+            Scale { seq_calls: 2_000, conc_calls: 6_000, storms: 20, replays_per_call: 5, local: true, counted: 50 }
+        }
+    }
+
+    /// The rows at a distance, where every round trip takes a millisecond
+    /// or more: fewer calls (each takes milliseconds), no storm, no local
+    /// cache (it makes no round trip).
+    pub fn at_a_distance() -> Self {
+        if quick() {
+            Scale { seq_calls: 200, conc_calls: 320, storms: 0, replays_per_call: 2, local: false, counted: 10 }
+        } else {
+            Scale { seq_calls: 400, conc_calls: 1_280, storms: 0, replays_per_call: 2, local: false, counted: 20 }
+        }
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Receipt {

@@ -13,6 +13,11 @@
 //! - [`Records::join`] and [`Records::finish_joined`]: the same record,
 //!   first, in a savepoint of a transaction the caller holds (the `join`
 //!   mode); it commits when the caller commits.
+//!
+//! Where the database is far ([`RIDE_FROM`]), the record's statement rides
+//! in the round trip of the `BEGIN` or the `COMMIT` the transaction sends
+//! anyway, one text each (`store::text`): a call then waits for the round
+//! trips of a plain transaction. Closer, each goes bound, on its own.
 
 use std::time::Duration;
 
