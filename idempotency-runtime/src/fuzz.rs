@@ -204,27 +204,33 @@ pub fn nats_message(reply: Option<&str>, headers: Option<&[(&str, &str)]>, paylo
     consumed::<crate::consumer::nats::Jet>(&message)
 }
 
-/// A Kafka message with these headers (name and value, `None`: a header
-/// without a value; in order, names may repeat) and payload (`None`: a
-/// null payload), read as the Kafka runner reads what it fetched.
+/// A Kafka message on the runner's retry topic with these headers (name
+/// and value, `None`: a header without a value; in order, names may
+/// repeat) and payload (`None`: a null payload), read as the Kafka runner
+/// reads what it fetched: the headers through librdkafka's own list.
 #[cfg(feature = "kafka")]
 pub fn kafka_message(headers: &[(&str, Option<&[u8]>)], payload: Option<&[u8]>) -> Consumed {
-    use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
-    let owned = headers.iter().fold(OwnedHeaders::new(), |h, (key, value)| h.insert(Header { key, value: *value }));
-    let message = OwnedMessage::new(
+    use crate::consumer::kafka::headers::{Field, Native};
+    use crate::consumer::kafka::reader::{Reading, read};
+    let fields: Vec<Field> = headers
+        .iter()
+        .map(|(name, value)| Field { name: name.as_bytes().to_vec(), value: value.map(<[u8]>::to_vec) })
+        .collect();
+    let message = rdkafka::message::OwnedMessage::new(
         payload.map(<[u8]>::to_vec),
         None,
-        "t".to_owned(),
+        "t.g.retry".to_owned(),
         rdkafka::Timestamp::NotAvailable,
         0,
         0,
-        Some(owned),
+        None,
     );
-    let received = crate::consumer::kafka::reader::received(
-        message,
-        crate::kafka::MESSAGE_ID_HEADER,
-        crate::kafka::RETRIES_HEADER,
-    );
+    let reading = Reading {
+        message_id_header: crate::kafka::MESSAGE_ID_HEADER.to_owned(),
+        retries_header: crate::kafka::RETRIES_HEADER.to_owned(),
+        retry_topic: "t.g.retry".to_owned(),
+    };
+    let received = read(message, Native::new(&fields).read(), None, &reading);
     consumed::<crate::consumer::kafka::settler::Group>(&received).expect("always read")
 }
 

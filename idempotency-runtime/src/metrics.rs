@@ -16,6 +16,7 @@
 //! | `idem_nats_settlements_total` | counter | `stream`, `action` | messages settled by the NATS JetStream consumer runner: `ack`, `ack_recorded`, `requeue`, `retry`, `returned`, `dead_letter_poison`, `dead_letter_key_reused`, `dead_letter_rejected`, `dead_letter_deliveries_exhausted` |
 //! | `idem_redis_stream_settlements_total` | counter | `stream`, `action` | entries settled by the Redis Streams consumer runner: the same actions as NATS |
 //! | `idem_kafka_settlements_total` | counter | `topic`, `action` | messages settled by the Kafka consumer runner: the same actions as RabbitMQ |
+//! | `idem_kafka_dead_letters_trimmed_total` | counter | `topic`, `dropped` | dead letters of the Kafka consumer runner stored without parts of the message, refused whole for its size: `payload`, or `key,payload,headers` (a pointer to the original) |
 //! | `idem_outbox_messages_total` | counter | `result` | outbox messages each relay batch handled, by the broker's answer: `sent`, `duplicate` (sent, dropped by the broker as a copy), `refused` (to be retried), `dead`, `unconfirmed` (no answer, left pending), `unmarked` (confirmed, but the marks did not commit: published again) |
 //! | `idem_outbox_batches_total` | counter | | relay batches that took rows |
 //! | `idem_cron_slots_total` | counter | `job`, `outcome` | slots settled by the cron runner: `executed`, `done_elsewhere`, `declined` (the job's call recorded a business error: the slot is done), `declined_elsewhere`, `in_progress_elsewhere`, `failed`, `cancelled`, `skipped` |
@@ -84,6 +85,9 @@ pub const NATS_SETTLEMENTS: &str = "idem_nats_settlements_total";
 /// `idem_kafka_settlements_total{topic, action}`.
 #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 pub const KAFKA_SETTLEMENTS: &str = "idem_kafka_settlements_total";
+/// `idem_kafka_dead_letters_trimmed_total{topic, dropped}`.
+#[cfg(all(feature = "metrics", feature = "kafka"))]
+pub const KAFKA_DEAD_LETTERS_TRIMMED: &str = "idem_kafka_dead_letters_trimmed_total";
 /// `idem_redis_stream_settlements_total{stream, action}`.
 #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 pub const REDIS_STREAM_SETTLEMENTS: &str = "idem_redis_stream_settlements_total";
@@ -124,6 +128,12 @@ pub fn describe() {
         KAFKA_SETTLEMENTS,
         Unit::Count,
         "Messages settled by the Kafka consumer runner, by topic and action."
+    );
+    #[cfg(feature = "kafka")]
+    describe_counter!(
+        KAFKA_DEAD_LETTERS_TRIMMED,
+        Unit::Count,
+        "Dead letters of the Kafka consumer runner stored without parts of the message, by topic and what was dropped."
     );
     describe_counter!(
         REDIS_STREAM_SETTLEMENTS,
@@ -211,6 +221,17 @@ pub(crate) fn consumer_settled(counter: &'static str, scope_label: &'static str,
     metrics::counter!(counter, scope_label => scope.to_owned(), "action" => action).increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = (counter, scope_label, scope, action);
+}
+
+/// The Kafka runner stored a dead letter of `topic` without `dropped`
+/// (its whole message was refused for its size).
+#[cfg(feature = "kafka")]
+#[inline]
+pub(crate) fn kafka_dead_letter_trimmed(topic: &str, dropped: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(KAFKA_DEAD_LETTERS_TRIMMED, "topic" => topic.to_owned(), "dropped" => dropped).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (topic, dropped);
 }
 
 /// An outbox relay finished a batch that took rows: how many messages

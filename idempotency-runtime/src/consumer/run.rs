@@ -235,6 +235,7 @@ async fn retry<T: Settle>(
             // The connection is gone, and the delivery with it: the
             // transport delivers it again, with the count it had.
             Retried::Lost(e) => return (Action::Returned, Err(e)),
+            Retried::Returned => return (Action::Returned, Ok(())),
         }
     }
     dead_letter(shared, delivery, budget.exhausted, error).await

@@ -55,6 +55,11 @@ pub(crate) enum Retried<E> {
     /// it again.
     #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
     Lost(E),
+    /// Given back unsettled before its retry (Kafka: the runner stopped or
+    /// the partition was revoked while it waited out the delay): the
+    /// transport delivers it again, with the count it had.
+    #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
+    Returned,
 }
 
 /// How a dead letter went.

@@ -2,14 +2,21 @@
 //! received and not yet settled, the keys being handled (a later message of
 //! a busy key waits for it), the messages ready to start or waiting out a
 //! delay, and how far the group's offset may be committed: up to the lowest
-//! offset not yet settled, never past one still running or waiting. No
-//! input/output here: the reader and the settler call it under one lock.
+//! offset not yet settled, never past one still running or waiting. An
+//! offset counts as committed once the broker confirmed it, not when its
+//! commit was sent: a commit that failed is sent again (with the next
+//! settlement, on revocation, on stop). It also counts what it holds that
+//! has not started, messages waiting out a retry included: fetching pauses
+//! on that count. No input/output here: the reader and the settler call it
+//! under one lock.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
 use rdkafka::Message as _;
 use rdkafka::message::OwnedMessage;
 use tokio::time::Instant;
+
+use super::headers::Field;
 
 /// A topic and one of its partitions.
 pub(crate) type Place = (String, i32);
@@ -25,6 +32,10 @@ pub(crate) struct Received {
     pub(crate) retries: u64,
     /// Its message id header, if UTF-8.
     pub(crate) message_id: Option<String>,
+    /// Its headers, names as bytes.
+    pub(crate) fields: Vec<Field>,
+    /// Why its headers make it poison (a name that is not UTF-8), if they do.
+    pub(crate) malformed: Option<String>,
 }
 
 impl Received {
@@ -41,8 +52,10 @@ struct Partition {
     unsettled: BTreeSet<i64>,
     /// One past the highest offset received.
     next: Option<i64>,
-    /// The last offset committed (or handed to be committed).
+    /// The last offset the broker confirmed committed.
     committed: Option<i64>,
+    /// The last offset sent to be committed, confirmed or not yet.
+    requested: Option<i64>,
     /// Keys with a message received and not settled; the later messages of
     /// each, in order.
     busy: HashMap<Vec<u8>, VecDeque<Received>>,
@@ -55,14 +68,22 @@ impl Partition {
         self.unsettled.first().copied().or(self.next)
     }
 
-    /// The offset to commit, when it moved forward.
+    /// The offset to commit in the background, when it moved past what
+    /// was sent already.
     fn advance(&mut self) -> Option<i64> {
         let at = self.resume_at()?;
-        if self.committed.is_some_and(|c| c >= at) {
+        if self.requested.max(self.committed).is_some_and(|c| c >= at) {
             return None;
         }
-        self.committed = Some(at);
+        self.requested = Some(at);
         Some(at)
+    }
+
+    /// The offset to commit and wait for, when it is past what the broker
+    /// confirmed (sent but unconfirmed counts as not committed).
+    fn unconfirmed(&self) -> Option<i64> {
+        let at = self.resume_at()?;
+        (!self.committed.is_some_and(|c| c >= at)).then_some(at)
     }
 }
 
@@ -73,6 +94,8 @@ pub(crate) struct Book {
     partitions: HashMap<Place, Partition>,
     ready: VecDeque<Received>,
     delayed: Vec<(Instant, Received)>,
+    /// Messages waiting out their retry delay or their retry copy's produce.
+    retrying: usize,
     stopping: bool,
     /// Whether the reader paused fetching (too much is held already).
     pub(crate) paused: bool,
@@ -100,6 +123,7 @@ impl Book {
                 unsettled: BTreeSet::new(),
                 next: None,
                 committed: None,
+                requested: None,
                 busy: HashMap::new(),
             });
         }
@@ -107,12 +131,14 @@ impl Book {
 
     /// Partitions taken away: forgotten with everything held of them (their
     /// next owner gets those messages from the committed offset). Returns
-    /// the offsets to commit before they go.
-    pub(crate) fn revoke(&mut self, places: impl IntoIterator<Item = Place>) -> Vec<(Place, i64)> {
+    /// the offsets to commit before they go: none when they were `lost`
+    /// (the group moved on without this consumer, whose commit the broker
+    /// would fence, or worse, take).
+    pub(crate) fn revoke(&mut self, places: impl IntoIterator<Item = Place>, lost: bool) -> Vec<(Place, i64)> {
         let mut commits = Vec::new();
         for place in places {
-            if let Some(mut partition) = self.partitions.remove(&place) {
-                if let Some(at) = partition.advance() {
+            if let Some(partition) = self.partitions.remove(&place) {
+                if let Some(at) = partition.unconfirmed().filter(|_| !lost) {
                     commits.push((place.clone(), at));
                 }
                 self.ready.retain(|r| r.place() != place);
@@ -211,15 +237,49 @@ impl Book {
         }
     }
 
-    /// Every owned partition's offset to commit, where it moved forward.
-    pub(crate) fn commits(&mut self) -> Vec<(Place, i64)> {
-        self.partitions.iter_mut().filter_map(|(place, p)| p.advance().map(|at| (place.clone(), at))).collect()
+    /// Every owned partition's offset to commit and wait for, where it is
+    /// past what the broker confirmed.
+    pub(crate) fn commits(&self) -> Vec<(Place, i64)> {
+        self.partitions.iter().filter_map(|(place, p)| p.unconfirmed().map(|at| (place.clone(), at))).collect()
     }
 
-    /// How many messages are held and not started.
+    /// The broker confirmed `offset` committed for `place`.
+    pub(crate) fn confirmed(&mut self, place: &Place, offset: i64) {
+        if let Some(partition) = self.partitions.get_mut(place) {
+            partition.committed = partition.committed.max(Some(offset));
+            partition.requested = partition.requested.max(Some(offset));
+        }
+    }
+
+    /// A commit for `place` failed: what was sent and not confirmed is sent
+    /// again, with the next settlement or at the latest on revocation or stop.
+    pub(crate) fn commit_failed(&mut self, place: &Place) {
+        if let Some(partition) = self.partitions.get_mut(place) {
+            partition.requested = partition.committed;
+        }
+    }
+
+    /// Whether `received` is still the runner's to settle: not stopping,
+    /// and its partition still held under the assignment it came with.
+    pub(crate) fn holds(&mut self, received: &Received) -> bool {
+        !self.stopping && self.owned(&received.place(), received.generation).is_some()
+    }
+
+    /// A message began waiting out its retry delay (counted as held until
+    /// [`retry_ended`](Self::retry_ended)).
+    pub(crate) fn retry_began(&mut self) {
+        self.retrying += 1;
+    }
+
+    pub(crate) fn retry_ended(&mut self) {
+        self.retrying = self.retrying.saturating_sub(1);
+    }
+
+    /// How many messages are held and not running: ready, waiting for their
+    /// key, waiting out a delay or a retry.
     pub(crate) fn held(&self) -> usize {
         let waiting: usize = self.partitions.values().flat_map(|p| p.busy.values()).map(VecDeque::len).sum();
-        self.ready.len() + self.delayed.len() + waiting
+        self.ready.len() + self.delayed.len() + self.retrying + waiting
     }
 
     fn owned(&mut self, place: &Place, generation: u64) -> Option<&mut Partition> {
@@ -245,7 +305,7 @@ mod tests {
             offset,
             None,
         );
-        Received { message, generation: 0, retries: 0, message_id: None }
+        Received { message, generation: 0, retries: 0, message_id: None, fields: Vec::new(), malformed: None }
     }
 
     fn offsets(book: &mut Book, now: Instant) -> Vec<i64> {
@@ -318,7 +378,7 @@ mod tests {
         };
         assert_eq!(running.place(), place(0));
         // Revoked while 5 runs: committed up to it, 6 dropped unhandled.
-        assert_eq!(book.revoke([place(0)]), vec![(place(0), 5)]);
+        assert_eq!(book.revoke([place(0)], false), vec![(place(0), 5)]);
         assert_eq!(offsets(&mut book, now), [0], "only partition 1's message is left");
         assert_eq!(book.settle(&running), None, "not ours any more");
         // Given back again under a new assignment: a message of the old one
@@ -344,6 +404,67 @@ mod tests {
         assert!(matches!(book.take(now), Taken::Stopped));
         book.receive(message(0, 2, None));
         assert_eq!(book.settle(&running), Some((place(0), 1)), "1 was never started: resume there");
+        assert_eq!(book.commits(), vec![(place(0), 1)], "sent, not confirmed: committed again on stop");
+        book.confirmed(&place(0), 1);
         assert_eq!(book.commits(), vec![]);
+    }
+
+    /// Regression: an offset counted as committed once its commit was sent,
+    /// so after a failed one the revocation and the stop skipped it.
+    #[test]
+    fn an_offset_counts_as_committed_once_confirmed_and_a_failed_commit_is_sent_again() {
+        let now = Instant::now();
+        let mut book = Book::default();
+        book.assign([place(0)]);
+        for offset in 0..3 {
+            book.receive(message(0, offset, None));
+        }
+        let taken: Vec<Received> = std::iter::from_fn(|| match book.take(now) {
+            Taken::Now(r) => Some(r),
+            _ => None,
+        })
+        .collect();
+        assert_eq!(book.settle(&taken[0]), Some((place(0), 1)));
+        book.commit_failed(&place(0));
+        assert_eq!(book.commits(), vec![(place(0), 1)]);
+        // The next settlement sends it again, with what it adds.
+        assert_eq!(book.settle(&taken[1]), Some((place(0), 2)));
+        assert_eq!(book.settle(&taken[2]), Some((place(0), 3)), "sent, not yet confirmed: no resend of 2");
+        book.confirmed(&place(0), 2);
+        assert_eq!(book.commits(), vec![(place(0), 3)]);
+        assert_eq!(book.revoke([place(0)], false), vec![(place(0), 3)], "revoked: committed and waited for");
+    }
+
+    #[test]
+    fn lost_partitions_are_forgotten_without_a_commit() {
+        let now = Instant::now();
+        let mut book = Book::default();
+        book.assign([place(0)]);
+        book.receive(message(0, 0, None));
+        let Taken::Now(running) = book.take(now) else { panic!("nothing taken") };
+        assert_eq!(book.settle(&running), Some((place(0), 1)));
+        book.commit_failed(&place(0));
+        assert_eq!(book.revoke([place(0)], true), vec![]);
+        assert!(!book.holds(&running));
+    }
+
+    #[test]
+    fn messages_waiting_for_their_retry_count_as_held() {
+        let now = Instant::now();
+        let mut book = Book::default();
+        book.assign([place(0)]);
+        book.receive(message(0, 0, None));
+        book.receive(message(0, 1, Some("a")));
+        book.receive(message(0, 2, Some("a")));
+        assert_eq!(book.held(), 3, "0 and 1 ready, 2 behind its key");
+        let Taken::Now(first) = book.take(now) else { panic!("nothing taken") };
+        assert_eq!(book.held(), 2, "0 runs");
+        book.retry_began();
+        assert_eq!(book.held(), 3, "0 waits out its retry");
+        assert!(book.holds(&first));
+        book.retry_ended();
+        assert_eq!(book.held(), 2);
+        book.stop();
+        assert!(!book.holds(&first), "stopping: nothing more is the runner's to settle");
     }
 }

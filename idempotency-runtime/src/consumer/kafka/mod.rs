@@ -83,6 +83,8 @@
 //! guide), not against Apache Kafka itself.
 
 pub(crate) mod book;
+mod error;
+mod event;
 pub(crate) mod headers;
 pub(crate) mod reader;
 pub(crate) mod settler;
@@ -100,7 +102,9 @@ use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::producer::FutureProducer;
 use rdkafka::types::RDKafkaErrorCode;
 
-use self::reader::{Reader, Rebalancing, Shared};
+pub use self::error::RunError;
+pub use self::event::Event;
+use self::reader::{Reader, Reading, Rebalancing, Shared};
 use self::settler::Group;
 use super::transport::{Start, Transport};
 pub use super::{Action, AsIdemError, Reason};
@@ -122,6 +126,9 @@ pub const DEAD_TOPIC_HEADER: &str = "Idem-Topic";
 pub const DEAD_PARTITION_HEADER: &str = "Idem-Partition";
 /// On a dead-letter copy: its offset there (decimal).
 pub const DEAD_OFFSET_HEADER: &str = "Idem-Offset";
+/// On a dead-letter copy stored without parts of the message (refused for
+/// its size as a whole): what it lacks, `payload` or `key,payload,headers`.
+pub const DEAD_DROPPED_HEADER: &str = "Idem-Dropped";
 
 /// What Kafka tells of a message ([`Settled::delivery`](crate::consumer::Settled::delivery)).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,6 +162,7 @@ pub struct Settings {
     dead_letter_topic: String,
     message_id_header: String,
     produce_timeout: Duration,
+    on_event: Option<event::Hook>,
 }
 
 /// The names [`declare_with_dead_letter`] created (or found).
@@ -220,6 +228,7 @@ impl Consumer {
             dead_letter_topic: names.dead_letter_topic,
             message_id_header: MESSAGE_ID_HEADER.to_owned(),
             produce_timeout: Duration::from_secs(30),
+            on_event: None,
         };
         super::Consumer::with(settings, 3)
     }
@@ -254,6 +263,16 @@ impl Consumer {
     /// acknowledgement (librdkafka's `message.timeout.ms`). Default 30 s.
     pub fn produce_timeout(mut self, timeout: Duration) -> Self {
         self.transport.produce_timeout = timeout;
+        self
+    }
+
+    /// Called with each [`Event`] of the runner's own: partitions assigned
+    /// and revoked, commits confirmed or failed, fetching paused and
+    /// resumed. Called on the task that polls the consumer: keep it short
+    /// (the group's heartbeats wait for it). A panic in it ends
+    /// [`run`](Self::run) with [`RunError::Panicked`].
+    pub fn on_event(mut self, hook: impl Fn(&Event) + Send + Sync + 'static) -> Self {
+        self.transport.on_event = Some(event::Hook(Arc::new(hook)));
         self
     }
 }
@@ -297,7 +316,7 @@ pub(crate) fn producer_config(config: &ClientConfig, timeout: Duration) -> Clien
 }
 
 impl Transport for Settings {
-    type Error = KafkaError;
+    type Error = RunError;
     type Delivered = Delivered;
 }
 
@@ -306,15 +325,19 @@ impl Start for Settings {
     type Deliveries = Reader;
 
     /// Joins the group on the topic and its retry topic, and starts polling.
-    async fn start(self, concurrency: usize) -> KafkaResult<(Group, Reader)> {
-        let shared = Arc::new(Shared::new(concurrency.max(1)));
+    async fn start(self, concurrency: usize) -> Result<(Group, Reader), RunError> {
+        let shared = Arc::new(Shared::new(concurrency.max(1), self.on_event.clone()));
         let rebalancing = Rebalancing { shared: Arc::clone(&shared) };
         let consumer = Arc::new(reader::GroupConsumer::from_config_and_context(&self.consumer_config(), rebalancing)?);
         consumer.subscribe(&[&self.topic, &self.retry_topic])?;
         let producer: FutureProducer = producer_config(&self.config, self.produce_timeout).create()?;
         tracing::info!(topic = %self.topic, group = %self.group, "idem kafka consumer started");
-        let reader =
-            Reader::new(Arc::clone(&consumer), Arc::clone(&shared), self.message_id_header, RETRIES_HEADER.to_owned());
+        let reading = Reading {
+            message_id_header: self.message_id_header,
+            retries_header: RETRIES_HEADER.to_owned(),
+            retry_topic: self.retry_topic.clone(),
+        };
+        let reader = Reader::new(Arc::clone(&consumer), Arc::clone(&shared), reading);
         let group = Group {
             consumer,
             producer,
