@@ -83,6 +83,7 @@
 //! guide), not against Apache Kafka itself.
 
 pub(crate) mod book;
+mod commit;
 mod error;
 mod event;
 pub(crate) mod headers;

@@ -66,6 +66,28 @@ impl Shared {
         }
     }
 
+    /// Commits `commits` and waits for the broker's answer (a revocation,
+    /// the stop): confirmed offsets are marked, and either way told.
+    fn commit_now<C: Consumer<Rebalancing>>(&self, consumer: &C, commits: &[(Place, i64)], why: &str) {
+        if commits.is_empty() {
+            return;
+        }
+        let result = consumer.commit(&offsets(commits), CommitMode::Sync);
+        for ((topic, partition), offset) in commits {
+            let (topic, partition, offset) = (topic.clone(), *partition, *offset);
+            match &result {
+                Ok(()) => {
+                    self.book().confirmed(&(topic.clone(), partition), offset);
+                    self.emit(Event::Committed { topic, partition, offset });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, %topic, partition, offset, "idem kafka consumer: commit on {why} failed");
+                    self.emit(Event::CommitFailed { topic, partition, offset, error: e.to_string() });
+                }
+            }
+        }
+    }
+
     /// Tells messages waiting out a retry that partitions went, or the
     /// runner is stopping.
     fn changed(&self) {
@@ -157,11 +179,7 @@ impl ConsumerContext for Rebalancing {
             self.shared.changed();
             tracing::info!(partitions = list.count(), lost, "idem kafka consumer: partitions revoked");
             // What was settled is committed while the partitions are still ours.
-            if !commits.is_empty()
-                && let Err(e) = consumer.commit(&offsets(&commits), CommitMode::Sync)
-            {
-                tracing::warn!(error = %e, "idem kafka consumer: commit on revocation failed");
-            }
+            self.shared.commit_now(consumer, &commits, "revocation");
             self.shared.emit(Event::Revoked { partitions, lost });
         }
     }
@@ -342,17 +360,7 @@ impl Deliveries for Reader {
     /// broker's answer; stops polling and leaves the group.
     async fn finish(mut self) {
         let commits = self.shared.book().commits();
-        if !commits.is_empty() {
-            match self.consumer.commit(&offsets(&commits), CommitMode::Sync) {
-                Ok(()) => {
-                    let mut book = self.shared.book();
-                    for (place, at) in &commits {
-                        book.confirmed(place, *at);
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "idem kafka consumer: final commit failed"),
-            }
-        }
+        self.shared.commit_now(&*self.consumer, &commits, "stop");
         if let Some((stop, task)) = self.poll.take() {
             let _ = stop.send(());
             let _ = task.await;

@@ -13,14 +13,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::Message as _;
-use rdkafka::consumer::{CommitMode, Consumer as _};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
 use super::book::Received;
+use super::commit;
 use super::error::RunError;
-use super::reader::{GroupConsumer, Shared, offsets};
+use super::reader::{GroupConsumer, Shared};
 use super::{
     DEAD_DROPPED_HEADER, DEAD_ERROR_HEADER, DEAD_OFFSET_HEADER, DEAD_PARTITION_HEADER, DEAD_REASON_HEADER,
     DEAD_TOPIC_HEADER, Delivered, headers,
@@ -230,7 +230,7 @@ impl Group {
             if let Some((place, at)) = book.settle(received) {
                 // Sent in the background; its answer comes to the polling
                 // task. One refused at once is sent again later, as a failed one.
-                if let Err(e) = self.consumer.commit(&offsets(&[(place.clone(), at)]), CommitMode::Async) {
+                if let Err(e) = commit::in_background(&self.consumer, &[(place.clone(), at)]) {
                     book.commit_failed(&place);
                     tracing::warn!(error = %e, topic = %place.0, partition = place.1, offset = at,
                         "idem kafka consumer: commit not sent; it is sent again");
