@@ -17,8 +17,8 @@
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -109,60 +109,82 @@ impl Drop for Tansu {
     }
 }
 
-/// A kind of Kafka request the [`Gate`] can refuse (its API key).
+/// A kind of Kafka request the [`Gate`] watches (its API key).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Request {
     /// `OffsetCommit` (API key 8): a consumer committing its group's offsets.
     OffsetCommit,
     /// `Heartbeat` (API key 12): a member telling the coordinator it is alive.
     Heartbeat,
+    /// `LeaveGroup` (API key 13): a member leaving its group.
+    LeaveGroup,
 }
+
+const WATCHED: [Request; 3] = [Request::OffsetCommit, Request::Heartbeat, Request::LeaveGroup];
 
 impl Request {
     fn key(self) -> i16 {
         match self {
             Request::OffsetCommit => 8,
             Request::Heartbeat => 12,
+            Request::LeaveGroup => 13,
         }
     }
 
-    fn bit(self) -> u32 {
-        1 << self.key()
+    fn slot(self) -> usize {
+        WATCHED.iter().position(|r| *r == self).expect("watched")
     }
 }
 
 /// What the gate's connections share: which requests are refused, and how
-/// many connections each refusal cut.
+/// many of each were seen (forwarded or refused) and cut.
 #[derive(Default)]
 struct Rules {
-    refused: AtomicU32,
-    cuts: [AtomicUsize; 2],
+    refused: [AtomicBool; 3],
+    counts: Mutex<Counts>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct Counts {
+    seen: [usize; 3],
+    cuts: [usize; 3],
 }
 
 impl Rules {
-    fn refuses(&self, key: i16) -> Option<Request> {
-        [Request::OffsetCommit, Request::Heartbeat]
-            .into_iter()
-            .find(|r| r.key() == key && self.refused.load(Ordering::SeqCst) & r.bit() != 0)
-    }
-
-    fn slot(request: Request) -> usize {
-        match request {
-            Request::OffsetCommit => 0,
-            Request::Heartbeat => 1,
+    /// A request with API key `key` passed: counted; whether it is refused.
+    fn passing(&self, key: i16) -> bool {
+        let Some(request) = WATCHED.into_iter().find(|r| r.key() == key) else { return false };
+        let refused = self.refused[request.slot()].load(Ordering::SeqCst);
+        let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+        counts.seen[request.slot()] += 1;
+        if refused {
+            counts.cuts[request.slot()] += 1;
         }
+        self.changed.notify_all();
+        refused
     }
 }
 
 /// A forwarder between every client and the broker that reads the
 /// requests' frames (a 4-byte big-endian size, then the request, its API
-/// key first) and cuts a client's connection, the request unsent, when
-/// that request's kind is refused. librdkafka sees the coordinator's
-/// connection fail, as when the coordinator goes away mid-request. Replies
-/// flow untouched. Dropping it cuts everything.
+/// key first), counts the kinds it watches, and cuts a client's
+/// connection, the request unsent, when that request's kind is refused.
+/// librdkafka sees the coordinator's connection fail, as when the
+/// coordinator goes away mid-request. Replies flow untouched. Clones share
+/// one gate; dropping the last cuts everything.
+#[derive(Clone)]
 pub struct Gate {
     rules: Arc<Rules>,
-    accept: JoinHandle<()>,
+    _accept: Arc<Accepting>,
+}
+
+struct Accepting(JoinHandle<()>);
+
+impl Drop for Accepting {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 impl Gate {
@@ -171,29 +193,41 @@ impl Gate {
         let listener = tokio::net::TcpListener::from_std(listener).expect("gate on the runtime");
         let rules = Arc::new(Rules::default());
         let accept = tokio::spawn(accept_loop(listener, broker, Arc::clone(&rules)));
-        Gate { rules, accept }
+        Gate { rules, _accept: Arc::new(Accepting(accept)) }
     }
 
     /// From now on, a connection that sends `request` is cut (its open
     /// connections included, at their next such request).
     pub fn refuse(&self, request: Request) {
-        self.rules.refused.fetch_or(request.bit(), Ordering::SeqCst);
+        self.rules.refused[request.slot()].store(true, Ordering::SeqCst);
     }
 
     /// `request` flows again.
     pub fn admit(&self, request: Request) {
-        self.rules.refused.fetch_and(!request.bit(), Ordering::SeqCst);
+        self.rules.refused[request.slot()].store(false, Ordering::SeqCst);
     }
 
     /// How many connections were cut for sending `request`.
     pub fn cuts(&self, request: Request) -> usize {
-        self.rules.cuts[Rules::slot(request)].load(Ordering::SeqCst)
+        self.rules.counts.lock().unwrap_or_else(PoisonError::into_inner).cuts[request.slot()]
     }
-}
 
-impl Drop for Gate {
-    fn drop(&mut self) {
-        self.accept.abort();
+    /// How many `request`s clients sent (forwarded or cut).
+    pub fn seen(&self, request: Request) -> usize {
+        self.rules.counts.lock().unwrap_or_else(PoisonError::into_inner).seen[request.slot()]
+    }
+
+    /// Blocks the calling thread until clients sent `n` `request`s in all;
+    /// `false` when `bound` passed first. For a hook that must hold a
+    /// client's own thread until that client does something.
+    pub fn block_until_seen(&self, request: Request, n: usize, bound: Duration) -> bool {
+        let counts = self.rules.counts.lock().unwrap_or_else(PoisonError::into_inner);
+        let (counts, _) = self
+            .rules
+            .changed
+            .wait_timeout_while(counts, bound, |c| c.seen[request.slot()] < n)
+            .unwrap_or_else(PoisonError::into_inner);
+        counts.seen[request.slot()] >= n
     }
 }
 
@@ -223,8 +257,7 @@ async fn connection(client: tokio::net::TcpStream, broker: u16, rules: Arc<Rules
                 return;
             }
             let key = frame.get(..2).map_or(-1, |k| i16::from_be_bytes([k[0], k[1]]));
-            if let Some(request) = rules.refuses(key) {
-                rules.cuts[Rules::slot(request)].fetch_add(1, Ordering::SeqCst);
+            if rules.passing(key) {
                 return;
             }
             if server_write.write_all(&size).await.is_err() || server_write.write_all(&frame).await.is_err() {

@@ -119,32 +119,41 @@ async fn a_revocation_while_fetching_is_paused_leaves_no_partition_stalled() {
     w.remove().await;
 }
 
-/// A revocation of lost partitions (the consumer's session with the
-/// coordinator timed out: the group moved on without it) commits nothing:
-/// Kafka would fence that commit, and tansu, which does not, would take
-/// it. The gate fails the coordinator's commits (the settled offset is not
-/// committed), then its heartbeats until librdkafka declares the
-/// assignment lost; the broker's committed offset stays where it was. Once
-/// heartbeats pass, the consumer rejoins, gets the message again and
-/// replays it.
+/// A revocation of lost partitions commits nothing: the group moved on
+/// without this consumer, and Kafka fences such a commit from a member of a
+/// live group (tansu takes it). The gate fails the coordinator's commits
+/// (the settled offset stays uncommitted), then the test's event hook holds
+/// the runner's polling task, past `max.poll.interval.ms`, until librdkafka
+/// gives up on the application and leaves the group: the assignment is
+/// lost, and the broker's committed offset stays where it was. The
+/// consumer rejoins, gets the message again and replays it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_partitions_are_forgotten_without_a_commit() {
     let Some(w) = gated_world(1).await else { return };
-    let gate = w.gate.as_ref().unwrap();
+    let gate = w.gate.clone().unwrap();
     w.produce_event(0, &event(1, "sku-1", 1)).await;
     let mut config = w.config();
-    config.set("session.timeout.ms", "6000").set("heartbeat.interval.ms", "500");
+    // The smallest poll interval librdkafka allows (no less than the session).
+    config.set("session.timeout.ms", "6000").set("max.poll.interval.ms", "6000");
     gate.refuse(Request::OffsetCommit);
-    let mut a = Running::start(Consumer::new(config, &w.topic, &w.group), deducting(&w.idem));
+    let hold = gate.clone();
+    let hook = move |e: &Event| {
+        if matches!(e, Event::CommitFailed { offset: 1, .. }) {
+            // The polling task held until librdkafka leaves the group.
+            assert!(hold.block_until_seen(Request::LeaveGroup, 1, BOUND), "librdkafka never left the group");
+        }
+    };
+    let consumer = Consumer::new(config, &w.topic, &w.group);
+    let mut a = Running::observed(consumer, deducting(&w.idem), Log::default(), hook);
     let first = a.next().await;
     assert_eq!((first.delivery.offset, first.action, first.outcome), (0, Action::Ack, Some(Outcome::Executed)));
     a.event(|e| matches!(e, Event::CommitFailed { offset: 1, .. }).then_some(())).await;
+    // Commits pass again while the polling task is held.
     gate.admit(Request::OffsetCommit);
-    gate.refuse(Request::Heartbeat);
     let lost = a.event(|e| if let Event::Revoked { lost, .. } = e { Some(*lost) } else { None }).await;
     assert!(lost, "revoked, not lost");
+    assert_eq!(gate.seen(Request::LeaveGroup), 1);
     assert_eq!(w.committed("orders", 1), [None], "a lost partition was committed");
-    gate.admit(Request::Heartbeat);
     let again = a.next().await;
     assert_eq!((again.delivery.offset, again.action, again.outcome), (0, Action::Ack, Some(Outcome::Replayed)));
     w.await_committed("orders", &[Some(1)]);

@@ -375,6 +375,21 @@ impl Running {
         F: Fn(OrderPaid) -> Fut + Send + Sync + 'static,
         Fut: std::future::Future<Output = Result<(), StockError>> + Send + 'static,
     {
+        Self::observed(consumer, handler, log, |_| {})
+    }
+
+    /// Also calls `hook` with each event, on the runner's polling task,
+    /// before the test hears of it.
+    pub fn observed<F, Fut>(
+        consumer: Consumer,
+        handler: F,
+        log: Log,
+        hook: impl Fn(&Event) + Send + Sync + 'static,
+    ) -> Self
+    where
+        F: Fn(OrderPaid) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<(), StockError>> + Send + 'static,
+    {
         let (tx, settlements) = mpsc::unbounded_channel();
         let (events_tx, events) = mpsc::unbounded_channel();
         let (stop, stopped) = oneshot::channel::<()>();
@@ -385,6 +400,7 @@ impl Running {
             })
             .on_event(move |e| {
                 let _ = events_tx.send(e.clone());
+                hook(e);
             });
         let task = tokio::spawn(consumer.run(
             async {

@@ -163,6 +163,7 @@ pub struct Settings {
     dead_letter_topic: String,
     message_id_header: String,
     produce_timeout: Duration,
+    commit_timeout: Duration,
     on_event: Option<event::Hook>,
 }
 
@@ -229,6 +230,7 @@ impl Consumer {
             dead_letter_topic: names.dead_letter_topic,
             message_id_header: MESSAGE_ID_HEADER.to_owned(),
             produce_timeout: Duration::from_secs(30),
+            commit_timeout: Duration::from_secs(30),
             on_event: None,
         };
         super::Consumer::with(settings, 3)
@@ -264,6 +266,15 @@ impl Consumer {
     /// acknowledgement (librdkafka's `message.timeout.ms`). Default 30 s.
     pub fn produce_timeout(mut self, timeout: Duration) -> Self {
         self.transport.produce_timeout = timeout;
+        self
+    }
+
+    /// How long the commit on a revocation, and the one when the runner
+    /// stops, wait for the broker's answer (librdkafka's own wait has no
+    /// bound: with the brokers gone, a stop would never return). What is
+    /// not committed comes back to the partition's next owner. Default 30 s.
+    pub fn commit_timeout(mut self, timeout: Duration) -> Self {
+        self.transport.commit_timeout = timeout;
         self
     }
 
@@ -327,7 +338,7 @@ impl Start for Settings {
 
     /// Joins the group on the topic and its retry topic, and starts polling.
     async fn start(self, concurrency: usize) -> Result<(Group, Reader), RunError> {
-        let shared = Arc::new(Shared::new(concurrency.max(1), self.on_event.clone()));
+        let shared = Arc::new(Shared::new(concurrency.max(1), self.commit_timeout, self.on_event.clone()));
         let rebalancing = Rebalancing { shared: Arc::clone(&shared) };
         let consumer = Arc::new(reader::GroupConsumer::from_config_and_context(&self.consumer_config(), rebalancing)?);
         consumer.subscribe(&[&self.topic, &self.retry_topic])?;

@@ -14,7 +14,7 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::KafkaResult;
 use rdkafka::message::{BorrowedMessage, OwnedMessage};
 use rdkafka::{ClientContext, Message as _, Offset, TopicPartitionList};
@@ -23,6 +23,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::book::{Book, Place, Received, Taken};
+use super::commit;
 use super::error::RunError;
 use super::event::{Event, Hook};
 use super::headers::{self, Field};
@@ -41,17 +42,20 @@ pub(crate) struct Shared {
     changes: watch::Sender<u64>,
     /// Held messages at which fetching pauses.
     limit: usize,
+    /// How long a revocation's or the stop's commit waits for its answer.
+    commit_timeout: Duration,
     events: Option<Hook>,
 }
 
 impl Shared {
-    pub(crate) fn new(concurrency: usize, events: Option<Hook>) -> Self {
+    pub(crate) fn new(concurrency: usize, commit_timeout: Duration, events: Option<Hook>) -> Self {
         Shared {
             book: Mutex::new(Book::default()),
             ready: Notify::new(),
             recount: Notify::new(),
             changes: watch::Sender::new(0),
             limit: concurrency * 4,
+            commit_timeout,
             events,
         }
     }
@@ -66,13 +70,14 @@ impl Shared {
         }
     }
 
-    /// Commits `commits` and waits for the broker's answer (a revocation,
-    /// the stop): confirmed offsets are marked, and either way told.
+    /// Commits `commits` and waits for the broker's answer, at most
+    /// `commit_timeout` (a revocation, the stop): confirmed offsets are
+    /// marked, and either way told.
     fn commit_now<C: Consumer<Rebalancing>>(&self, consumer: &C, commits: &[(Place, i64)], why: &str) {
         if commits.is_empty() {
             return;
         }
-        let result = consumer.commit(&offsets(commits), CommitMode::Sync);
+        let result = commit::and_wait(consumer, commits, self.commit_timeout);
         for ((topic, partition), offset) in commits {
             let (topic, partition, offset) = (topic.clone(), *partition, *offset);
             match &result {

@@ -230,7 +230,7 @@ impl Group {
             if let Some((place, at)) = book.settle(received) {
                 // Sent in the background; its answer comes to the polling
                 // task. One refused at once is sent again later, as a failed one.
-                if let Err(e) = commit::in_background(&self.consumer, &[(place.clone(), at)]) {
+                if let Err(e) = commit::in_background(&*self.consumer, &[(place.clone(), at)]) {
                     book.commit_failed(&place);
                     tracing::warn!(error = %e, topic = %place.0, partition = place.1, offset = at,
                         "idem kafka consumer: commit not sent; it is sent again");
