@@ -2,6 +2,7 @@
 //! while fetching is paused, and lost.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotency::Outcome;
@@ -119,14 +120,17 @@ async fn a_revocation_while_fetching_is_paused_leaves_no_partition_stalled() {
     w.remove().await;
 }
 
-/// A revocation of lost partitions commits nothing: the group moved on
-/// without this consumer, and Kafka fences such a commit from a member of a
-/// live group (tansu takes it). The gate fails the coordinator's commits
-/// (the settled offset stays uncommitted), then the test's event hook holds
-/// the runner's polling task, past `max.poll.interval.ms`, until librdkafka
+/// A revocation of lost partitions sends no commit: the group moved on
+/// without this consumer. The gate fails the coordinator's commits (the
+/// settled offset stays uncommitted), then the test's event hook holds the
+/// runner's polling task, past `max.poll.interval.ms`, until librdkafka
 /// gives up on the application and leaves the group: the assignment is
-/// lost, and the broker's committed offset stays where it was. The
-/// consumer rejoins, gets the message again and replays it.
+/// lost, no commit request reaches the gate from then to the revocation,
+/// and the broker's committed offset stays where it was. (Sent anyway, the
+/// commit carries the member id librdkafka reset, and tansu refuses it
+/// with `UnknownMemberId`, as Kafka does in a group with members: the gate's
+/// count is what tells.) The consumer rejoins, gets the message again and
+/// replays it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_partitions_are_forgotten_without_a_commit() {
     let Some(w) = gated_world(1).await else { return };
@@ -136,12 +140,17 @@ async fn lost_partitions_are_forgotten_without_a_commit() {
     // The smallest poll interval librdkafka allows (no less than the session).
     config.set("session.timeout.ms", "6000").set("max.poll.interval.ms", "6000");
     gate.refuse(Request::OffsetCommit);
-    let hold = gate.clone();
-    let hook = move |e: &Event| {
-        if matches!(e, Event::CommitFailed { offset: 1, .. }) {
+    // Commit requests sent by then: at the failure, and at the revocation.
+    let sent: Arc<Mutex<Vec<usize>>> = Arc::default();
+    let (hold, seen) = (gate.clone(), Arc::clone(&sent));
+    let hook = move |e: &Event| match e {
+        Event::CommitFailed { offset: 1, .. } if seen.lock().unwrap().is_empty() => {
+            seen.lock().unwrap().push(hold.seen(Request::OffsetCommit));
             // The polling task held until librdkafka leaves the group.
             assert!(hold.block_until_seen(Request::LeaveGroup, 1, BOUND), "librdkafka never left the group");
         }
+        Event::Revoked { lost: true, .. } => seen.lock().unwrap().push(hold.seen(Request::OffsetCommit)),
+        _ => {}
     };
     let consumer = Consumer::new(config, &w.topic, &w.group);
     let mut a = Running::observed(consumer, deducting(&w.idem), Log::default(), hook);
@@ -153,7 +162,10 @@ async fn lost_partitions_are_forgotten_without_a_commit() {
     let lost = a.event(|e| if let Event::Revoked { lost, .. } = e { Some(*lost) } else { None }).await;
     assert!(lost, "revoked, not lost");
     assert_eq!(gate.seen(Request::LeaveGroup), 1);
-    assert_eq!(w.committed("orders", 1), [None], "a lost partition was committed");
+    let sent = sent.lock().unwrap().clone();
+    assert!(sent.len() == 2 && sent[0] > 0, "{sent:?}");
+    assert_eq!(sent[0], sent[1], "a commit was sent for lost partitions");
+    assert_eq!(w.committed("orders", 1), [None]);
     let again = a.next().await;
     assert_eq!((again.delivery.offset, again.action, again.outcome), (0, Action::Ack, Some(Outcome::Replayed)));
     w.await_committed("orders", &[Some(1)]);
