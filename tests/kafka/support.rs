@@ -379,7 +379,8 @@ impl Running {
     }
 
     /// Also calls `hook` with each event, on the runner's polling task,
-    /// before the test hears of it.
+    /// before the test hears of it (what the hook records is there when the
+    /// test sees the event).
     pub fn observed<F, Fut>(
         consumer: Consumer,
         handler: F,
@@ -399,8 +400,8 @@ impl Running {
                 let _ = tx.send(s.clone());
             })
             .on_event(move |e| {
-                let _ = events_tx.send(e.clone());
                 hook(e);
+                let _ = events_tx.send(e.clone());
             });
         let task = tokio::spawn(consumer.run(
             async {
