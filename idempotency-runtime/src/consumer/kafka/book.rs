@@ -83,7 +83,7 @@ impl Partition {
     /// confirmed (sent but unconfirmed counts as not committed).
     fn unconfirmed(&self) -> Option<i64> {
         let at = self.resume_at()?;
-        (!self.committed.is_some_and(|c| c >= at)).then_some(at)
+        self.committed.is_none_or(|c| c < at).then_some(at)
     }
 }
 

@@ -20,9 +20,19 @@ use rdkafka::bindings::{
 use rdkafka::consumer::{Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::types::RDKafkaRespErr;
+use rdkafka::{Offset, TopicPartitionList};
 
 use super::book::Place;
-use super::reader::offsets;
+
+/// A partition list of offsets to commit.
+fn offsets(commits: &[(Place, i64)]) -> TopicPartitionList {
+    let mut list = TopicPartitionList::with_capacity(commits.len());
+    for ((topic, partition), at) in commits {
+        // Always valid: the offset is one the broker handed over.
+        let _ = list.add_partition_offset(topic, *partition, Offset::Offset(*at));
+    }
+    list
+}
 
 /// Sends `commits`; the answer comes to the polling task as a commit event.
 pub(crate) fn in_background<C: ConsumerContext, K: Consumer<C>>(

@@ -37,10 +37,12 @@
 //! | `Err` carrying `Error::Storage` (the database failed or is down) | held in the runner for [`Consumer::storage_delay`], then handled again; not counted, its offset not committed past, its key's later messages waiting |
 //! | `Err` carrying `Error::InProgress`, or outcome `InProgress` | held for [`Consumer::in_progress_delay`] the same way, not counted |
 //! | `Err` carrying `Error::StorageRefused` or `Error::NotMigrated` (a database failure that recurs) | as the body's own `Err` below: counted retries, then the dead letter |
-//! | `Err` carrying `KeyReused`, `InvalidKey` or any other `idempotency::Error` but those, or outcome `KeyReused`/`Rejected`; a payload that does not deserialize (or, for [`Consumer::run_with_id`], no UTF-8 message id header) | a copy to the dead-letter topic (its key, payload and headers, with [`DEAD_REASON_HEADER`], [`DEAD_ERROR_HEADER`], [`DEAD_TOPIC_HEADER`], [`DEAD_PARTITION_HEADER`], [`DEAD_OFFSET_HEADER`]), acknowledged by the broker, then settled |
+//! | `Err` carrying `KeyReused`, `InvalidKey` or any other `idempotency::Error` but those, or outcome `KeyReused`/`Rejected`; a payload that does not deserialize (or, for [`Consumer::run_with_id`], no UTF-8 message id header); a header whose name is not UTF-8 | a copy to the dead-letter topic (its key, payload and headers, with [`DEAD_REASON_HEADER`], [`DEAD_ERROR_HEADER`], [`DEAD_TOPIC_HEADER`], [`DEAD_PARTITION_HEADER`], [`DEAD_OFFSET_HEADER`]), acknowledged by the broker, then settled |
 //! | any other `Err` (the body's own), or a panic | after [`Consumer::retry_delay`], a copy to the retry topic with [`RETRIES_HEADER`] one higher, acknowledged by the broker, then settled; once [`Consumer::max_retries`] retries are spent, dead-lettered |
-//! | a copy the broker does not take (retry) | the retry counts as spent, the next is tried; a dead-letter copy it does not take: held and tried again after the retry delay (a dead letter is never lost) |
-//! | taken but not started when the runner stops, or held when its partition is revoked | not settled, not committed: the group's next owner of the partition gets it from the committed offset |
+//! | a copy the broker does not take (retry) | the retry counts as spent, the next is tried |
+//! | a dead-letter copy refused for its size | tried again at once without the payload, then as a pointer (the runner's headers only, [`DEAD_DROPPED_HEADER`] saying what is missing): logged and counted, then settled |
+//! | a dead-letter copy the broker does not take for another reason | held and tried again after the retry delay (a dead letter is never lost) |
+//! | taken but not started when the runner stops; held, or waiting out its retry, when its partition is revoked or the runner stops | not settled, not committed: the group's next owner of the partition gets it from the committed offset |
 //!
 //! **Order.** Messages of one key (the Kafka message key) in one partition
 //! are handled one at a time, in offset order: a later one waits until the
@@ -60,13 +62,27 @@
 //! topic never handle each other's retries); dead letters go to
 //! `<topic>.<group>.dead`. [`declare_with_dead_letter`] creates all three.
 //! Copies are produced by an idempotent producer (`enable.idempotence`,
-//! acknowledged by all in-sync replicas).
+//! acknowledged by all in-sync replicas). [`RETRIES_HEADER`] is read on the
+//! retry topic only: on the topic itself it is not the runner's (a
+//! dead-letter copy replayed there gets its whole budget again).
+//!
+//! **Commits.** An offset counts as committed once the broker confirmed it;
+//! a commit that failed is sent again with the partition's next settlement,
+//! and at the latest on revocation or stop, which wait for the answer
+//! ([`Consumer::commit_timeout`]).
+//!
+//! **Memory.** A task of the runner polls the consumer all the time
+//! (heartbeats, rebalances and commit answers are served while handlers
+//! run). Fetching pauses while the runner holds four messages per slot
+//! that are not running (ready, behind their key, waiting out a delay or
+//! their retry) and resumes at two; the pause is recounted on every
+//! assignment change.
 //!
 //! **Rebalances.** Partitions are revoked and assigned in the group's
-//! callbacks, which a task of the runner serves while handlers run (it
-//! polls the consumer and pauses fetching while the runner holds more than
-//! four messages per slot). On a revocation the runner commits what was
-//! settled of those partitions, and forgets what it held of them; a handler
+//! callbacks, served by the polling task. On a revocation the runner
+//! commits what was settled of those partitions (nothing when librdkafka
+//! reports them lost: the group moved on without this consumer), and
+//! forgets what it held of them; a handler
 //! still running on a revoked partition finishes, but its settlement
 //! commits nothing (the partition is another consumer's now; an offset
 //! committed by a former owner could move the group's offset back). The new
@@ -78,6 +94,11 @@
 //! `enable.auto.offset.store=false`, and `auto.offset.reset=earliest`
 //! unless the configuration sets it; everything else (brokers, security,
 //! timeouts) comes from the [`ClientConfig`] given.
+//!
+//! **Records from any producer.** Header names are read as bytes (rdkafka's
+//! own reading panics on one that is not UTF-8); such a message is poison.
+//! A panic in the runner's polling task (the [`Consumer::on_event`] hook
+//! runs there) ends [`Consumer::run`] with [`RunError::Panicked`].
 //!
 //! Tested against tansu 0.6, a Kafka-protocol broker (see the messaging
 //! guide), not against Apache Kafka itself.

@@ -155,16 +155,6 @@ fn places(list: &TopicPartitionList) -> Vec<Place> {
     list.elements().iter().map(|e| (e.topic().to_owned(), e.partition())).collect()
 }
 
-/// A partition list of offsets to commit.
-pub(crate) fn offsets(commits: &[(Place, i64)]) -> TopicPartitionList {
-    let mut list = TopicPartitionList::with_capacity(commits.len());
-    for ((topic, partition), at) in commits {
-        // Always valid: the offset is one the broker handed over.
-        let _ = list.add_partition_offset(topic, *partition, Offset::Offset(*at));
-    }
-    list
-}
-
 /// The group's callbacks (rebalances, commit results), on the book. They
 /// run in the polling task.
 pub(crate) struct Rebalancing {
@@ -320,7 +310,7 @@ impl Deliveries for Reader {
 
     async fn next(&mut self, _room: usize) -> Option<Result<Received, RunError>> {
         loop {
-            let Some((_, task)) = self.poll.as_mut() else { return None };
+            let (_, task) = self.poll.as_mut()?;
             if task.is_finished() {
                 let (_, task) = self.poll.take()?;
                 return Some(Err(RunError::ended("poll", task.await)));
