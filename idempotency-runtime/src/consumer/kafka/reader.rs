@@ -102,7 +102,7 @@ impl Shared {
     /// Waits `delay` for `received`, unless it stops being the runner's
     /// first (a stop, a revocation of its partition); whether it still is.
     pub(crate) async fn wait_out(&self, received: &Received, delay: Duration) -> bool {
-        let due = Instant::now() + delay;
+        let due = crate::clock::deadline_in(delay);
         let mut changes = self.changes.subscribe();
         loop {
             if !self.book().holds(received) {
