@@ -38,8 +38,9 @@ pub enum Action {
     /// Dead-lettered, and why.
     DeadLetter(Reason),
     /// Back unsettled by the handler: the runner was stopping, the
-    /// connection went, or the dead-letter copy could not be stored; the
-    /// transport delivers it again.
+    /// connection went, its partition was revoked (Kafka: a retry still
+    /// waiting out its delay), or the dead-letter copy could not be stored;
+    /// the transport delivers it again.
     Returned,
 }
 
