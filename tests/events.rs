@@ -1030,17 +1030,32 @@ async fn seed(idem: &Idem<MySql>, events: &[(&str, &str)]) -> Vec<String> {
     ids
 }
 
-/// Runs `relay` until the outbox holds `sent` sent and `dead` dead rows.
+/// Runs `relay` until the outbox holds `sent` sent and `dead` dead rows;
+/// if it never does, the failure shows each batch the relay made and when.
 async fn relay_until<P: Publisher + 'static>(idem: &Idem<MySql>, relay: Relay<MySql, P>, sent: u64, dead: u64) {
+    let started = Instant::now();
+    let batches = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&batches);
+    let relay = relay.on_batch(move |report| seen.lock().unwrap().push((started.elapsed(), report.clone())));
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(relay.run(async move {
         let _ = stopped.await;
     }));
-    within("the relay's marks", Duration::from_secs(30), || async {
+    let limit = Duration::from_secs(30);
+    loop {
         let counts = idem.outbox().counts().await.unwrap();
-        counts.sent == sent && counts.dead == dead
-    })
-    .await;
+        if counts.sent == sent && counts.dead == dead {
+            break;
+        }
+        if started.elapsed() >= limit {
+            let rows = idem.outbox().dead(10).await.unwrap();
+            let batches = batches.lock().unwrap().clone();
+            panic!(
+                "gave up after {limit:?} waiting for the relay's marks: {counts:?}; dead {rows:?}; batches {batches:?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let _ = stop.send(());
     task.await.unwrap();
 }

@@ -15,6 +15,11 @@ use std::time::{Duration, Instant};
 
 const PROVIDER: &str = "/usr/lib/galera/libgalera_smm.so";
 
+/// How many times a server is started on ports found free: one may be taken
+/// by another process before the server binds it (it exits saying so), and
+/// then others are tried.
+const PORT_TRIES: usize = 5;
+
 /// One private `mariadbd`.
 pub struct MariaDb {
     dir: PathBuf,
@@ -41,13 +46,30 @@ impl MariaDb {
             crate::skip("galera not installed");
             return None;
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        let mut collisions = Vec::new();
+        for _ in 0..PORT_TRIES {
+            match Self::try_start(settings, galera) {
+                Ok(server) => {
+                    assert!(server.client("CREATE DATABASE test").is_some(), "create database test");
+                    return Some(server);
+                }
+                Err(collision) => collisions.push(collision),
+            }
+        }
+        panic!("mariadbd found no free port in {PORT_TRIES} tries: {collisions:?}");
+    }
+
+    /// Starts one server on ports free a moment ago; `Err` when one of them
+    /// was taken before the server bound it (it exits saying so).
+    fn try_start(settings: &[&str], galera: bool) -> Result<MariaDb, String> {
+        let free_port = || std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        let port = free_port();
         let dir = std::env::temp_dir().join(crate::unique("idem-mariadb"));
         let data = dir.join("data");
         std::fs::create_dir_all(&data).expect("mariadb dir");
         let _ = Command::new("chmod").arg("755").arg(&dir).status();
         let wsrep = if galera {
-            let gport = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+            let gport = free_port();
             format!(
                 "wsrep_on=ON\nwsrep_provider={PROVIDER}\nwsrep_cluster_address=gcomm://\nwsrep_cluster_name=idem_one\n\
                  wsrep_node_address=127.0.0.1\nwsrep_provider_options=\"gmcast.listen_addr=tcp://127.0.0.1:{gport}\"\n\
@@ -85,19 +107,40 @@ impl MariaDb {
             cmd.arg("--wsrep-new-cluster");
         }
         let child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("mariadbd");
-        let server = MariaDb { dir, port, child };
-        server.wait_serving(galera);
-        assert!(server.client("CREATE DATABASE test").is_some(), "create database test");
-        Some(server)
+        let mut server = MariaDb { dir, port, child };
+        server.wait_serving(galera)?;
+        Ok(server)
     }
 
-    /// Waits until it answers (a Galera node: until `wsrep_ready`).
-    fn wait_serving(&self, galera: bool) {
+    /// Waits until it answers (a Galera node: until `wsrep_ready`), told
+    /// from another server on its port by its data directory; `Err` when
+    /// it exited because a port was taken.
+    fn wait_serving(&mut self, galera: bool) -> Result<(), String> {
         let start = Instant::now();
-        let probe = if galera { "SHOW STATUS LIKE 'wsrep_ready'" } else { "SELECT 'ON'" };
-        let serving = || self.client(probe).is_some_and(|out| out.split_whitespace().last() == Some("ON"));
-        while !serving() {
+        let ready = if galera {
+            "(SELECT VARIABLE_VALUE FROM information_schema.GLOBAL_STATUS WHERE VARIABLE_NAME = 'WSREP_READY')"
+        } else {
+            "'ON'"
+        };
+        let probe = format!("SELECT @@datadir, {ready}");
+        let data = self.dir.join("data");
+        let ours = |out: &str| {
+            let mut fields = out.trim_end().split('\t');
+            let dir = fields.next().map(|d| Path::new(d.trim_end_matches('/')).to_path_buf());
+            dir.as_deref() == Some(data.as_path()) && fields.next() == Some("ON")
+        };
+        loop {
+            if self.client(&probe).is_some_and(|out| ours(&out)) {
+                return Ok(());
+            }
             let log = || std::fs::read_to_string(self.dir.join("error.log")).unwrap_or_default();
+            if let Ok(Some(status)) = self.child.try_wait() {
+                let log = log();
+                if log.contains("Address already in use") {
+                    return Err(format!("mariadbd on port {} exited ({status}): a port was taken", self.port));
+                }
+                panic!("mariadbd exited ({status}): {log}");
+            }
             assert!(start.elapsed() < Duration::from_secs(90), "mariadbd not serving: {}", log());
             std::thread::sleep(Duration::from_millis(200));
         }
