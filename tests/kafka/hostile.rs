@@ -169,7 +169,7 @@ async fn messages_too_large_to_dead_letter_whole_are_stored_without_what_does_no
             }
         }
     };
-    let mut config = w.config();
+    let mut config = w.consumer_config();
     // The consumer fetches what it is given (KIP-74 or not).
     config.set("fetch.max.bytes", "8000000").set("max.partition.fetch.bytes", "8000000");
     let consumer =
